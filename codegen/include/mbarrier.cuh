@@ -1,0 +1,55 @@
+// wsched device primitives: mbarrier (shared-memory transaction barriers).
+#pragma once
+
+#include "common.cuh"
+
+namespace wsp {
+
+// mbarrier.init.shared::cta.b64 [bar], arrivals
+WSP_DEVICE void mbar_init(uint64_t* bar, uint32_t arrivals) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n"
+               :: "r"(smem_u32(bar)), "r"(arrivals) : "memory");
+}
+
+// fence.mbarrier_init.release.cluster (make mbarrier.init visible before the CTA/cluster barrier)
+WSP_DEVICE void fence_mbarrier_init() {
+  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+}
+
+// mbarrier.arrive.shared::cta.b64 (one arrival, state discarded)
+WSP_DEVICE void mbar_arrive(uint64_t* bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n"
+               :: "r"(smem_u32(bar)) : "memory");
+}
+
+// mbarrier.arrive.expect_tx.shared::cta.b64 (one arrival + expect `bytes` of async transactions)
+WSP_DEVICE void mbar_arrive_expect_tx(uint64_t* bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n"
+               :: "r"(smem_u32(bar)), "r"(bytes) : "memory");
+}
+
+// mbarrier.try_wait.parity.shared::cta.b64: true once the phase with parity `phase_parity` completed
+WSP_DEVICE bool mbar_try_wait(uint64_t* bar, uint32_t phase_parity) {
+  uint32_t done;
+  asm volatile(
+      "{\n"
+      "  .reg .pred p;\n"
+      "  mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+      "  selp.u32 %0, 1, 0, p;\n"
+      "}\n"
+      : "=r"(done) : "r"(smem_u32(bar)), "r"(phase_parity) : "memory");
+  return done != 0;
+}
+
+// loop on mbarrier.try_wait.parity.shared::cta.b64 until the phase with parity `phase_parity` completed
+WSP_DEVICE void mbar_wait(uint64_t* bar, uint32_t phase_parity) {
+  while (!mbar_try_wait(bar, phase_parity)) {
+  }
+}
+
+// mbarrier.inval.shared::cta.b64 (before the barrier's smem is reused for anything else)
+WSP_DEVICE void mbar_inval(uint64_t* bar) {
+  asm volatile("mbarrier.inval.shared::cta.b64 [%0];\n" :: "r"(smem_u32(bar)) : "memory");
+}
+
+}  // namespace wsp

@@ -1,0 +1,639 @@
+"""The loop IR: every node kind of a lowered wsched kernel, as frozen, typed dataclasses.
+
+Structural equality (`==`) is the contract of the text form: `parse(print(k)) == k`.
+Children are tuples, names are strings, expressions are `Expr` nodes; nothing is `Any`.
+
+Execution model (the simulator in `simulate.py` is the reference semantics of every node,
+and `codegen/emit.py` is its CUDA spelling):
+
+* A `Kernel` runs on a grid of CTAs. Statements at kernel level (outside a `Role`) are run by
+  the whole CTA; `mbarrier.init` and `fence.mbarrier_init` there are performed by thread 0.
+* A `Role` is a set of `warpgroups` consecutive warpgroups (128 threads each) running the same
+  body; roles are laid out in the order they appear. Inside a role, statements are
+  *warpgroup-collective*: each warpgroup of the role runs the body once, with the builtin `wg`
+  bound to its index within the role (0 .. warpgroups-1). One `mbarrier.arrive` by a
+  warpgroup is ONE arrival (emitted from one thread after the warpgroup's own work).
+* `elect_one { ... }` runs its body on one thread of the warpgroup (its first warp); the other
+  threads skip it. The producer's whole loop nest sits inside one.
+* Register tiles (`reg acc: f32[64, 256]`) are per warpgroup.
+* Shared memory buffers have a leading stage dimension; a `SmemRef` selects a sub-array by
+  leading indices (`A[s]`, `C[wg, j]`); the remaining trailing dims are the sub-tile.
+  A sub-array of shape (chunks, R, W) holds an [R, chunks*W] tile as column chunks of width W
+  (that is how 128-byte-swizzled tiles wider than 64 bf16 are stored).
+* Builtin names, usable in any expression without a declaration: `cta_id` (blockIdx.x),
+  `num_ctas` (gridDim.x), `num_sms` (multiprocessors of the device, host side: grid only),
+  and `wg` (inside a role).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterator, Union
+
+DTYPES = ("bf16", "f16", "f32", "i32")
+DTYPE_BYTES = {"bf16": 2, "f16": 2, "f32": 4, "i32": 4}
+BUILTINS = ("cta_id", "num_ctas", "num_sms", "wg")
+
+# ---------------------------------------------------------------------------------------------
+# Expressions
+# ---------------------------------------------------------------------------------------------
+
+# Binary operators, loosest-binding first (the printer and grammar agree on this table).
+# "/" and "%" are integer floor division / modulo on non-negative integers, float division on
+# floats.
+BINARY_PRECEDENCE: dict[str, int] = {
+    "||": 1,
+    "&&": 2,
+    "==": 3, "!=": 3, "<": 3, "<=": 3, ">": 3, ">=": 3,
+    "|": 4, "^": 5, "&": 6,
+    "<<": 7, ">>": 7,
+    "+": 8, "-": 8,
+    "*": 9, "/": 9, "%": 9,
+}
+CALLS = {"min": 2, "max": 2, "ceil_div": 2, "select": 3}
+
+
+@dataclass(frozen=True)
+class IntConst:
+    value: int
+
+
+@dataclass(frozen=True)
+class FloatConst:
+    value: float
+
+
+@dataclass(frozen=True)
+class Var:
+    name: str
+
+
+@dataclass(frozen=True)
+class BinOp:
+    op: str
+    lhs: "Expr"
+    rhs: "Expr"
+
+
+@dataclass(frozen=True)
+class Call:
+    """A builtin function: min(a, b), max(a, b), ceil_div(a, b), select(cond, a, b)."""
+
+    func: str
+    args: tuple["Expr", ...]
+
+
+Expr = Union[IntConst, FloatConst, Var, BinOp, Call]
+
+
+def const(v: int | float) -> Expr:
+    return FloatConst(float(v)) if isinstance(v, float) else IntConst(int(v))
+
+
+def as_expr(v: "Expr | int | float | str") -> Expr:
+    if isinstance(v, (IntConst, FloatConst, Var, BinOp, Call)):
+        return v
+    if isinstance(v, str):
+        return Var(v)
+    return const(v)
+
+
+def add(a, b) -> Expr:
+    return BinOp("+", as_expr(a), as_expr(b))
+
+
+def sub(a, b) -> Expr:
+    return BinOp("-", as_expr(a), as_expr(b))
+
+
+def mul(a, b) -> Expr:
+    return BinOp("*", as_expr(a), as_expr(b))
+
+
+def div(a, b) -> Expr:
+    return BinOp("/", as_expr(a), as_expr(b))
+
+
+def mod(a, b) -> Expr:
+    return BinOp("%", as_expr(a), as_expr(b))
+
+
+def band(a, b) -> Expr:
+    return BinOp("&", as_expr(a), as_expr(b))
+
+
+def eq(a, b) -> Expr:
+    return BinOp("==", as_expr(a), as_expr(b))
+
+
+def lt(a, b) -> Expr:
+    return BinOp("<", as_expr(a), as_expr(b))
+
+
+def ceil_div(a, b) -> Expr:
+    return Call("ceil_div", (as_expr(a), as_expr(b)))
+
+
+def emin(a, b) -> Expr:
+    return Call("min", (as_expr(a), as_expr(b)))
+
+
+def emax(a, b) -> Expr:
+    return Call("max", (as_expr(a), as_expr(b)))
+
+
+def expr_vars(e: Expr) -> Iterator[str]:
+    """Names read by an expression, in order."""
+    if isinstance(e, Var):
+        yield e.name
+    elif isinstance(e, BinOp):
+        yield from expr_vars(e.lhs)
+        yield from expr_vars(e.rhs)
+    elif isinstance(e, Call):
+        for a in e.args:
+            yield from expr_vars(a)
+
+
+# ---------------------------------------------------------------------------------------------
+# Kernel-level declarations
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ScalarParam:
+    """`i32 M` / `f32 scale`: a scalar kernel argument."""
+
+    name: str
+    dtype: str
+
+
+@dataclass(frozen=True)
+class TensorMapParam:
+    """`tensormap a: bf16[M, K] box(128, 64) swizzle(128)`: a global tensor reached through a
+    TMA tensor map (passed as `const __grid_constant__ CUtensorMap`). Shape and box are
+    outermost first; the box is the extent one `tma.load`/`tma.store` moves."""
+
+    name: str
+    dtype: str
+    shape: tuple[Expr, ...]
+    box: tuple[int, ...]
+    swizzle: int
+
+
+@dataclass(frozen=True)
+class GlobalParam:
+    """`global bias: bf16[N]`: a row-major global tensor read or written with plain loads and
+    stores (bias vectors, residuals, direct epilogue stores)."""
+
+    name: str
+    dtype: str
+    shape: tuple[Expr, ...]
+
+
+Param = Union[ScalarParam, TensorMapParam, GlobalParam]
+
+
+@dataclass(frozen=True)
+class SmemDecl:
+    """`smem A: bf16[4, 2, 64, 64] swizzle(128)`: a shared-memory buffer; dim 0 is the stage."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    swizzle: int
+
+    @property
+    def nbytes(self) -> int:
+        n = DTYPE_BYTES[self.dtype]
+        for d in self.shape:
+            n *= d
+        return n
+
+
+@dataclass(frozen=True)
+class BarrierDecl:
+    """`barrier full[4]`: an array of mbarriers in shared memory (8 bytes each)."""
+
+    name: str
+    slots: int
+
+
+# ---------------------------------------------------------------------------------------------
+# References
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SmemRef:
+    """`A[s]`, `C[wg, j]`: the sub-array of a shared buffer selected by leading indices."""
+
+    buffer: str
+    index: tuple[Expr, ...]
+
+
+@dataclass(frozen=True)
+class BarRef:
+    """`full[s]`: one mbarrier of a barrier array."""
+
+    barrier: str
+    index: Expr
+
+
+# ---------------------------------------------------------------------------------------------
+# Statements
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Let:
+    """`let x = e` (immutable) or `var x = e` (mutable, updated with `set`)."""
+
+    name: str
+    value: Expr
+    mutable: bool = False
+
+
+@dataclass(frozen=True)
+class Assign:
+    """`set x = e`: update a `var`."""
+
+    name: str
+    value: Expr
+
+
+@dataclass(frozen=True)
+class For:
+    """`for k in serial(0, k_tiles, 1) { ... }`. kind: serial | persistent | unroll.
+    `persistent` marks the tile loop a CTA strides through (start cta_id, step num_ctas)."""
+
+    var: str
+    start: Expr
+    stop: Expr
+    step: Expr
+    kind: str
+    body: tuple["Stmt", ...]
+
+
+@dataclass(frozen=True)
+class If:
+    cond: Expr
+    then: tuple["Stmt", ...]
+    orelse: tuple["Stmt", ...] = ()
+
+
+@dataclass(frozen=True)
+class Role:
+    """`role consumer warpgroups(2) registers(232) { ... }`: warp-specialized branch.
+    `registers` is the per-thread budget the role runs with (after its setmaxnreg)."""
+
+    name: str
+    warpgroups: int
+    registers: int
+    body: tuple["Stmt", ...]
+
+
+@dataclass(frozen=True)
+class ElectOne:
+    """`elect_one { ... }`: one thread of the warpgroup runs the body."""
+
+    body: tuple["Stmt", ...]
+
+
+@dataclass(frozen=True)
+class Return:
+    """`return`: the executing threads leave the kernel."""
+
+
+@dataclass(frozen=True)
+class Setmaxnreg:
+    """`setmaxnreg.inc 232` / `setmaxnreg.dec 40`."""
+
+    action: str  # "inc" | "dec"
+    registers: int
+
+
+# --- synchronisation ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class MbarrierInit:
+    """`mbarrier.init full arrivals(1)`: every slot of the array, by thread 0."""
+
+    barrier: str
+    arrivals: int
+
+
+@dataclass(frozen=True)
+class MbarrierArrive:
+    """`mbarrier.arrive empty[s]`: one arrival (consumer_release)."""
+
+    bar: BarRef
+
+
+@dataclass(frozen=True)
+class MbarrierArriveExpectTx:
+    """`mbarrier.arrive_expect_tx full[s] bytes(49152)`: one arrival plus the number of bytes
+    the TMA copies into this phase will deliver (producer_acquire's commit half)."""
+
+    bar: BarRef
+    bytes: Expr
+
+
+@dataclass(frozen=True)
+class MbarrierWait:
+    """`mbarrier.wait full[s] phase(p)`: block until the phase with parity p has completed."""
+
+    bar: BarRef
+    phase: Expr
+
+
+@dataclass(frozen=True)
+class MbarrierInval:
+    """`mbarrier.inval full`: every slot of the array."""
+
+    barrier: str
+
+
+@dataclass(frozen=True)
+class FenceMbarrierInit:
+    """`fence.mbarrier_init`: make barrier inits visible (before the CTA barrier)."""
+
+
+@dataclass(frozen=True)
+class FenceProxyAsync:
+    """`fence.proxy.async`: order generic-proxy smem writes before async-proxy (TMA, wgmma)
+    reads."""
+
+
+@dataclass(frozen=True)
+class SyncThreads:
+    """`syncthreads`: whole-CTA barrier; never inside a role."""
+
+
+@dataclass(frozen=True)
+class NamedBarrierSync:
+    """`bar.sync 1 + wg, 128`: named barrier `id` (>= 1, < 16) over `threads` threads."""
+
+    id: Expr
+    threads: int
+
+
+@dataclass(frozen=True)
+class NamedBarrierArrive:
+    """`bar.arrive 1, 128`."""
+
+    id: Expr
+    threads: int
+
+
+# --- asynchronous copies ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TmaLoad:
+    """`tma.load A[s] <- a[m0, k0] bar(full[s])`: one box of tensor map `tensor` at element
+    coordinates `coords` (outermost first) into the smem sub-array `dst`; completes on `bar`
+    with the box's bytes. Elements outside the tensor are filled with zero."""
+
+    dst: SmemRef
+    tensor: str
+    coords: tuple[Expr, ...]
+    bar: BarRef
+
+
+@dataclass(frozen=True)
+class TmaStore:
+    """`tma.store c[m0, n0] <- C[wg, j]`: one box from smem to global; out-of-bounds elements
+    are dropped. Completion is tracked by bulk groups (`tma.commit`, `tma.wait`)."""
+
+    tensor: str
+    coords: tuple[Expr, ...]
+    src: SmemRef
+
+
+@dataclass(frozen=True)
+class TmaCommit:
+    """`tma.commit`: close the current bulk group of stores."""
+
+
+@dataclass(frozen=True)
+class TmaWait:
+    """`tma.wait 0` / `tma.wait.read 0`: at most n bulk groups still pending (`read`: only
+    their smem reads need to be done)."""
+
+    pending: int
+    read: bool
+
+
+# --- wgmma ----------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class WgmmaFence:
+    """`wgmma.fence`: order register accesses before the next wgmma."""
+
+
+@dataclass(frozen=True)
+class Wgmma:
+    """`wgmma.mma acc, A[s, wg], B[s] major(k, k) accumulate(1)`:
+    acc[64, N] = (accumulate ? acc : 0) + A[64, K] @ B[K, N], asynchronously.
+
+    `a` is a smem sub-array [64, K] (a_major "k": K contiguous) or a register tile name;
+    `b` is a smem sub-array holding B either K-major as [N, K] (b_major "k") or N-major as
+    column chunks (N/64, K, 64) (b_major "n"). The result (and the end of the smem reads) is
+    guaranteed only after a `wgmma.wait` that covers the commit group this mma belongs to."""
+
+    acc: str
+    a: Union[SmemRef, str]
+    b: SmemRef
+    a_major: str
+    b_major: str
+    accumulate: Expr
+
+
+@dataclass(frozen=True)
+class WgmmaCommit:
+    """`wgmma.commit`: close the current wgmma group."""
+
+
+@dataclass(frozen=True)
+class WgmmaWait:
+    """`wgmma.wait 0`: at most `pending` wgmma groups still in flight."""
+
+    pending: int
+
+
+# --- register tiles -------------------------------------------------------------------------------
+
+UNARY_OPS = ("neg", "exp", "exp2", "log", "relu", "gelu", "silu", "sigmoid", "tanh", "cast")
+BINARY_OPS = ("add", "sub", "mul", "div", "maximum", "minimum")
+REDUCE_OPS = ("sum", "max")
+
+
+@dataclass(frozen=True)
+class RegDecl:
+    """`reg acc: f32[64, 256]`: a register tile of the warpgroup."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class TileFill:
+    """`tile.fill acc, 0.0`."""
+
+    dst: str
+    value: Expr
+
+
+@dataclass(frozen=True)
+class TileUnary:
+    """`tile.gelu y, x`; `tile.cast y, x` converts to y's dtype (round to nearest even)."""
+
+    op: str
+    dst: str
+    src: str
+
+
+@dataclass(frozen=True)
+class TileBinary:
+    """`tile.add y, x, bias_t`: operands are tile names or scalar expressions; a tile of extent
+    1 in a dim broadcasts along it."""
+
+    op: str
+    dst: str
+    lhs: Union[str, Expr]
+    rhs: Union[str, Expr]
+
+
+@dataclass(frozen=True)
+class TileReduce:
+    """`tile.reduce.max m, s, axis(1)`: dst keeps extent 1 in the reduced axis."""
+
+    op: str
+    dst: str
+    src: str
+    axis: int
+
+
+@dataclass(frozen=True)
+class TileLoadGlobal:
+    """`tile.load bias_t <- bias[n0]`: read the region of a `global` tensor whose first element
+    is at `coords` (for the tensor's trailing dims; extra leading tile dims are 1); elements
+    outside the tensor read as zero."""
+
+    dst: str
+    tensor: str
+    coords: tuple[Expr, ...]
+
+
+@dataclass(frozen=True)
+class TileStoreGlobal:
+    """`tile.store c[m0, n0] <- y`: plain stores of a tile; elements outside are dropped."""
+
+    tensor: str
+    coords: tuple[Expr, ...]
+    src: str
+
+
+@dataclass(frozen=True)
+class TileStoreSmem:
+    """`tile.store_smem C[wg] <- y`: write a tile into a smem sub-array (generic proxy:
+    a `fence.proxy.async` must precede any TMA/wgmma read of it)."""
+
+    dst: SmemRef
+    src: str
+
+
+Stmt = Union[
+    Let, Assign, For, If, Role, ElectOne, Return, Setmaxnreg,
+    MbarrierInit, MbarrierArrive, MbarrierArriveExpectTx, MbarrierWait, MbarrierInval,
+    FenceMbarrierInit, FenceProxyAsync, SyncThreads, NamedBarrierSync, NamedBarrierArrive,
+    TmaLoad, TmaStore, TmaCommit, TmaWait,
+    WgmmaFence, Wgmma, WgmmaCommit, WgmmaWait,
+    RegDecl, TileFill, TileUnary, TileBinary, TileReduce, TileLoadGlobal, TileStoreGlobal,
+    TileStoreSmem,
+]
+
+STMT_TYPES: tuple[type, ...] = Stmt.__args__  # type: ignore[attr-defined]
+
+
+@dataclass(frozen=True)
+class Kernel:
+    """A whole kernel: parameters, launch shape, shared memory, barriers and the body."""
+
+    name: str
+    params: tuple[Param, ...]
+    grid: Expr
+    cluster: tuple[int, int, int]
+    smem: tuple[SmemDecl, ...]
+    barriers: tuple[BarrierDecl, ...]
+    body: tuple[Stmt, ...]
+    ir_after: dict = field(default_factory=dict, compare=False, hash=False, repr=False)
+
+    # -- derived facts -----------------------------------------------------------------------
+    def roles(self) -> list[Role]:
+        return [s for s in walk(self.body) if isinstance(s, Role)]
+
+    @property
+    def threads(self) -> int:
+        return 128 * sum(r.warpgroups for r in self.roles()) or 128
+
+    @property
+    def smem_bytes(self) -> int:
+        """Dynamic shared memory: buffers laid out in order, each 1024-byte aligned (128B
+        swizzle needs it), then the barriers."""
+        offset = 0
+        for buf in self.smem:
+            offset = _align(offset, 1024) + buf.nbytes
+        offset = _align(offset, 8) + 8 * sum(b.slots for b in self.barriers)
+        return _align(offset, 1024) + 1024  # slack to align the dynamic smem base itself
+
+    def param(self, name: str) -> Param:
+        for p in self.params:
+            if p.name == name:
+                return p
+        raise KeyError(name)
+
+    def smem_decl(self, name: str) -> SmemDecl:
+        for s in self.smem:
+            if s.name == name:
+                return s
+        raise KeyError(name)
+
+
+def _align(x: int, a: int) -> int:
+    return (x + a - 1) // a * a
+
+
+def child_blocks(s: Stmt) -> tuple[tuple[Stmt, ...], ...]:
+    """The statement lists nested directly in `s`."""
+    if isinstance(s, (For, Role, ElectOne)):
+        return (s.body,)
+    if isinstance(s, If):
+        return (s.then, s.orelse)
+    return ()
+
+
+def walk(stmts: tuple[Stmt, ...]) -> Iterator[Stmt]:
+    """Every statement, pre-order."""
+    for s in stmts:
+        yield s
+        for block in child_blocks(s):
+            yield from walk(block)
+
+
+def smem_subshape(decl: SmemDecl, ref: SmemRef) -> tuple[int, ...]:
+    """Shape of the sub-array a reference selects."""
+    return decl.shape[len(ref.index):]
+
+
+def tile_shape_of_subarray(shape: tuple[int, ...]) -> tuple[int, int]:
+    """The [rows, cols] tile a smem sub-array holds: (R, C) as is, (chunks, R, W) as column
+    chunks of width W."""
+    if len(shape) == 2:
+        return shape[0], shape[1]
+    if len(shape) == 3:
+        return shape[1], shape[0] * shape[2]
+    raise ValueError(f"a smem sub-array of shape {list(shape)} does not hold a 2-D tile")
