@@ -572,6 +572,11 @@ class Kernel:
     body: tuple[Stmt, ...]
     ir_after: dict = field(default_factory=dict, compare=False, hash=False, repr=False)
 
+    def __str__(self) -> str:
+        from .printer import print_kernel  # the printer depends on this module, not the reverse
+
+        return print_kernel(self)
+
     # -- derived facts -----------------------------------------------------------------------
     def roles(self) -> list[Role]:
         return [s for s in walk(self.body) if isinstance(s, Role)]

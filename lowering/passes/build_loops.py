@@ -1,0 +1,124 @@
+"""build_loops: the partition's two loop nests as one kernel with a producer and a consumer role.
+
+The load sub-DAG becomes the producer's nest (persistent tile loop x cta-k loop of TMA loads),
+the compute sub-DAG's MMA the consumer's nest (same tile loop x cta-k loop of wgmmas). Buffers
+have a single stage and nothing synchronises yet: later passes add the circular buffer, the
+barriers, the wgmma protocol, the epilogue and register reallocation.
+
+    after:
+      role producer warpgroups(1) registers(40) {
+        for tile in persistent(cta_id, num_tiles, num_ctas) {
+          let m0 = tile_m * 128 ...
+          for k in serial(0, k_tiles, 1) {
+            tma.load A[0] <- a[m0, k * 64] bar(full[0])
+            tma.load B[0] <- b[n0, k * 64] bar(full[0])
+          }
+        }
+      }
+      role consumer warpgroups(2) registers(232) {
+        reg acc: f32[64, 256]
+        for tile in persistent(cta_id, num_tiles, num_ctas) {
+          ...
+          tile.fill acc, 0.0
+          for k in serial(0, k_tiles, 1) {
+            wgmma.mma acc, A[0, wg], B[0] major(k, k) accumulate(1)
+          }
+        }
+      }
+"""
+
+from __future__ import annotations
+
+from .. import ir
+from ..context import ACC, CONSUMER, K_VAR, PRODUCER, TILE_VAR, LoweringContext
+
+V = ir.Var
+C = ir.IntConst
+
+
+def run(kernel, ctx: LoweringContext) -> ir.Kernel:
+    part, s = ctx.partition, ctx.schedule
+    bm, bn, bk = s.tile
+    ch = ctx.channel
+    a_load, b_load = ch.loads
+    dims = {part.matmul.shape[0]: V("M"), part.matmul.shape[1]: V("N")}
+
+    def shape_expr(shape) -> tuple[ir.Expr, ...]:
+        return tuple(dims.get(d, C(d) if isinstance(d, int) else V(str(d))) for d in shape)
+
+    params: list[ir.Param] = [ir.ScalarParam("M", "i32"), ir.ScalarParam("N", "i32"), ir.ScalarParam("K", "i32")]
+    params.append(ir.TensorMapParam(a_load.tensor, a_load.dtype, (V("M"), V("K")), a_load.box, 0))
+    b_shape = (V("N"), V("K")) if b_load.major == "k" else (V("K"), V("N"))
+    params.append(ir.TensorMapParam(b_load.tensor, b_load.dtype, b_shape, b_load.box, 0))
+    for node in part.side_inputs:
+        params.append(ir.GlobalParam(node.id, node.dtype.name, shape_expr(node.shape)))
+    from wsched.partition import output_names
+    for out, name in zip(part.outputs, output_names(part)):
+        params.append(ir.GlobalParam(name, out.dtype.name, (V("M"), V("N"))))
+
+    nwg = s.consumer_warpgroups
+    a_buf = ir.SmemDecl("A", a_load.dtype, (1, nwg, bm // nwg, bk), 0)
+    if b_load.major == "k":
+        b_buf = ir.SmemDecl("B", b_load.dtype, (1, bn, bk), 0)
+    else:
+        b_buf = ir.SmemDecl("B", b_load.dtype, (1, b_load.boxes, bk, b_load.box[1]), 0)
+    barriers = (ir.BarrierDecl(ch.full, 1), ir.BarrierDecl(ch.empty, 1))
+
+    setup = (
+        ir.Let("tiles_m", ir.ceil_div("M", bm)),
+        ir.Let("tiles_n", ir.ceil_div("N", bn)),
+        ir.Let("num_tiles", ir.mul("tiles_m", "tiles_n")),
+        ir.Let("k_tiles", ir.ceil_div("K", bk)),
+    )
+    full0 = ir.BarRef(ch.full, C(0))
+    k0 = ir.mul(K_VAR, bk)
+    loads: list[ir.Stmt] = [ir.TmaLoad(ir.SmemRef("A", (C(0),)), a_load.tensor, (V("m0"), k0), full0)]
+    if b_load.major == "k":
+        loads.append(ir.TmaLoad(ir.SmemRef("B", (C(0),)), b_load.tensor, (V("n0"), k0), full0))
+    else:
+        width = b_load.box[1]
+        for j in range(b_load.boxes):
+            col = V("n0") if j == 0 else ir.add("n0", j * width)
+            loads.append(ir.TmaLoad(ir.SmemRef("B", (C(0), C(j))), b_load.tensor, (k0, col), full0))
+
+    producer = ir.Role(PRODUCER, 1, s.producer_registers, (
+        tile_loop(ctx, (k_loop(tuple(loads)),)),
+    ))
+    mma = ir.Wgmma(ACC, ir.SmemRef("A", (C(0), V("wg"))), ir.SmemRef("B", (C(0),)), "k", b_load.major, C(1))
+    consumer = ir.Role(CONSUMER, nwg, s.consumer_registers, (
+        ir.RegDecl(ACC, "f32", (bm // nwg, bn)),
+        tile_loop(ctx, (ir.TileFill(ACC, ir.FloatConst(0.0)), k_loop((mma,)))),
+    ))
+    grid = ir.emin("num_sms", ir.mul(ir.ceil_div("M", bm), ir.ceil_div("N", bn)))
+    return ir.Kernel(ctx.name, tuple(params), grid, (1, 1, 1), (a_buf, b_buf), barriers,
+                     setup + (producer, consumer))
+
+
+def k_loop(body: tuple[ir.Stmt, ...]) -> ir.For:
+    return ir.For(K_VAR, C(0), V("k_tiles"), C(1), "serial", body)
+
+
+def tile_loop(ctx: LoweringContext, body: tuple[ir.Stmt, ...]) -> ir.For:
+    """The persistent tile loop both roles run, with the same tile -> (m0, n0) raster."""
+    return ir.For(TILE_VAR, V("cta_id"), V("num_tiles"), V("num_ctas"), "persistent",
+                  raster_lets(ctx) + body)
+
+
+def raster_lets(ctx: LoweringContext) -> tuple[ir.Stmt, ...]:
+    """Grouped raster: tiles are visited `swizzle_group` rows (row raster) or columns at a time,
+    so that consecutive CTAs share operand tiles in L2."""
+    s = ctx.schedule
+    bm, bn, _ = s.tile
+    g = s.swizzle_group
+    major, minor = ("m", "n") if s.raster == "row" else ("n", "m")
+    t = V(TILE_VAR)
+    lets = (
+        ir.Let("group_size", ir.mul(g, f"tiles_{minor}")),
+        ir.Let("first_" + major, ir.mul(ir.div(t, "group_size"), g)),
+        ir.Let("group_extent", ir.emin(ir.sub(f"tiles_{major}", "first_" + major), g)),
+        ir.Let(f"tile_{major}", ir.add("first_" + major, ir.mod(ir.mod(t, "group_size"), "group_extent"))),
+        ir.Let(f"tile_{minor}", ir.div(ir.mod(t, "group_size"), "group_extent")),
+        ir.Let("m0", ir.mul("tile_m", bm)),
+        ir.Let("n0", ir.mul("tile_n", bn)),
+    )
+    return lets

@@ -1,0 +1,63 @@
+"""circular_buffer: give the channel `stages` slots, indexed from one linear counter.
+
+Both nests derive the slot from the same counter `it` = (local tile index) x k_tiles + k, so
+the producer and the consumers walk the ring in lockstep without sharing any state:
+stage = it % S and phase = (it / S) & 1.
+
+    before:  for k in serial(0, k_tiles, 1) { tma.load A[0] <- a[m0, k * 64] bar(full[0]) }
+    after:   for k in serial(0, k_tiles, 1) {
+               let it = tile_iter * k_tiles + k
+               let s = it % 4
+               let ph = (it / 4) & 1
+               tma.load A[s] <- a[m0, k * 64] bar(full[s])
+             }
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from .. import ir
+from ..context import K_VAR, TILE_VAR, LoweringContext
+from ..rewrite import map_loop, transform
+
+V = ir.Var
+
+
+def run(kernel: ir.Kernel, ctx: LoweringContext) -> ir.Kernel:
+    stages = ctx.schedule.stages
+    ch = ctx.channel
+    buffers = {ld.buffer for ld in ch.loads}
+    smem = tuple(replace(b, shape=(stages,) + b.shape[1:]) if b.name in buffers else b for b in kernel.smem)
+    barriers = tuple(replace(b, slots=stages) if b.name in (ch.full, ch.empty) else b for b in kernel.barriers)
+    stage = V("s")
+
+    def restage(stmt):
+        if isinstance(stmt, ir.TmaLoad) and stmt.dst.buffer in buffers:
+            return replace(stmt, dst=_at_stage(stmt.dst, stage), bar=replace(stmt.bar, index=stage))
+        if isinstance(stmt, ir.Wgmma):
+            a = _at_stage(stmt.a, stage) if isinstance(stmt.a, ir.SmemRef) and stmt.a.buffer in buffers else stmt.a
+            b = _at_stage(stmt.b, stage) if stmt.b.buffer in buffers else stmt.b
+            return replace(stmt, a=a, b=b)
+        return None
+
+    def add_counter(loop: ir.For):
+        counter = (
+            ir.Let("it", ir.add(ir.mul("tile_iter", "k_tiles"), K_VAR)),
+            ir.Let("s", ir.mod("it", stages)),
+            ir.Let("ph", ir.band(ir.div("it", stages), 1)),
+        )
+        return replace(loop, body=counter + loop.body)
+
+    def add_tile_iter(loop: ir.For):
+        local = ir.Let("tile_iter", ir.div(ir.sub(TILE_VAR, "cta_id"), "num_ctas"))
+        return replace(loop, body=(local,) + loop.body)
+
+    body = transform(kernel.body, restage)
+    body = map_loop(body, K_VAR, add_counter)
+    body = map_loop(body, TILE_VAR, add_tile_iter)
+    return replace(kernel, smem=smem, barriers=barriers, body=body)
+
+
+def _at_stage(ref: ir.SmemRef, stage: ir.Expr) -> ir.SmemRef:
+    return replace(ref, index=(stage,) + ref.index[1:])

@@ -1,0 +1,168 @@
+"""The public pipeline: fusion -> schedule -> partition -> loop IR -> CUDA -> cubin -> launch.
+
+    k = ws.compile(fusion)            # lowers, emits CUDA, builds with nvcc (cached)
+    out = k(a, b, bias)               # runs on the GPU on torch tensors
+    print(k.ir)                       # final loop IR; k.ir_after["insert_barriers"], k.cuda_source
+    out = k.simulate(a, b, bias)      # the same IR on the CPU simulator (no GPU needed)
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from functools import cached_property
+
+import torch
+
+from .partition import Partition, output_names, partition
+from .schedule import Schedule, ScheduleError, default_schedule
+
+TORCH_DTYPES = {"bf16": torch.bfloat16, "f16": torch.float16, "f32": torch.float32}
+
+
+def schedule_for(fusion, schedule: Schedule | None = None, **overrides) -> Schedule:
+    """The schedule to use: the one given, else the Hopper default with `overrides` applied."""
+    if schedule is not None:
+        if overrides:
+            raise ScheduleError("pass either a Schedule or keyword overrides, not both")
+        return schedule
+    outputs = [fusion.node(o) for o in fusion.outputs]
+    out_bytes = max((o.dtype.bits // 8 for o in outputs), default=2)
+    overrides.setdefault("output_bytes", out_bytes)
+    return default_schedule(**overrides)
+
+
+def lower(fusion, schedule: Schedule | None = None, **overrides):
+    """Lower a fusion to the final loop IR (`Kernel`); `kernel.ir_after[pass]` keeps each step."""
+    from .lowering.pipeline import lower_partition
+
+    return lower_partition(partition(fusion, schedule_for(fusion, schedule, **overrides)))
+
+
+@dataclass
+class CompiledKernel:
+    """A fusion compiled for sm_90a: call it on CUDA tensors, or `simulate` it on CPU tensors."""
+
+    fusion: object
+    schedule: Schedule
+    partition: Partition
+    kernel: object                               # final loop IR (lowering.ir.Kernel)
+    cuda_source: str
+    timings: dict = field(default_factory=dict)  # seconds spent in lower / emit / build
+    build: object = None                         # codegen.build.BuildResult once built
+
+    @property
+    def ir(self) -> str:
+        return str(self.kernel)
+
+    @cached_property
+    def ir_after(self) -> dict[str, str]:
+        return {name: str(k) for name, k in self.kernel.ir_after.items()}
+
+    @property
+    def resources(self):
+        """ptxas registers / smem / spills of the kernel (None before it is built)."""
+        if self.build is None:
+            return None
+        return self.build.resources[self.kernel.name]
+
+    # -- binding ---------------------------------------------------------------------------
+    def _bind(self, tensors) -> tuple[dict, dict, dict]:
+        """(inputs by name, scalar params, sizes) for one call; FusionError on bad inputs."""
+        sizes = self.fusion.bind(*tensors)
+        inputs = {node.id: t for node, t in zip(self.fusion.inputs, tensors)}
+        scalars = {dim: int(inputs[name].shape[axis]) for dim, (name, axis) in self.partition.dims.items()}
+        if scalars["K"] < 1:
+            raise ValueError(f"{self.fusion.name}: K is 0; the kernel needs at least one k element")
+        return inputs, scalars, sizes
+
+    def _outputs(self, scalars, device) -> dict[str, torch.Tensor]:
+        return {name: torch.empty((scalars["M"], scalars["N"]), dtype=TORCH_DTYPES[node.dtype.name], device=device)
+                for node, name in zip(self.partition.outputs, output_names(self.partition))}
+
+    def _result(self, outs: dict[str, torch.Tensor]):
+        values = list(outs.values())
+        return values[0] if len(values) == 1 else tuple(values)
+
+    # -- GPU -----------------------------------------------------------------------------
+    @cached_property
+    def _loaded(self):
+        from .codegen.launch import LoadedKernel
+
+        if self.build is None:
+            self.compile_cuda()
+        return LoadedKernel(self.build.cubin_path, self.kernel.name, self.kernel.smem_bytes, self.kernel.threads)
+
+    def compile_cuda(self):
+        """Build the cubin with nvcc (through the on-disk cache)."""
+        from .codegen.build import compile_cuda
+
+        t0 = time.perf_counter()
+        artifacts = {f"ir_after_{name}.ir": text for name, text in self.ir_after.items()}
+        self.build = compile_cuda(self.cuda_source, name=self.kernel.name, artifacts=artifacts,
+                                  extra_key=repr(self.schedule))
+        self.timings["build"] = time.perf_counter() - t0
+        return self.build
+
+    def launch_args(self, tensors, out: dict[str, torch.Tensor] | None = None):
+        """(grid, launch arguments, outputs) for one call, every argument checked."""
+        from .codegen.launch import check_tensor, sm_count
+        from .codegen.tma import tensor_map_for
+        from .lowering import ir
+        from .lowering.evaluate import evaluate
+
+        inputs, scalars, _ = self._bind(tensors)
+        device = next(iter(inputs.values())).device
+        for name, t in inputs.items():
+            check_tensor(name, t, device=device)
+        outs = out if out is not None else self._outputs(scalars, device)
+        tensors_by_name = {**inputs, **outs}
+        args = []
+        for p in self.kernel.params:
+            if isinstance(p, ir.TensorMapParam):
+                args.append(("tensor_map", tensor_map_for(tensors_by_name[p.name], p.box, p.swizzle, p.name)))
+            elif isinstance(p, ir.GlobalParam):
+                args.append(("ptr", tensors_by_name[p.name].data_ptr()))
+            else:
+                args.append((p.dtype, scalars[p.name]))
+        grid = evaluate(self.kernel.grid, {**scalars, "num_sms": sm_count(device)})
+        return max(1, grid), args, outs
+
+    def __call__(self, *tensors, out: dict[str, torch.Tensor] | None = None):
+        grid, args, outs = self.launch_args(tensors, out)
+        self._loaded.launch(grid, args)
+        return self._result(outs)
+
+    # -- CPU simulator -------------------------------------------------------------------
+    def simulate(self, *tensors, seed: int = 0, num_sms: int = 4):
+        """Run the final loop IR in the CPU simulator; outputs are poisoned with NaN first."""
+        from .lowering.simulate import simulate
+
+        inputs, scalars, _ = self._bind(tensors)
+        outs = self._outputs(scalars, "cpu")
+        for t in outs.values():
+            t.fill_(float("nan"))
+        simulate(self.kernel, {**inputs, **outs, **scalars}, num_sms=num_sms, seed=seed)
+        return self._result(outs)
+
+
+def compile(fusion, schedule: Schedule | None = None, *, build: bool | None = None, **overrides) -> CompiledKernel:  # noqa: A001
+    """Lower and emit a fusion; build the cubin with nvcc now if nvcc is on PATH (or `build`)."""
+    import shutil
+
+    from .codegen.emit import emit_kernel
+
+    sched = schedule_for(fusion, schedule, **overrides)
+    t0 = time.perf_counter()
+    part = partition(fusion, sched)
+    from .lowering.pipeline import lower_partition
+
+    kernel = lower_partition(part)
+    t1 = time.perf_counter()
+    emitted = emit_kernel(kernel)
+    t2 = time.perf_counter()
+    ck = CompiledKernel(fusion, sched, part, kernel, emitted.source,
+                        timings={"lower": t1 - t0, "emit": t2 - t1})
+    if build or (build is None and shutil.which("nvcc")):
+        ck.compile_cuda()
+    return ck

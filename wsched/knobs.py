@@ -1,0 +1,28 @@
+"""Every environment knob of wsched, read in one place (typed, with its default)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+
+def _flag(name: str, default: bool = False) -> bool:
+    value = os.environ.get(name)
+    if value is None:
+        return default
+    return value.strip().lower() not in ("", "0", "false", "no", "off")
+
+
+def debug() -> bool:
+    """WSCHED_DEBUG=1: run the verifier after every lowering pass (the final IR is always verified)."""
+    return _flag("WSCHED_DEBUG")
+
+
+def print_ir_after() -> frozenset[str]:
+    """WSCHED_PRINT_IR=pass1,pass2 | all: print the IR after those passes to stderr."""
+    return frozenset(p.strip() for p in os.environ.get("WSCHED_PRINT_IR", "").split(",") if p.strip())
+
+
+def cache_dir() -> Path:
+    """WSCHED_CACHE_DIR: where compiled kernels are cached (default ~/.cache/wsched)."""
+    return Path(os.environ.get("WSCHED_CACHE_DIR", Path.home() / ".cache" / "wsched"))
