@@ -1,0 +1,9 @@
+"""wsched: a tensor DAG written in Python, compiled to warp-specialized Hopper kernels."""
+
+from .dtypes import DType, bf16, f16, f32, i32
+from .errors import FusionError
+from .fusion import (
+    Fusion, Node, Tensor, add, cast, causal_mask, div, exp, exp2, fusion, gelu, log, logsumexp,
+    matmul, maximum, minimum, mul, neg, relu, sigmoid, silu, softmax, sub, tanh,
+)
+from .fusion import reduce_max as max, reduce_sum as sum  # noqa: A001 (ws.max, ws.sum, like torch)

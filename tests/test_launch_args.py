@@ -1,0 +1,439 @@
+"""The launcher's host side, without a GPU: tensor argument checks (each message names the
+argument, what was given and what is required), kernel parameter packing for cuda-python,
+driver error reporting, grid/cluster checks and the cluster launch config."""
+from __future__ import annotations
+
+import contextlib
+import ctypes
+
+import pytest
+import torch
+from cuda.bindings import driver
+
+from wsched.codegen import launch
+from wsched.codegen.launch import (
+    CudaError,
+    KernelParam,
+    LoadedKernel,
+    _check_cluster,
+    _grid3,
+    _launch_config,
+    _marshal_args,
+    bind_kernel_args,
+    check_cuda,
+    check_tensor_args,
+)
+
+BF16_2D = (torch.bfloat16, 2)
+
+
+# ----------------------------------------------------------------------------- check_tensor_args
+
+
+def test_valid_arguments_pass():
+    a = torch.empty(128, 64, dtype=torch.bfloat16)
+    b = torch.empty(2, 64, 64, dtype=torch.float32)
+    check_tensor_args(["a", "b"], [a, b], [BF16_2D, (torch.float32, (2, None, 64))],
+                      device=None, require_cuda=False)
+
+
+def test_not_a_tensor():
+    with pytest.raises(TypeError, match="argument 'a': expected a torch.Tensor, got list"):
+        check_tensor_args(["a"], [[1.0, 2.0]], [BF16_2D], device=None, require_cuda=False)
+
+
+def test_cpu_tensor_is_rejected_before_anything_else():
+    # wrong dtype and rank too: the device is what the user must fix first
+    cpu = torch.empty(3, dtype=torch.int8)
+    with pytest.raises(ValueError) as info:
+        check_tensor_args(["a"], [cpu], [BF16_2D], device=None)
+    message = str(info.value)
+    assert "argument 'a' is on cpu; the kernel runs on cuda" in message
+    assert ".to('cuda')" in message
+
+
+def test_cpu_tensor_message_names_the_kernel_device():
+    with pytest.raises(ValueError, match=r"argument 'b' is on cpu; the kernel runs on cuda:1 .*\.to\('cuda:1'\)"):
+        check_tensor_args(["b"], [torch.empty(8, 8, dtype=torch.bfloat16)], [BF16_2D], device=1)
+
+
+def test_wrong_dtype():
+    t = torch.empty(64, 64, dtype=torch.float32)
+    with pytest.raises(ValueError) as info:
+        check_tensor_args(["q"], [t], [BF16_2D], require_cuda=False)
+    assert str(info.value) == ("argument 'q' has dtype torch.float32; required torch.bfloat16 "
+                               "(convert with .to(torch.bfloat16))")
+
+
+def test_wrong_rank():
+    t = torch.empty(2, 64, 64, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"argument 'a' has rank 3 \(shape \(2, 64, 64\)\); required rank 2"):
+        check_tensor_args(["a"], [t], [BF16_2D], require_cuda=False)
+
+
+def test_wrong_shape():
+    t = torch.empty(4, 16, 128, 64, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"argument 'k' has shape \(4, 16, 128, 64\); required shape \(4, 16, \*, 128\)"):
+        check_tensor_args(["k"], [t], [(torch.bfloat16, (4, 16, None, 128))], require_cuda=False)
+
+
+def test_non_contiguous_inner_dimension():
+    t = torch.empty(64, 128, dtype=torch.bfloat16).t()
+    with pytest.raises(ValueError) as info:
+        check_tensor_args(["b"], [t], [BF16_2D], require_cuda=False)
+    message = str(info.value)
+    assert "argument 'b' is not contiguous in its innermost dimension" in message
+    assert "strides (1, 128)" in message
+    assert "stride(-1) == 1" in message and ".contiguous()" in message
+
+
+def test_data_ptr_not_16_byte_aligned():
+    base = torch.empty(64 * 64 + 8, dtype=torch.bfloat16)
+    t = base[1:1 + 64 * 64].view(64, 64)  # starts 2 bytes into a 16-byte chunk
+    with pytest.raises(ValueError) as info:
+        check_tensor_args(["a"], [t], [BF16_2D], require_cuda=False)
+    message = str(info.value)
+    assert f"argument 'a' has data_ptr {t.data_ptr():#x}, 2 bytes past a 16-byte boundary" in message
+    assert "TMA needs a 16-byte aligned base address" in message
+
+
+def test_row_stride_not_multiple_of_16_bytes():
+    t = torch.empty(64, 100, dtype=torch.bfloat16)  # 200-byte rows
+    with pytest.raises(ValueError) as info:
+        check_tensor_args(["a"], [t], [BF16_2D], require_cuda=False)
+    message = str(info.value)
+    assert "argument 'a' has stride 100 elements = 200 bytes in dim 0" in message
+    assert "TMA needs 16-byte aligned rows" in message
+    assert "pad the inner dimension to a multiple of 8 torch.bfloat16 elements" in message
+
+
+def test_row_stride_of_an_outer_dimension():
+    t = torch.empty(3 * 65 * 64, dtype=torch.float32).as_strided((3, 64, 64), (64 * 64 + 2, 64, 1))
+    with pytest.raises(ValueError, match="stride 4098 elements = 16392 bytes in dim 0"):
+        check_tensor_args(["x"], [t], [(torch.float32, 3)], require_cuda=False)
+
+
+def test_unit_dimension_stride_is_ignored():
+    check_tensor_args(["row"], [torch.empty(1, 7 * 8 - 1, dtype=torch.bfloat16)[:, :48]],
+                      [BF16_2D], require_cuda=False)
+
+
+def test_argument_count_mismatch():
+    with pytest.raises(TypeError, match=r"expected 2 tensor arguments \(a, b\), got 1"):
+        check_tensor_args(["a", "b"], [torch.empty(1)], [BF16_2D, BF16_2D], require_cuda=False)
+
+
+# ----------------------------------------------------------------------------- _marshal_args
+
+
+def test_marshal_kinds_to_cuda_python_types():
+    tensor_map = driver.CUtensorMap()
+    values, types = _marshal_args([("tensor_map", tensor_map), ("ptr", 0x7F00_0000_0000),
+                                   ("i32", -5), ("f32", 0.125), ("f32", 2)])
+    assert isinstance(values, tuple) and isinstance(types, tuple)  # cuda-python insists on tuples
+    assert values[0] is tensor_map
+    assert values[1:] == (0x7F00_0000_0000, -5, 0.125, 2.0)
+    assert types == (None, ctypes.c_void_p, ctypes.c_int, ctypes.c_float, ctypes.c_float)
+
+
+def test_marshal_empty():
+    assert _marshal_args([]) == ((), ())
+
+
+def test_marshal_device_pointer_object():
+    values, types = _marshal_args([("ptr", driver.CUdeviceptr(4096))])
+    assert values == (4096,) and types == (ctypes.c_void_p,)
+
+
+@pytest.mark.parametrize("arg, error, text", [
+    (("tensor_map", 5), TypeError, "kernel argument 0 (tensor_map): expected a driver.CUtensorMap"),
+    (("ptr", torch.empty(1)), TypeError, "pass tensor.data_ptr()"),
+    (("ptr", -1), TypeError, "expected a non-negative int device address"),
+    (("i32", 1.5), TypeError, "kernel argument 0 (i32): expected an int, got float 1.5"),
+    (("i32", True), TypeError, "expected an int, got bool"),
+    (("i32", 2**31), ValueError, "2147483648 does not fit a 32-bit int"),
+    (("f32", "x"), TypeError, "expected a float, got str"),
+    (("u64", 1), ValueError, "kind must be one of tensor_map, ptr, i32, f32, got 'u64'"),
+    (("i32",), TypeError, "expected a (kind, value) pair"),
+])
+def test_marshal_rejects(arg, error, text):
+    with pytest.raises(error) as info:
+        _marshal_args([arg])
+    assert text in str(info.value)
+
+
+@pytest.mark.skipif(not hasattr(driver, "_HelperKernelParams"),
+                    reason="cuda-python's private parameter packer moved")
+def test_cuda_python_packs_marshalled_args_as_the_kernel_expects():
+    # The packer cuLaunchKernel runs on (values, types), read back byte for byte: the map is
+    # passed by the address of its 128-byte storage, the rest as 8/4/4-byte values.
+    tensor_map = driver.CUtensorMap()
+    packed = driver._HelperKernelParams(_marshal_args(
+        [("tensor_map", tensor_map), ("ptr", 0x7F00_0000_1000), ("i32", -7), ("f32", 1.5)]))
+    pointers = (ctypes.c_void_p * 4).from_address(packed.ckernelParams)
+    assert pointers[0] == tensor_map.getPtr()
+    assert ctypes.c_uint64.from_address(pointers[1]).value == 0x7F00_0000_1000
+    assert ctypes.c_int32.from_address(pointers[2]).value == -7
+    assert ctypes.c_float.from_address(pointers[3]).value == 1.5
+
+
+# ----------------------------------------------------------------------------- check_cuda
+
+
+def test_check_cuda_returns_values():
+    ok = driver.CUresult.CUDA_SUCCESS
+    assert check_cuda((ok,), "cuInit(0)") is None
+    assert check_cuda((ok, 7), "cuDeviceGet") == 7
+    assert check_cuda((ok, 1, 2), "cuMemGetInfo") == (1, 2)
+    assert check_cuda(ok, "cuCtxSynchronize") is None
+
+
+def test_check_cuda_names_the_call_and_the_error():
+    with pytest.raises(CudaError) as info:
+        check_cuda((driver.CUresult.CUDA_ERROR_INVALID_VALUE, None), "cuTensorMapEncodeTiled for 'a'")
+    message = str(info.value)
+    assert message.startswith("cuTensorMapEncodeTiled for 'a' failed: CUDA_ERROR_INVALID_VALUE")
+    assert info.value.call == "cuTensorMapEncodeTiled for 'a'"
+    assert info.value.name == "CUDA_ERROR_INVALID_VALUE"
+    assert info.value.error == driver.CUresult.CUDA_ERROR_INVALID_VALUE
+    assert isinstance(info.value, RuntimeError)
+
+
+def test_check_cuda_uses_the_driver_description(monkeypatch):
+    ok = driver.CUresult.CUDA_SUCCESS
+    monkeypatch.setattr(launch.driver, "cuGetErrorName", lambda e: (ok, b"CUDA_ERROR_ILLEGAL_ADDRESS"))
+    monkeypatch.setattr(launch.driver, "cuGetErrorString",
+                        lambda e: (ok, b"an illegal memory access was encountered"))
+    with pytest.raises(CudaError, match=r"^cuCtxSynchronize failed: CUDA_ERROR_ILLEGAL_ADDRESS "
+                                        r"\(an illegal memory access was encountered\)$"):
+        check_cuda((driver.CUresult.CUDA_ERROR_ILLEGAL_ADDRESS,), "cuCtxSynchronize")
+
+
+# ----------------------------------------------------------------------------- grid and cluster
+
+
+@pytest.mark.parametrize("grid, expected", [(132, (132, 1, 1)), ((8, 4), (8, 4, 1)),
+                                            ((2, 3, 4), (2, 3, 4))])
+def test_grid3(grid, expected):
+    assert _grid3(grid) == expected
+
+
+@pytest.mark.parametrize("grid, text", [(0, "grid extents must be >= 1"),
+                                        ((1, 2, 3, 4), "grid must be an int or a tuple of 1 to 3 ints"),
+                                        ((1, 70000), "grid y extent 70000 exceeds the CUDA limit 65535"),
+                                        (2.0, "grid must be an int or a tuple")])
+def test_grid3_rejects(grid, text):
+    with pytest.raises(ValueError, match=text.replace("(", r"\(")):
+        _grid3(grid)
+
+
+def test_cluster_divides_grid():
+    assert _check_cluster((132, 1, 1), (2, 1, 1)) == (2, 1, 1)
+    assert _check_cluster((132, 1, 1), 2) == (2, 1, 1)
+    with pytest.raises(ValueError, match=r"grid \(131, 1, 1\) is not divisible by cluster \(2, 1, 1\) "
+                                         r"along x: round the grid up to a multiple of 2"):
+        _check_cluster((131, 1, 1), (2, 1, 1))
+
+
+def test_cluster_portable_size():
+    with pytest.raises(ValueError, match="cluster .* has 16 CTAs; the portable limit is 8"):
+        _check_cluster((64, 1, 1), (16, 1, 1))
+
+
+def test_cluster_launch_config():
+    config = _launch_config((132, 2, 1), 384, 200_000, driver.CUstream(0x1234), (2, 1, 1))
+    assert (config.gridDimX, config.gridDimY, config.gridDimZ) == (132, 2, 1)
+    assert (config.blockDimX, config.blockDimY, config.blockDimZ) == (384, 1, 1)
+    assert config.sharedMemBytes == 200_000
+    assert int(config.hStream) == 0x1234
+    assert config.numAttrs == 1
+    attribute = config.attrs[0]
+    assert attribute.id == driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
+    cluster = attribute.value.clusterDim
+    assert (cluster.x, cluster.y, cluster.z) == (2, 1, 1)
+
+
+# ----------------------------------------------------------------------------- parameters
+
+
+def test_kernel_param_kinds():
+    KernelParam("a_map", "tensor_map", source="a", box=(128, 64), swizzle=128)
+    KernelParam("c", "ptr", source="c")
+    KernelParam("m", "i32")
+    KernelParam("scale", "f32")
+
+
+@pytest.mark.parametrize("kwargs, text", [
+    (dict(name="x", kind="u8"), "kernel parameter 'x': kind must be one of tensor_map, ptr, i32, f32"),
+    (dict(name="a_map", kind="tensor_map", box=(64, 64)), "needs source="),
+    (dict(name="a_map", kind="tensor_map", source="a"), "needs box="),
+    (dict(name="a_map", kind="tensor_map", source="a", box=(64, 64), swizzle=48),
+     "swizzle must be one of 0, 32, 64, 128, got 48"),
+    (dict(name="c", kind="ptr"), "a ptr parameter needs source="),
+    (dict(name="m", kind="i32", box=(1,)), "box/swizzle only apply to tensor_map parameters"),
+])
+def test_kernel_param_rejects(kwargs, text):
+    with pytest.raises(ValueError) as info:
+        KernelParam(**kwargs)
+    assert text in str(info.value)
+
+
+def test_bind_pointers_and_scalars():
+    c = torch.empty(4, 4)
+    params = [KernelParam("c", "ptr", source="out"), KernelParam("m", "i32"), KernelParam("s", "f32")]
+    args = bind_kernel_args(params, {"out": c}, {"m": 4, "s": 0.5})
+    assert args == [("ptr", c.data_ptr()), ("i32", 4), ("f32", 0.5)]
+    _marshal_args(args)
+
+
+def test_bind_reports_missing_inputs():
+    with pytest.raises(KeyError, match="reads input 'out', which is not among the inputs \\(a\\)"):
+        bind_kernel_args([KernelParam("c", "ptr", source="out")], {"a": torch.empty(1)})
+    with pytest.raises(KeyError, match="'m' \\(i32\\) has no value among the scalars \\(none\\)"):
+        bind_kernel_args([KernelParam("m", "i32")], {})
+
+
+def test_bind_tensor_map_checks_the_device_first():
+    params = [KernelParam("a_map", "tensor_map", source="a", box=(64, 64), swizzle=128)]
+    with pytest.raises(ValueError, match="argument 'a_map' is on cpu"):
+        bind_kernel_args(params, {"a": torch.empty(64, 64, dtype=torch.bfloat16)})
+
+
+# ----------------------------------------------------------------------------- LoadedKernel
+
+
+def test_loaded_kernel_is_lazy(tmp_path):
+    cubin = tmp_path / "k.cubin"
+    cubin.write_bytes(b"\x7fELF not really")
+    kernel = LoadedKernel(cubin, "wsched_matmul", smem_bytes=200_000, threads=384)
+    assert "wsched_matmul" in repr(kernel)
+    kernel.last_error_check()  # nothing launched yet: no driver call
+
+
+def test_loaded_kernel_missing_cubin(tmp_path):
+    with pytest.raises(FileNotFoundError, match="kernel 'k': cubin .*missing.cubin does not exist"):
+        LoadedKernel(tmp_path / "missing.cubin", "k", smem_bytes=0, threads=128)
+
+
+@pytest.mark.parametrize("smem, threads, text", [(-1, 128, "smem_bytes must be a non-negative int"),
+                                                 (0, 0, "threads must be in [1, 1024]"),
+                                                 (0, 2048, "threads must be in [1, 1024]")])
+def test_loaded_kernel_rejects_bad_launch_shape(tmp_path, smem, threads, text):
+    cubin = tmp_path / "k.cubin"
+    cubin.write_bytes(b"")
+    with pytest.raises(ValueError) as info:
+        LoadedKernel(cubin, "k", smem_bytes=smem, threads=threads)
+    assert text in str(info.value)
+
+
+class FakeDriver:
+    """The driver calls LoadedKernel makes, recorded; answers as an H100 would (227 KB opt-in)."""
+
+    OK = driver.CUresult.CUDA_SUCCESS
+
+    def __init__(self, monkeypatch, get_function_error=None, launch_error=None):
+        self.calls = []
+        self.get_function_error = get_function_error
+        self.launch_error = launch_error
+        monkeypatch.setattr(launch, "torch_context", lambda device=None: contextlib.nullcontext(0))
+        monkeypatch.setattr(launch.torch.cuda, "current_device", lambda: 0)
+        for name in ("cuDeviceGet", "cuDeviceGetAttribute", "cuModuleLoadData",
+                     "cuModuleGetFunction", "cuFuncSetAttribute", "cuLaunchKernel", "cuLaunchKernelEx"):
+            monkeypatch.setattr(launch.driver, name, self._recorder(name))
+
+    def _recorder(self, name):
+        def call(*args):
+            self.calls.append((name, args))
+            if name == "cuDeviceGetAttribute":
+                return self.OK, 232448
+            if name == "cuModuleGetFunction" and self.get_function_error is not None:
+                return self.get_function_error, None
+            if name.startswith("cuLaunchKernel") and self.launch_error is not None:
+                return (self.launch_error,)
+            if name in ("cuFuncSetAttribute",) or name.startswith("cuLaunchKernel"):
+                return (self.OK,)
+            return self.OK, f"<{name}>"
+        return call
+
+    def names(self):
+        return [name for name, _ in self.calls]
+
+
+@pytest.fixture
+def cubin(tmp_path):
+    path = tmp_path / "matmul.cubin"
+    path.write_bytes(b"\x7fELF fake cubin")
+    return path
+
+
+def test_launch_loads_once_then_launches(monkeypatch, cubin):
+    fake = FakeDriver(monkeypatch)
+    kernel = LoadedKernel(cubin, "wsched_matmul", smem_bytes=200_000, threads=384)
+    tensor_map = driver.CUtensorMap()
+    args = [("tensor_map", tensor_map), ("ptr", 4096), ("i32", 7)]
+    kernel.launch(132, args, stream=0x55)
+    kernel.launch((132,), args, stream=0x55)
+    assert fake.names() == ["cuDeviceGet", "cuDeviceGetAttribute", "cuModuleLoadData",
+                            "cuModuleGetFunction", "cuFuncSetAttribute",
+                            "cuLaunchKernel", "cuLaunchKernel"]
+    _, (image,) = fake.calls[2]
+    assert image == b"\x7fELF fake cubin"
+    _, (module, name) = fake.calls[3]
+    assert module == "<cuModuleLoadData>" and name == b"wsched_matmul"
+    _, (function, attribute, value) = fake.calls[4]
+    assert attribute == driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+    assert value == 200_000
+    _, launch_args = fake.calls[5]
+    function, gx, gy, gz, bx, by, bz, smem, stream, params, extra = launch_args
+    assert function == "<cuModuleGetFunction>"
+    assert (gx, gy, gz, bx, by, bz, smem) == (132, 1, 1, 384, 1, 1, 200_000)
+    assert int(stream) == 0x55 and extra == 0
+    assert params == ((tensor_map, 4096, 7), (None, ctypes.c_void_p, ctypes.c_int))
+
+
+def test_cluster_launch_uses_launch_kernel_ex(monkeypatch, cubin):
+    fake = FakeDriver(monkeypatch)
+    kernel = LoadedKernel(cubin, "wsched_matmul", smem_bytes=1024, threads=384)
+    kernel.launch(132, [("i32", 1)], stream=0, cluster=(2, 1, 1))
+    name, (config, function, params, extra) = fake.calls[-1]
+    assert name == "cuLaunchKernelEx"
+    assert (config.gridDimX, config.blockDimX, config.sharedMemBytes) == (132, 384, 1024)
+    assert config.attrs[0].value.clusterDim.x == 2
+    assert params == ((1,), (ctypes.c_int,))
+
+
+def test_launch_checks_grid_before_the_driver(monkeypatch, cubin):
+    fake = FakeDriver(monkeypatch)
+    kernel = LoadedKernel(cubin, "k", smem_bytes=0, threads=128)
+    with pytest.raises(ValueError, match="not divisible by cluster"):
+        kernel.launch(131, [], stream=0, cluster=2)
+    with pytest.raises(TypeError, match="expected an int"):
+        kernel.launch(1, [("i32", "x")], stream=0)
+    assert fake.calls == []
+
+
+def test_smem_beyond_the_opt_in_limit(monkeypatch, cubin):
+    FakeDriver(monkeypatch)
+    kernel = LoadedKernel(cubin, "k", smem_bytes=240_000, threads=384)
+    with pytest.raises(ValueError, match="asks for 240000 bytes of dynamic shared memory; "
+                                         "cuda:0 allows at most 232448 per block"):
+        kernel.launch(1, [], stream=0)
+
+
+def test_kernel_name_not_in_cubin(monkeypatch, cubin):
+    FakeDriver(monkeypatch, get_function_error=driver.CUresult.CUDA_ERROR_NOT_FOUND)
+    kernel = LoadedKernel(cubin, "wsched_matmul", smem_bytes=0, threads=128)
+    with pytest.raises(CudaError) as info:
+        kernel.launch(1, [], stream=0)
+    message = str(info.value)
+    assert "cuModuleGetFunction('wsched_matmul') failed: CUDA_ERROR_NOT_FOUND" in message
+    assert 'declare it extern "C"' in message and "cuobjdump -symbols" in message
+
+
+def test_launch_failure_names_the_launch(monkeypatch, cubin):
+    FakeDriver(monkeypatch, launch_error=driver.CUresult.CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES)
+    kernel = LoadedKernel(cubin, "wsched_matmul", smem_bytes=0, threads=384)
+    with pytest.raises(CudaError, match=r"cuLaunchKernel\(wsched_matmul grid=\(132, 1, 1\) "
+                                        r"block=\(384, 1, 1\) cluster=\(1, 1, 1\) smem=0 args=0\) "
+                                        r"failed: CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES"):
+        kernel.launch(132, [], stream=0)
