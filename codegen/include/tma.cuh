@@ -116,14 +116,14 @@ WSP_DEVICE void tma_store_commit() {
 // cp.async.bulk.wait_group.read N (<= N groups still reading their smem source)
 template <int N>
 WSP_DEVICE void tma_store_wait_read() {
-  static_assert(N >= 0 && N <= 63, "cp.async.bulk.wait_group.read: N in [0, 63]");
+  static_assert(N >= 0, "cp.async.bulk.wait_group.read: N >= 0");
   asm volatile("cp.async.bulk.wait_group.read %0;\n" :: "n"(N) : "memory");
 }
 
 // cp.async.bulk.wait_group N (<= N groups still pending, writes to global complete)
 template <int N>
 WSP_DEVICE void tma_store_wait() {
-  static_assert(N >= 0 && N <= 63, "cp.async.bulk.wait_group: N in [0, 63]");
+  static_assert(N >= 0, "cp.async.bulk.wait_group: N >= 0");
   asm volatile("cp.async.bulk.wait_group %0;\n" :: "n"(N) : "memory");
 }
 

@@ -39,7 +39,7 @@ WSP_DEVICE void wgmma_commit() {
 // wgmma.wait_group.sync.aligned N (<= N committed wgmma groups still pending)
 template <int N>
 WSP_DEVICE void wgmma_wait() {
-  static_assert(N >= 0 && N <= 7, "wgmma.wait_group: N in [0, 7]");
+  static_assert(N >= 0, "wgmma.wait_group: N >= 0");
   asm volatile("wgmma.wait_group.sync.aligned %0;\n" :: "n"(N) : "memory");
 }
 

@@ -1,0 +1,84 @@
+"""The persistent warp-specialized matmul on the GPU, against the torch reference.
+
+Outputs are poisoned with NaN before every run, inputs are fresh random normals, shapes include
+ones that do not divide the tile, K < BK, and fewer / more tiles than SMs.
+"""
+
+import pytest
+import torch
+
+import wsched as ws
+
+from fusions import inputs_for, linear_relu_residual, matmul, matmul_f16, mlp, scaled_silu_f32
+
+pytestmark = pytest.mark.gpu
+
+SHAPES = [
+    (512, 512, 512),      # 2 x 2 tiles: fewer tiles than SMs
+    (4096, 4096, 1024),   # 32 x 16 = 512 tiles: more tiles than SMs
+    (999, 1000, 1000),    # nothing divides the tile
+    (8, 4096, 4096),      # skinny M
+    (4096, 8, 2048),      # skinny N
+    (300, 520, 40),       # K smaller than one k tile
+]
+
+_compiled: dict = {}
+
+
+def compiled(fusion, **overrides):
+    key = (fusion.name, tuple(sorted(overrides.items())))
+    if key not in _compiled:
+        _compiled[key] = ws.compile(fusion, **overrides)
+    return _compiled[key]
+
+
+def run_and_check(k, fusion, M, N, K, seed, tol=1e-2):
+    inputs = inputs_for(fusion, M, N, K, device="cuda", seed=seed)
+    names = [n for n in ws.partition(fusion, k.schedule).outputs]
+    out = {"out": torch.full((M, N), float("nan"), device="cuda",
+                             dtype=names[0].dtype.torch_dtype)}
+    k(*inputs, out=out)
+    k._loaded.last_error_check()
+    got = out["out"].float()
+    ref = fusion.reference(*[t.cpu() for t in inputs]).float().cuda()
+    assert not torch.isnan(got).any(), f"{int(torch.isnan(got).sum())} outputs never written"
+    err = float((got - ref).norm() / ref.norm())
+    assert err < tol, f"relative error {err:.2e}"
+
+
+@pytest.mark.parametrize("M,N,K", SHAPES)
+def test_matmul_bf16(M, N, K):
+    run_and_check(compiled(matmul), matmul, M, N, K, seed=M + N + K)
+
+
+@pytest.mark.parametrize("M,N,K", [(512, 512, 512), (999, 1000, 1000)])
+def test_matmul_f16(M, N, K):
+    run_and_check(compiled(matmul_f16), matmul_f16, M, N, K, seed=1)
+
+
+@pytest.mark.parametrize("fusion", [mlp, linear_relu_residual, scaled_silu_f32], ids=lambda f: f.name)
+@pytest.mark.parametrize("M,N,K", [(512, 768, 512), (1000, 1000, 1000)])
+def test_fused_epilogues(fusion, M, N, K):
+    run_and_check(compiled(fusion), fusion, M, N, K, seed=7)
+
+
+@pytest.mark.parametrize("stages,epilogue", [(1, "tma_store"), (2, "tma_store"), (4, "direct")])
+@pytest.mark.parametrize("M,N,K", [(999, 1000, 1000), (2048, 2048, 512)])
+def test_stage_counts(stages, epilogue, M, N, K):
+    run_and_check(compiled(mlp, stages=stages, epilogue=epilogue), mlp, M, N, K, seed=stages)
+
+
+def test_k_major_weight_direct_epilogue():
+    k = compiled(linear_relu_residual, epilogue="direct")
+    run_and_check(k, linear_relu_residual, 999, 1000, 1000, seed=3)
+
+
+def test_wrong_device_and_dtype_are_named():
+    k = compiled(matmul)
+    a, b = inputs_for(matmul, 128, 128, 128, device="cuda")
+    with pytest.raises(ValueError, match="argument 'a' is on cpu"):
+        k(a.cpu(), b)
+    with pytest.raises(ws.FusionError, match="dtype"):
+        k(a.float(), b)
+    with pytest.raises(ValueError, match="16-byte"):
+        k(a[:, 1:], b[1:])

@@ -1,0 +1,95 @@
+"""Lowering: the pass pipeline, the IR after each pass, golden final IR, round-trip through the parser."""
+
+import time
+
+import pytest
+
+import wsched as ws
+from wsched.lowering import ir
+from wsched.lowering.parser import parse_kernel
+from wsched.lowering.pipeline import PASS_NAMES
+from wsched.lowering.printer import print_kernel
+
+from fusions import linear_relu_residual, matmul, mlp, scaled_silu_f32
+
+
+@pytest.fixture(autouse=True)
+def debug_verifier(monkeypatch):
+    monkeypatch.setenv("WSCHED_DEBUG", "1")   # verify after every pass
+
+
+def test_default_matmul_final_ir_is_golden(golden):
+    golden.check("matmul_default.ir", print_kernel(ws.lower(matmul)))
+
+
+def test_mlp_final_ir_is_golden(golden):
+    golden.check("mlp_default.ir", print_kernel(ws.lower(mlp)))
+
+
+def test_ir_after_each_pass_is_kept_by_name():
+    k = ws.lower(mlp)
+    assert tuple(k.ir_after) == PASS_NAMES
+    assert k.ir_after["reg_realloc"] == k
+    before = print_kernel(k.ir_after["circular_buffer"])
+    after = print_kernel(k.ir_after["insert_barriers"])
+    assert "mbarrier.wait empty[s] phase(ph ^ 1)" not in before
+    assert "mbarrier.wait empty[s] phase(ph ^ 1)" in after
+    assert "mbarrier.arrive_expect_tx full[s] bytes(49152)" in after
+    assert "elect_one" not in print_kernel(k.ir_after["insert_barriers"])
+    assert "setmaxnreg" not in print_kernel(k.ir_after["epilogue"])
+    assert "setmaxnreg.dec 40" in print_kernel(k)
+
+
+def test_print_ir_knob_prints_the_chosen_passes(monkeypatch, capsys):
+    monkeypatch.setenv("WSCHED_PRINT_IR", "insert_barriers,epilogue")
+    ws.lower(mlp)
+    err = capsys.readouterr().err
+    assert err.count("// ----- IR after") == 2
+    assert "// ----- IR after insert_barriers -----\nkernel mlp(" in err
+    assert "// ----- IR after epilogue -----" in err
+
+
+@pytest.mark.parametrize("fusion", [matmul, mlp, linear_relu_residual, scaled_silu_f32], ids=lambda f: f.name)
+@pytest.mark.parametrize("overrides", [dict(stages=s) for s in range(1, 5)] + [dict(epilogue="direct", stages=4),
+                                        dict(raster="column", swizzle_group=2), dict(mma_inflight=0)])
+def test_every_pass_output_round_trips(fusion, overrides):
+    k = ws.lower(fusion, **overrides)
+    for name, snapshot in k.ir_after.items():
+        text = print_kernel(snapshot)
+        assert parse_kernel(text) == snapshot, name
+        assert print_kernel(parse_kernel(text)) == text
+
+
+def test_stages_change_the_ring_and_the_counter():
+    k3, k5 = ws.lower(mlp, stages=3), ws.lower(mlp, epilogue="direct", stages=5)
+    assert k3.smem_decl("A").shape == (3, 2, 64, 64) and k5.smem_decl("A").shape == (5, 2, 64, 64)
+    assert "let s = it % 5" in print_kernel(k5) and "let s = it % 3" in print_kernel(k3)
+
+
+def test_direct_epilogue_stores_from_registers():
+    text = print_kernel(ws.lower(linear_relu_residual, epilogue="direct"))
+    assert "tile.store out[m0 + wg * 64, n0] <- " in text
+    assert "tma.store" not in text and "fence.proxy.async" not in text
+    assert "tile.load res_t <- res[m0 + wg * 64, n0]" in text
+
+
+def test_epilogue_reuses_dead_tiles():
+    k = ws.lower(mlp)
+    regs = [s for s in ir.walk(k.body) if isinstance(s, ir.RegDecl)]
+    # acc carries add and gelu in place; only the bf16 output and the bias row are new tiles.
+    assert [(r.name, r.dtype, r.shape) for r in regs] == [
+        ("acc", "f32", (64, 256)), ("bias_t", "bf16", (1, 256)), ("n3_t", "bf16", (64, 256))]
+
+
+def test_edited_ir_parses_back():
+    text = print_kernel(ws.lower(mlp)).replace("setmaxnreg.inc 232", "setmaxnreg.inc 224").replace(
+        "registers(232)", "registers(224)")
+    k = parse_kernel(text)
+    assert [r.registers for r in k.roles()] == [40, 224]
+
+
+def test_lowering_takes_well_under_a_second():
+    ws.lower(mlp)
+    t0 = time.perf_counter()
+    ws.lower(mlp)
+    assert time.perf_counter() - t0 < 1.0
