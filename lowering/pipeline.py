@@ -18,16 +18,17 @@ from .context import LoweringContext
 from .passes import build_loops, circular_buffer, epilogue, insert_barriers, lower_mma, lower_tma, reg_realloc
 from .verify import verify
 
-# (name, pass, whether the load/compute contract holds after it)
+# (name, pass, whether the load/compute contract holds after it: the release point is only
+# right once lower_mma has put it behind the wgmma wait)
 PIPELINE = (
     # The partition's two loop nests, single-buffered, no synchronisation yet.
     ("build_loops", build_loops.run, False),
     # Stages and the shared linear counter; needs the k loops that build_loops made.
     ("circular_buffer", circular_buffer.run, False),
     # full/empty barriers index by the stage variable circular_buffer introduced.
-    ("insert_barriers", insert_barriers.run, True),
+    ("insert_barriers", insert_barriers.run, False),
     # Wrap the producer's (now complete) issue loop in elect_one; choose swizzles.
-    ("lower_tma", lower_tma.run, True),
+    ("lower_tma", lower_tma.run, False),
     # wgmma fence/commit/wait, and move the consumer release behind the wait that frees it.
     ("lower_mma", lower_mma.run, True),
     # After the k loop is final: the fused epilogue and the output stores.

@@ -50,7 +50,7 @@ def test_print_ir_knob_prints_the_chosen_passes(monkeypatch, capsys):
 
 
 @pytest.mark.parametrize("fusion", [matmul, mlp, linear_relu_residual, scaled_silu_f32], ids=lambda f: f.name)
-@pytest.mark.parametrize("overrides", [dict(stages=s) for s in range(1, 5)] + [dict(epilogue="direct", stages=4),
+@pytest.mark.parametrize("overrides", [dict(stages=s) for s in (1, 2)] + [dict(epilogue="direct", stages=s) for s in (3, 4)] + [
                                         dict(raster="column", swizzle_group=2), dict(mma_inflight=0)])
 def test_every_pass_output_round_trips(fusion, overrides):
     k = ws.lower(fusion, **overrides)
@@ -61,9 +61,9 @@ def test_every_pass_output_round_trips(fusion, overrides):
 
 
 def test_stages_change_the_ring_and_the_counter():
-    k3, k5 = ws.lower(mlp, stages=3), ws.lower(mlp, epilogue="direct", stages=5)
-    assert k3.smem_decl("A").shape == (3, 2, 64, 64) and k5.smem_decl("A").shape == (5, 2, 64, 64)
-    assert "let s = it % 5" in print_kernel(k5) and "let s = it % 3" in print_kernel(k3)
+    k3, k4 = ws.lower(mlp, stages=3), ws.lower(mlp, epilogue="direct", stages=4)
+    assert k3.smem_decl("A").shape == (3, 2, 64, 64) and k4.smem_decl("A").shape == (4, 2, 64, 64)
+    assert "let s = it % 4" in print_kernel(k4) and "let s = it % 3" in print_kernel(k3)
 
 
 def test_direct_epilogue_stores_from_registers():

@@ -40,7 +40,7 @@ def test_unknown_field_is_rejected():
 
 @pytest.mark.parametrize("kwargs, message", [
     (dict(stages=6), "shared memory 362496 bytes exceeds the 232448-byte limit by 130048 "
-                     "(stages 6 x 49152 + epilogue 65536)"),
+                     "(stages 6 x 49152 + epilogue 65536); use at most 3 stages"),
     (dict(tile=(128, 256, 40)), "BK=40 is not a multiple of 16 (the wgmma k extent); use 32"),
     (dict(tile=(96, 256, 64)), "BM=96 must be a multiple of 64 x consumer_warpgroups=128"),
     (dict(tile=(128, 260, 64)), "BN=260 must be a multiple of 8 in [8, 256]"),

@@ -152,8 +152,8 @@ class Schedule:
         if self.smem_bytes > SMEM_LIMIT:
             p.append(f"shared memory {self.smem_bytes} bytes exceeds the {SMEM_LIMIT}-byte limit by "
                      f"{self.smem_bytes - SMEM_LIMIT} (stages {self.stages} x {self.stage_bytes}"
-                     f" + epilogue {self.epilogue_bytes}); use fewer stages, a smaller tile or "
-                     f"epilogue='direct'")
+                     f" + epilogue {self.epilogue_bytes}); use at most {max_stages(self)} stages, a "
+                     f"smaller tile" + (" or epilogue='direct'" if self.epilogue == "tma_store" else ""))
         if self.raster not in ("row", "column"):
             p.append(f"raster {self.raster!r} is not one of 'row', 'column'")
         if self.swizzle_group < 1:
@@ -168,7 +168,7 @@ class Schedule:
         return replace(self, **changes)
 
 
-def max_stages(schedule: Schedule) -> int:
+def max_stages(schedule: "Schedule") -> int:
     """The deepest pipeline that fits in shared memory with the schedule's other choices."""
     room = SMEM_LIMIT - schedule.epilogue_bytes - 2048
     return max(1, room // schedule.stage_bytes)
