@@ -1,0 +1,216 @@
+"""Print loop IR in its text form (docs/ir.md): what users read, diff and hand-edit.
+
+The output is deterministic, one statement a line, blocks in braces indented by two spaces, and
+`parser.parse_kernel` reads it back to an equal kernel. Expressions carry only the parentheses
+that re-parsing needs (`ir.BINARY_PRECEDENCE`, all operators left-associative), plus parentheses
+around a negative constant that is an operand (`a * (-3)`), which reads better than `a * -3`.
+"""
+
+from __future__ import annotations
+
+from wsched.lowering import ir
+
+INDENT = "  "
+
+
+def print_kernel(k: ir.Kernel) -> str:
+    """The whole kernel, ending with a newline."""
+    params = ", ".join(_param(p) for p in k.params)
+    header = (f"kernel {k.name}({params}) grid({print_expr(k.grid)}) "
+              f"cluster({_join(k.cluster)}) {{")
+    declarations = [*(_smem_decl(d) for d in k.smem), *(_barrier_decl(d) for d in k.barriers)]
+    lines = [header, *(INDENT + d for d in declarations), *_block_lines(k.body, 1), "}"]
+    return "\n".join(lines) + "\n"
+
+
+def print_stmt(s: ir.Stmt, indent: int = 0) -> str:
+    """One statement (a block statement spans several lines), without a final newline."""
+    return "\n".join(_stmt_lines(s, indent))
+
+
+def print_expr(e: ir.Expr) -> str:
+    match e:
+        case ir.IntConst():
+            return str(e.value)
+        case ir.FloatConst():
+            # repr is the shortest text that reads back to the same float, and always has a
+            # `.` or an exponent (or is inf / nan), so it never reads back as an integer.
+            return repr(float(e.value))
+        case ir.Var():
+            return e.name
+        case ir.Call():
+            return f"{e.func}({', '.join(print_expr(a) for a in e.args)})"
+        case ir.BinOp():
+            precedence = _precedence(e.op)
+            lhs = _operand(e.lhs, needs_parens=lambda p: p < precedence)
+            # Left-associative: an operand of the same level on the right must be grouped.
+            rhs = _operand(e.rhs, needs_parens=lambda p: p <= precedence)
+            return f"{lhs} {e.op} {rhs}"
+    raise TypeError(f"print_expr: {e!r} is not an ir expression")
+
+
+def _precedence(op: str) -> int:
+    try:
+        return ir.BINARY_PRECEDENCE[op]
+    except KeyError:
+        raise ValueError(f"BinOp operator {op!r} is not one of "
+                         f"{', '.join(ir.BINARY_PRECEDENCE)}") from None
+
+
+def _operand(e: ir.Expr, needs_parens) -> str:
+    text = print_expr(e)
+    if isinstance(e, ir.BinOp) and needs_parens(_precedence(e.op)):
+        return f"({text})"
+    if isinstance(e, (ir.IntConst, ir.FloatConst)) and text.startswith("-"):
+        return f"({text})"
+    return text
+
+
+def _join(items) -> str:
+    """Comma-separated shape, box, coordinates or indices: ints or expressions."""
+    return ", ".join(str(i) if isinstance(i, int) else print_expr(i) for i in items)
+
+
+# ---------------------------------------------------------------------------------------------
+# Declarations
+# ---------------------------------------------------------------------------------------------
+
+
+def _param(p: ir.Param) -> str:
+    match p:
+        case ir.ScalarParam():
+            return f"{p.dtype} {p.name}"
+        case ir.TensorMapParam():
+            return (f"tensormap {p.name}: {p.dtype}[{_join(p.shape)}] box({_join(p.box)}) "
+                    f"swizzle({p.swizzle})")
+        case ir.GlobalParam():
+            return f"global {p.name}: {p.dtype}[{_join(p.shape)}]"
+    raise TypeError(f"print_kernel: {p!r} is not a kernel parameter")
+
+
+def _smem_decl(d: ir.SmemDecl) -> str:
+    return f"smem {d.name}: {d.dtype}[{_join(d.shape)}] swizzle({d.swizzle})"
+
+
+def _barrier_decl(d: ir.BarrierDecl) -> str:
+    return f"barrier {d.name}[{d.slots}]"
+
+
+# ---------------------------------------------------------------------------------------------
+# Statements
+# ---------------------------------------------------------------------------------------------
+
+
+def _block_lines(stmts: tuple[ir.Stmt, ...], indent: int) -> list[str]:
+    return [line for s in stmts for line in _stmt_lines(s, indent)]
+
+
+def _stmt_lines(s: ir.Stmt, indent: int) -> list[str]:
+    pad = INDENT * indent
+    match s:
+        case ir.For():
+            header = (f"for {s.var} in {s.kind}({print_expr(s.start)}, {print_expr(s.stop)}, "
+                      f"{print_expr(s.step)})")
+            return _braced(header, s.body, indent)
+        case ir.If():
+            lines = _braced(f"if {print_expr(s.cond)}", s.then, indent)
+            if s.orelse:
+                lines[-1:] = _braced("} else", s.orelse, indent)
+            return lines
+        case ir.Role():
+            header = f"role {s.name} warpgroups({s.warpgroups}) registers({s.registers})"
+            return _braced(header, s.body, indent)
+        case ir.ElectOne():
+            return _braced("elect_one", s.body, indent)
+    return [pad + _simple_stmt(s)]
+
+
+def _braced(header: str, body: tuple[ir.Stmt, ...], indent: int) -> list[str]:
+    pad = INDENT * indent
+    return [f"{pad}{header} {{", *_block_lines(body, indent + 1), f"{pad}}}"]
+
+
+def _simple_stmt(s: ir.Stmt) -> str:
+    """The one line of a statement without a block."""
+    match s:
+        case ir.Let():
+            return f"{'var' if s.mutable else 'let'} {s.name} = {print_expr(s.value)}"
+        case ir.Assign():
+            return f"set {s.name} = {print_expr(s.value)}"
+        case ir.Return():
+            return "return"
+        case ir.Setmaxnreg():
+            return f"setmaxnreg.{s.action} {s.registers}"
+        # synchronisation
+        case ir.MbarrierInit():
+            return f"mbarrier.init {s.barrier} arrivals({s.arrivals})"
+        case ir.MbarrierArrive():
+            return f"mbarrier.arrive {_bar_ref(s.bar)}"
+        case ir.MbarrierArriveExpectTx():
+            return f"mbarrier.arrive_expect_tx {_bar_ref(s.bar)} bytes({print_expr(s.bytes)})"
+        case ir.MbarrierWait():
+            return f"mbarrier.wait {_bar_ref(s.bar)} phase({print_expr(s.phase)})"
+        case ir.MbarrierInval():
+            return f"mbarrier.inval {s.barrier}"
+        case ir.FenceMbarrierInit():
+            return "fence.mbarrier_init"
+        case ir.FenceProxyAsync():
+            return "fence.proxy.async"
+        case ir.SyncThreads():
+            return "syncthreads"
+        case ir.NamedBarrierSync():
+            return f"bar.sync {print_expr(s.id)}, {s.threads}"
+        case ir.NamedBarrierArrive():
+            return f"bar.arrive {print_expr(s.id)}, {s.threads}"
+        # asynchronous copies
+        case ir.TmaLoad():
+            return (f"tma.load {_smem_ref(s.dst)} <- {s.tensor}[{_join(s.coords)}] "
+                    f"bar({_bar_ref(s.bar)})")
+        case ir.TmaStore():
+            return f"tma.store {s.tensor}[{_join(s.coords)}] <- {_smem_ref(s.src)}"
+        case ir.TmaCommit():
+            return "tma.commit"
+        case ir.TmaWait():
+            return f"tma.wait{'.read' if s.read else ''} {s.pending}"
+        # wgmma
+        case ir.WgmmaFence():
+            return "wgmma.fence"
+        case ir.Wgmma():
+            a = s.a if isinstance(s.a, str) else _smem_ref(s.a)
+            return (f"wgmma.mma {s.acc}, {a}, {_smem_ref(s.b)} major({s.a_major}, {s.b_major}) "
+                    f"accumulate({print_expr(s.accumulate)})")
+        case ir.WgmmaCommit():
+            return "wgmma.commit"
+        case ir.WgmmaWait():
+            return f"wgmma.wait {s.pending}"
+        # register tiles
+        case ir.RegDecl():
+            return f"reg {s.name}: {s.dtype}[{_join(s.shape)}]"
+        case ir.TileFill():
+            return f"tile.fill {s.dst}, {print_expr(s.value)}"
+        case ir.TileUnary():
+            return f"tile.{s.op} {s.dst}, {s.src}"
+        case ir.TileBinary():
+            return f"tile.{s.op} {s.dst}, {_tile_operand(s.lhs)}, {_tile_operand(s.rhs)}"
+        case ir.TileReduce():
+            return f"tile.reduce.{s.op} {s.dst}, {s.src}, axis({s.axis})"
+        case ir.TileLoadGlobal():
+            return f"tile.load {s.dst} <- {s.tensor}[{_join(s.coords)}]"
+        case ir.TileStoreGlobal():
+            return f"tile.store {s.tensor}[{_join(s.coords)}] <- {s.src}"
+        case ir.TileStoreSmem():
+            return f"tile.store_smem {_smem_ref(s.dst)} <- {s.src}"
+    raise TypeError(f"print_stmt: {s!r} is not an ir statement")
+
+
+def _smem_ref(r: ir.SmemRef) -> str:
+    return f"{r.buffer}[{_join(r.index)}]" if r.index else r.buffer
+
+
+def _bar_ref(r: ir.BarRef) -> str:
+    return f"{r.barrier}[{print_expr(r.index)}]"
+
+
+def _tile_operand(operand: str | ir.Expr) -> str:
+    """A tile is its bare name; a scalar expression is marked, so `x` and `scalar(x)` differ."""
+    return operand if isinstance(operand, str) else f"scalar({print_expr(operand)})"
