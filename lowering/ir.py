@@ -464,7 +464,12 @@ class WgmmaWait:
 
 
 # --- register tiles -------------------------------------------------------------------------------
+# Tile ops compute in fp32 and round the result to the destination tile's dtype; operands of
+# another dtype are read as their (exactly representable) fp32 values.
 
+LOOP_KINDS = ("serial", "persistent", "unroll")
+SETMAXNREG_ACTIONS = ("inc", "dec")
+MMA_MAJORS = ("k", "n")
 UNARY_OPS = ("neg", "exp", "exp2", "log", "relu", "gelu", "silu", "sigmoid", "tanh", "cast")
 BINARY_OPS = ("add", "sub", "mul", "div", "maximum", "minimum")
 REDUCE_OPS = ("sum", "max")
@@ -518,6 +523,19 @@ class TileReduce:
 
 
 @dataclass(frozen=True)
+class TileMask:
+    """`tile.mask s, rows(r0), cols(c0), limit(T) causal(d)`: element (r, c) of the full tile
+    becomes -inf where c0 + c >= limit (beyond the keys), or, when `causal` is given, where
+    c0 + c > r0 + r + causal (above the causal diagonal, shifted by `causal`)."""
+
+    dst: str
+    row0: Expr
+    col0: Expr
+    limit: Expr
+    causal: Union[Expr, None] = None
+
+
+@dataclass(frozen=True)
 class TileLoadGlobal:
     """`tile.load bias_t <- bias[n0]`: read the region of a `global` tensor whose first element
     is at `coords` (for the tensor's trailing dims; extra leading tile dims are 1); elements
@@ -552,7 +570,7 @@ Stmt = Union[
     FenceMbarrierInit, FenceProxyAsync, SyncThreads, NamedBarrierSync, NamedBarrierArrive,
     TmaLoad, TmaStore, TmaCommit, TmaWait,
     WgmmaFence, Wgmma, WgmmaCommit, WgmmaWait,
-    RegDecl, TileFill, TileUnary, TileBinary, TileReduce, TileLoadGlobal, TileStoreGlobal,
+    RegDecl, TileFill, TileUnary, TileBinary, TileReduce, TileMask, TileLoadGlobal, TileStoreGlobal,
     TileStoreSmem,
 ]
 

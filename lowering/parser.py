@@ -27,9 +27,9 @@ from wsched.lowering import ir
 GRAMMAR_PATH = Path(__file__).with_name("grammar.lark")
 
 # Field values the grammar reads as plain names and the transformer checks.
-LOOP_KINDS = ("serial", "persistent", "unroll")
-SETMAXNREG_ACTIONS = ("inc", "dec")
-MMA_MAJORS = ("k", "n")
+LOOP_KINDS = ir.LOOP_KINDS
+SETMAXNREG_ACTIONS = ir.SETMAXNREG_ACTIONS
+MMA_MAJORS = ir.MMA_MAJORS
 
 
 class IRParseError(ValueError):
@@ -441,6 +441,9 @@ class _ToIR(Transformer):
         _check_one_of(op, ir.REDUCE_OPS, "reduction", keyword,
                       spell=lambda o: f"tile.reduce.{o}")
         return ir.TileReduce(op, str(dst), str(src), axis)
+
+    def tile_mask(self, dst, row0, col0, limit, causal=None):
+        return ir.TileMask(str(dst), row0, col0, limit, causal)
 
     def tile_load(self, dst, tensor, coords):
         return ir.TileLoadGlobal(str(dst), str(tensor), coords)

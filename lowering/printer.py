@@ -194,6 +194,10 @@ def _simple_stmt(s: ir.Stmt) -> str:
             return f"tile.{s.op} {s.dst}, {_tile_operand(s.lhs)}, {_tile_operand(s.rhs)}"
         case ir.TileReduce():
             return f"tile.reduce.{s.op} {s.dst}, {s.src}, axis({s.axis})"
+        case ir.TileMask():
+            causal = "" if s.causal is None else f" causal({print_expr(s.causal)})"
+            return (f"tile.mask {s.dst}, rows({print_expr(s.row0)}), cols({print_expr(s.col0)}), "
+                    f"limit({print_expr(s.limit)}){causal}")
         case ir.TileLoadGlobal():
             return f"tile.load {s.dst} <- {s.tensor}[{_join(s.coords)}]"
         case ir.TileStoreGlobal():

@@ -594,8 +594,8 @@ _LEADER_ONLY = (ir.MbarrierInit, ir.MbarrierInval, ir.MbarrierArrive, ir.Mbarrie
 # Warpgroup-collective statements: one elected thread cannot run them.
 _COLLECTIVE = (ir.WgmmaFence, ir.Wgmma, ir.WgmmaCommit, ir.WgmmaWait, ir.NamedBarrierSync,
                ir.NamedBarrierArrive, ir.SyncThreads, ir.Setmaxnreg, ir.RegDecl, ir.TileFill,
-               ir.TileUnary, ir.TileBinary, ir.TileReduce, ir.TileLoadGlobal, ir.TileStoreGlobal,
-               ir.TileStoreSmem, ir.Role)
+               ir.TileUnary, ir.TileBinary, ir.TileReduce, ir.TileMask, ir.TileLoadGlobal,
+               ir.TileStoreGlobal, ir.TileStoreSmem, ir.Role)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -748,6 +748,8 @@ class _Machine:
         elif isinstance(s, ir.TileReduce):
             if s.op not in ir.REDUCE_OPS:
                 raise ProtocolError(f"{_stmt_text(s)}: unknown reduction (known: {', '.join(ir.REDUCE_OPS)})")
+        elif isinstance(s, ir.TileMask):
+            node.ex = (c(s.row0), c(s.col0), c(s.limit), None if s.causal is None else c(s.causal))
         elif isinstance(s, (ir.TileLoadGlobal, ir.TileStoreGlobal)):
             node.ex = tuple(c(e) for e in s.coords)
         elif isinstance(s, ir.TileStoreSmem):
@@ -1566,6 +1568,20 @@ class _Machine:
         if result.dim() == 0:
             result = result.expand(self._reg(co, node, s.dst).shape)
         self._write_reg(co, node, s.dst, result)
+
+    def _h_TileMask(self, co, node):
+        s = node.stmt
+        value = self._read_reg(co, node, s.dst).value
+        if value.dim() != 2:
+            raise ProtocolError(f"tile.mask needs a 2-D tile, {s.dst} has shape {list(value.shape)}: "
+                                f"{co.where(node)}")
+        row0, col0, limit = (int(f(co.env)) for f in node.ex[:3])
+        rows = torch.arange(value.shape[0]).unsqueeze(1) + row0
+        cols = torch.arange(value.shape[1]).unsqueeze(0) + col0
+        masked = (cols >= limit).expand(value.shape)
+        if node.ex[3] is not None:
+            masked = masked | (cols > rows + int(node.ex[3](co.env)))
+        self._write_reg(co, node, s.dst, value.masked_fill(masked, float("-inf")))
 
     def _h_TileReduce(self, co, node):
         s = node.stmt

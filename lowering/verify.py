@@ -167,7 +167,8 @@ _KEYWORDS = {
     ir.NamedBarrierSync: "bar.sync", ir.NamedBarrierArrive: "bar.arrive",
     ir.TmaLoad: "tma.load", ir.TmaStore: "tma.store", ir.TmaCommit: "tma.commit",
     ir.WgmmaFence: "wgmma.fence", ir.Wgmma: "wgmma.mma", ir.WgmmaCommit: "wgmma.commit",
-    ir.WgmmaWait: "wgmma.wait", ir.TileFill: "tile.fill", ir.TileLoadGlobal: "tile.load",
+    ir.WgmmaWait: "wgmma.wait", ir.TileFill: "tile.fill", ir.TileMask: "tile.mask",
+    ir.TileLoadGlobal: "tile.load",
     ir.TileStoreGlobal: "tile.store", ir.TileStoreSmem: "tile.store_smem",
 }
 
@@ -319,8 +320,8 @@ _SCALARS = ("scalar param", "builtin", "let", "var", "loop variable")
 # Statements every thread of a warpgroup must execute together (not inside elect_one).
 _COLLECTIVE = (ir.Role, ir.Setmaxnreg, ir.SyncThreads, ir.NamedBarrierSync, ir.NamedBarrierArrive,
                ir.WgmmaFence, ir.Wgmma, ir.WgmmaCommit, ir.WgmmaWait, ir.RegDecl, ir.TileFill,
-               ir.TileUnary, ir.TileBinary, ir.TileReduce, ir.TileLoadGlobal, ir.TileStoreGlobal,
-               ir.TileStoreSmem)
+               ir.TileUnary, ir.TileBinary, ir.TileReduce, ir.TileMask, ir.TileLoadGlobal,
+               ir.TileStoreGlobal, ir.TileStoreSmem)
 
 
 @dataclass(frozen=True)
@@ -919,6 +920,13 @@ class _Structure:
         if bad or result != tuple(dst.shape):
             self.r.at(path, f"tile.{s.op} {s.dst}: operands {names} do not broadcast to the result "
                             f"{list(dst.shape)}; each dim must equal the result's or be 1")
+
+    def _TileMask(self, s: ir.TileMask, path, scope, ctx):
+        dst = self._tile(s.dst, path, scope, ctx)
+        for e in (s.row0, s.col0, s.limit) + (() if s.causal is None else (s.causal,)):
+            self._expr(e, path, scope, ctx)
+        if dst is not None and len(dst.shape) != 2:
+            self.r.at(path, f"tile.mask {s.dst}: {s.dst} is {list(dst.shape)}; the mask applies to a 2-D tile")
 
     def _TileReduce(self, s: ir.TileReduce, path, scope, ctx):
         if s.op not in ir.REDUCE_OPS:
