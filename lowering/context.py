@@ -22,8 +22,16 @@ class LoweringContext:
         return self.partition.schedule
 
     @property
+    def kind(self) -> str:
+        return self.partition.kind
+
+    @property
     def channel(self) -> Channel:
+        """The operand channel of a matmul (its only one)."""
         return self.partition.channels[0]
+
+    def channels(self, level: str | None = None) -> tuple[Channel, ...]:
+        return tuple(c for c in self.partition.channels if level is None or c.level == level)
 
 
 # Names the passes agree on (one place, so a pass never guesses another pass's spelling).
@@ -32,3 +40,5 @@ CONSUMER = "consumer"
 TILE_VAR = "tile"
 K_VAR = "k"
 ACC = "acc"
+K_BASE = "k_base"      # attention: kv iterations before this tile (the ring counter's base)
+K_COUNT = "kv_tiles"   # attention: kv blocks of this tile (varies with the causal diagonal)

@@ -538,8 +538,9 @@ class TileMask:
 @dataclass(frozen=True)
 class TileLoadGlobal:
     """`tile.load bias_t <- bias[n0]`: read the region of a `global` tensor whose first element
-    is at `coords` (for the tensor's trailing dims; extra leading tile dims are 1); elements
-    outside the tensor read as zero."""
+    is at `coords` (one per tensor dim). The tile covers the tensor's trailing dims (a [64, 128]
+    tile of a [B, H, S, 128] tensor is one (b, h) slice; tile dims beyond the tensor's rank must
+    be 1); elements outside the tensor read as zero."""
 
     dst: str
     tensor: str

@@ -959,9 +959,10 @@ class _Structure:
         if t is None:
             return
         extra = len(t.shape) - len(param.shape)
-        if extra < 0 or any(d != 1 for d in t.shape[:extra]):
+        if extra > 0 and any(d != 1 for d in t.shape[:extra]):
             self.r.at(path, f"{verb}: tile {tile_name} {list(t.shape)} does not fit {tensor} (rank "
-                          f"{len(param.shape)}); the tile has the tensor's rank, or extra leading dims of 1")
+                          f"{len(param.shape)}); the tile covers the tensor's trailing dims, and its "
+                          f"dims beyond the tensor's rank must be 1")
 
     def _TileLoadGlobal(self, s: ir.TileLoadGlobal, path, scope, ctx):
         self._global_tile("tile.load", s.tensor, s.coords, s.dst, path, scope, ctx)

@@ -528,7 +528,7 @@ STRUCTURAL = [
         f"IR line 50 ({WHERE_TILE} > tile.load): tile.load c[m0] gives 1 coordinate but c is bf16[M, N] (rank 2); give one coordinate per dim",
     ], id="tile-load-coordinates"),
     pytest.param(lambda: with_consumer_tile(ir.RegDecl("out", "bf16", (2, 64, 256)), (CAST, ir.WgmmaFence())), [
-        f"IR line 51 ({WHERE_TILE} > tile.store): tile.store: tile out [2, 64, 256] does not fit c (rank 2); the tile has the tensor's rank, or extra leading dims of 1",
+        f"IR line 51 ({WHERE_TILE} > tile.store): tile.store: tile out [2, 64, 256] does not fit c (rank 2); the tile covers the tensor's trailing dims, and its dims beyond the tensor's rank must be 1",
     ], id="tile-store-rank"),
 ]
 

@@ -7,3 +7,8 @@ from .fusion import (
     matmul, maximum, minimum, mul, neg, relu, sigmoid, silu, softmax, sub, tanh,
 )
 from .fusion import reduce_max as max, reduce_sum as sum  # noqa: A001 (ws.max, ws.sum, like torch)
+
+# The pipeline: schedule, lower, compile (see wsched/api.py).
+from .api import CompiledKernel, compile, lower, schedule_for  # noqa: A004 (ws.compile, like torch.compile)
+from .partition import Partition, partition
+from .schedule import Schedule, ScheduleError, default_schedule

@@ -26,6 +26,15 @@ def schedule_for(fusion, schedule: Schedule | None = None, **overrides) -> Sched
         if overrides:
             raise ScheduleError("pass either a Schedule or keyword overrides, not both")
         return schedule
+    from .attention import head_dim_of, is_attention
+
+    if is_attention(fusion):
+        head_dim = head_dim_of(fusion)
+        if not isinstance(head_dim, int):
+            raise ScheduleError(f"attention schedule for {fusion.name}: the head dim of Q is the symbol "
+                                f"{head_dim!r}; declare it as a number (64, 128 or 256)")
+        overrides.setdefault("head_dim", head_dim)
+        return default_schedule("attention", **overrides)
     outputs = [fusion.node(o) for o in fusion.outputs]
     out_bytes = max((o.dtype.bits // 8 for o in outputs), default=2)
     overrides.setdefault("output_bytes", out_bytes)
@@ -70,15 +79,32 @@ class CompiledKernel:
     def _bind(self, tensors) -> tuple[dict, dict, dict]:
         """(inputs by name, scalar params, sizes) for one call; FusionError on bad inputs."""
         sizes = self.fusion.bind(*tensors)
-        inputs = {node.id: t for node, t in zip(self.fusion.inputs, tensors)}
-        scalars = {dim: int(inputs[name].shape[axis]) for dim, (name, axis) in self.partition.dims.items()}
-        if scalars["K"] < 1:
-            raise ValueError(f"{self.fusion.name}: K is 0; the kernel needs at least one k element")
+        from .partition import param_name
+
+        by_id = {node.id: t for node, t in zip(self.fusion.inputs, tensors)}
+        scalars = {dim: int(by_id[name].shape[axis]) for dim, (name, axis) in self.partition.dims.items()}
+        inputs = {param_name(i): t for i, t in by_id.items()}
+        empty = [dim for dim in ("K", "T") if scalars.get(dim, 1) < 1]
+        if empty:
+            raise ValueError(f"{self.fusion.name}: {empty[0]} is 0; the kernel needs at least one element there")
         return inputs, scalars, sizes
 
-    def _outputs(self, scalars, device) -> dict[str, torch.Tensor]:
-        return {name: torch.empty((scalars["M"], scalars["N"]), dtype=TORCH_DTYPES[node.dtype.name], device=device)
+    def _outputs(self, sizes, device) -> dict[str, torch.Tensor]:
+        """Fresh output tensors, shaped from the output nodes with the bound sizes."""
+        return {name: torch.empty([sizes[d] if isinstance(d, str) else d for d in node.shape],
+                                  dtype=TORCH_DTYPES[node.dtype.name], device=device)
                 for node, name in zip(self.partition.outputs, output_names(self.partition))}
+
+    def _kernel_views(self, tensors_by_name: dict, scalars: dict) -> dict:
+        """Tensors as the kernel's `global` params declare them (LSE [.., S] is read as [.., S, 1])."""
+        from .lowering import ir
+        from .lowering.evaluate import evaluate
+
+        views = dict(tensors_by_name)
+        for p in self.kernel.params:
+            if isinstance(p, ir.GlobalParam) and views[p.name].dim() != len(p.shape):
+                views[p.name] = views[p.name].view([evaluate(e, scalars) for e in p.shape])
+        return views
 
     def _result(self, outs: dict[str, torch.Tensor]):
         values = list(outs.values())
@@ -111,12 +137,12 @@ class CompiledKernel:
         from .lowering import ir
         from .lowering.evaluate import evaluate
 
-        inputs, scalars, _ = self._bind(tensors)
+        inputs, scalars, sizes = self._bind(tensors)
         device = next(iter(inputs.values())).device
         for name, t in inputs.items():
             check_tensor(name, t, device=device)
-        outs = out if out is not None else self._outputs(scalars, device)
-        tensors_by_name = {**inputs, **outs}
+        outs = out if out is not None else self._outputs(sizes, device)
+        tensors_by_name = self._kernel_views({**inputs, **outs}, scalars)
         args = []
         for p in self.kernel.params:
             if isinstance(p, ir.TensorMapParam):
@@ -138,11 +164,12 @@ class CompiledKernel:
         """Run the final loop IR in the CPU simulator; outputs are poisoned with NaN first."""
         from .lowering.simulate import simulate
 
-        inputs, scalars, _ = self._bind(tensors)
-        outs = self._outputs(scalars, "cpu")
+        inputs, scalars, sizes = self._bind(tensors)
+        outs = self._outputs(sizes, "cpu")
         for t in outs.values():
             t.fill_(float("nan"))
-        simulate(self.kernel, {**inputs, **outs, **scalars}, num_sms=num_sms, seed=seed)
+        simulate(self.kernel, {**self._kernel_views({**inputs, **outs}, scalars), **scalars},
+                 num_sms=num_sms, seed=seed)
         return self._result(outs)
 
 

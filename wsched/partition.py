@@ -13,6 +13,7 @@ mbarrier per slot.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 import networkx as nx
@@ -47,13 +48,21 @@ class OperandLoad:
 
 @dataclass(frozen=True)
 class Channel:
-    """A cut edge of the DAG carried through shared memory by a circular buffer."""
+    """A cut edge of the DAG carried through shared memory by a circular buffer.
+
+    `level` is the loop that steps it: "k" (a new slot every cta-k / kv iteration) or "tile"
+    (loaded once per output tile, like attention's Q)."""
 
     name: str
     stages: int
     loads: tuple[OperandLoad, ...]
     full: str = "full"
     empty: str = "empty"
+    level: str = "k"
+
+    @property
+    def buffers(self) -> tuple[str, ...]:
+        return tuple(dict.fromkeys(ld.buffer for ld in self.loads))
 
     @property
     def bytes_per_stage(self) -> int:
@@ -72,6 +81,7 @@ class EpilogueTile:
 
 @dataclass(frozen=True)
 class Partition:
+    kind = "matmul"
     fusion: object
     schedule: Schedule
     matmul: object                     # the anchor Node
@@ -117,16 +127,47 @@ class Partition:
         return "\n".join(lines) + "\n"
 
 
+# Names the lowering gives its own loop variables, lets and buffers. A fusion input with one of
+# these names is passed to the kernel under `<name>_in` (see param_name), so the IR stays
+# free of shadowing.
+RESERVED_NAMES = frozenset({
+    "k", "s", "ph", "it", "tile", "tile_iter", "prev_s", "last_s", "m0", "n0", "tile_m", "tile_n",
+    "tiles_m", "tiles_n", "num_tiles", "k_tiles", "group_size", "first_m", "first_n", "group_extent",
+    "acc", "wg", "cta_id", "num_ctas", "num_sms", "M", "N", "K", "S", "T", "m_blocks", "m_block",
+    "kv_blocks", "kv_tiles", "k_base", "rest", "s_acc", "p", "o_acc", "m_run", "l_run", "m_blk",
+    "corr", "o_t", "o", "lse", "out", "A", "B", "Q", "V", "full", "empty",
+})
+
+
+def param_name(tensor: str) -> str:
+    """The kernel parameter name of a fusion input."""
+    if tensor in RESERVED_NAMES or re.fullmatch(r"(b|batch|rest|out)\d+|C_\w+|\w+_t", tensor):
+        return f"{tensor}_in"
+    return tensor
+
+
 def _output_name(part: Partition, node) -> str:
     outs = list(part.fusion.outputs)
     return "out" if len(outs) == 1 else f"out{outs.index(node.id)}"
 
 
-def output_names(part: Partition) -> list[str]:
+def output_names(part) -> list[str]:
+    """Kernel parameter names of the outputs, in fusion output order."""
+    if part.kind == "attention":
+        return part.output_names()
     return [_output_name(part, n) for n in part.outputs]
 
 
-def partition(fusion, schedule: Schedule) -> Partition:
+def partition(fusion, schedule: Schedule):
+    """Split a fusion into load and compute sub-DAGs with the schedule's kind."""
+    if schedule.kind == "attention":
+        from .attention import partition_attention
+
+        return partition_attention(fusion, schedule)
+    return partition_matmul(fusion, schedule)
+
+
+def partition_matmul(fusion, schedule: Schedule) -> Partition:
     """Split a matmul-anchored fusion. Raises ScheduleError when it is not of that shape."""
     nodes = fusion.nodes()
     matmuls = [n for n in nodes if n.op == "matmul"]
@@ -212,11 +253,13 @@ def _operand(fusion, node_id: str, which: str, schedule: Schedule):
         if transposed:
             raise ScheduleError(f"matmul operand a is a transpose of {node.id}: A must be [M, K] with "
                                 f"K contiguous; pass the tensor in that layout")
-        return OperandLoad(node.id, "a", "A", "k", node.dtype.name, (bm, bk), 1), ((node.id, 0), (node.id, 1))
+        return (OperandLoad(param_name(node.id), "a", "A", "k", node.dtype.name, (bm, bk), 1),
+                ((node.id, 0), (node.id, 1)))
     if transposed:   # b = w.transpose(): w is [N, K], K contiguous
-        return OperandLoad(node.id, "b", "B", "k", node.dtype.name, (bn, bk), 1), ((node.id, 1), (node.id, 0))
+        return (OperandLoad(param_name(node.id), "b", "B", "k", node.dtype.name, (bn, bk), 1),
+                ((node.id, 1), (node.id, 0)))
     chunk = min(bn, 64)
-    return (OperandLoad(node.id, "b", "B", "n", node.dtype.name, (bk, chunk), bn // chunk),
+    return (OperandLoad(param_name(node.id), "b", "B", "n", node.dtype.name, (bk, chunk), bn // chunk),
             ((node.id, 0), (node.id, 1)))
 
 

@@ -77,10 +77,18 @@ class Schedule:
 
     @property
     def stage_bytes(self) -> int:
+        """Bytes one stage of the k-loop channels holds: A and B tiles (matmul), or a K and a V
+        block (attention: BN keys x head dim BK)."""
+        if self.kind == "attention":
+            return 2 * self.bn * self.bk * self.operand_bytes
         return (self.bm + self.bn) * self.bk * self.operand_bytes
 
     @property
     def epilogue_bytes(self) -> int:
+        """Shared memory outside the k-loop ring: the output staging buffer (matmul tma_store),
+        or the Q tile loaded once per tile (attention)."""
+        if self.kind == "attention":
+            return self.bm * self.bk * self.operand_bytes
         return self.bm * self.bn * self.output_bytes if self.epilogue == "tma_store" else 0
 
     @property
@@ -126,7 +134,18 @@ class Schedule:
             p.append(f"BN={bn} must be a multiple of 8 in [8, 256] (the wgmma n extent)")
         if bn > 64 and bn % 64:
             p.append(f"BN={bn} above 64 must be a multiple of 64 (128-byte swizzled column chunks)")
-        if bk % WGMMA_K:
+        if self.kind == "attention":
+            if bk not in (64, 128, 256):
+                p.append(f"head dim (BK) {bk} is not one of 64, 128, 256")
+            if bn % WGMMA_K or bn > 256 or bn % 64 and bn > 64:
+                p.append(f"BN={bn} (keys per block) must be a multiple of {WGMMA_K} (the k extent of "
+                         f"P @ V), at most 256, and a multiple of 64 above 64")
+            if self.epilogue != "direct":
+                p.append("attention stores O and LSE with epilogue='direct' (tma_store is not "
+                         "implemented for attention yet)")
+            if self.mma_inflight != 0:
+                p.append("attention waits for each wgmma (mma_inflight=0): the softmax reads S at once")
+        elif bk % WGMMA_K:
             p.append(f"BK={bk} is not a multiple of {WGMMA_K} (the wgmma k extent); "
                      f"use {max(WGMMA_K, bk // WGMMA_K * WGMMA_K)}")
         elif bk * self.operand_bytes != 128:
@@ -136,7 +155,7 @@ class Schedule:
             p.append(f"stages is {self.stages}; at least 1 is needed")
         if self.mma_inflight not in (0, 1):
             p.append(f"mma_inflight is {self.mma_inflight}; it must be 0 or 1")
-        if self.mma_inflight == 1 and self.stages < 2:
+        if self.mma_inflight == 1 and self.stages < 2 and self.kind == "matmul":
             p.append("mma_inflight=1 keeps one stage in use while the next is loaded: stages must "
                      "be at least 2 (or set mma_inflight=0)")
         for name, regs in (("producer_registers", self.producer_registers),
@@ -177,10 +196,12 @@ def max_stages(schedule: "Schedule") -> int:
 def default_schedule(kind: str = "matmul", **overrides) -> Schedule:
     """Hopper heuristic: 128x256x64 tiles, 1 producer + 2 consumer warpgroups at 40/232
     registers, and as many stages as fit beside the epilogue's staging buffer."""
-    unknown = set(overrides) - {f.name for f in fields(Schedule)}
+    unknown = set(overrides) - {f.name for f in fields(Schedule)} - ({"head_dim"} if kind == "attention" else set())
     if unknown:
         raise ScheduleError(f"unknown schedule field(s) {sorted(unknown)}; known: "
                             f"{[f.name for f in fields(Schedule)]}")
+    if kind == "attention":
+        return _default_attention(overrides)
     base = dict(kind=kind, tile=(128, 256, 64), consumer_warpgroups=2, stages=2)
     base.update({k: v for k, v in overrides.items() if k not in ("stages", "mma_inflight")})
     probe = Schedule(**base)
@@ -188,3 +209,14 @@ def default_schedule(kind: str = "matmul", **overrides) -> Schedule:
     # Keeping a wgmma in flight holds its stage: one stage alone must wait for every mma.
     inflight = overrides.get("mma_inflight", 1 if stages >= 2 else 0)
     return replace(probe, stages=stages, mma_inflight=inflight)
+
+
+def _default_attention(overrides: dict) -> Schedule:
+    """FlashAttention-3-like shape: 128 query rows (2 consumer warpgroups x 64), 128 keys per
+    block (64 for head dim 256, to keep O and S in registers), 2 K/V stages, 24/240 registers."""
+    head_dim = overrides.pop("head_dim", None) or overrides.get("tile", (0, 0, 128))[2]
+    base = dict(kind="attention", tile=(128, 64 if head_dim == 256 else 128, head_dim), stages=2,
+                consumer_warpgroups=2, producer_registers=24, consumer_registers=240,
+                epilogue="direct", mma_inflight=0)
+    base.update(overrides)
+    return Schedule(**base)

@@ -29,6 +29,8 @@ barriers, the wgmma protocol, the epilogue and register reallocation.
 
 from __future__ import annotations
 
+from wsched.partition import output_names, param_name
+
 from .. import ir
 from ..context import ACC, CONSUMER, K_VAR, PRODUCER, TILE_VAR, LoweringContext
 
@@ -37,6 +39,10 @@ C = ir.IntConst
 
 
 def run(kernel, ctx: LoweringContext) -> ir.Kernel:
+    if ctx.kind == "attention":
+        from . import build_attention
+
+        return build_attention.run(kernel, ctx)
     part, s = ctx.partition, ctx.schedule
     bm, bn, bk = s.tile
     ch = ctx.channel
@@ -51,8 +57,7 @@ def run(kernel, ctx: LoweringContext) -> ir.Kernel:
     b_shape = (V("N"), V("K")) if b_load.major == "k" else (V("K"), V("N"))
     params.append(ir.TensorMapParam(b_load.tensor, b_load.dtype, b_shape, b_load.box, 0))
     for node in part.side_inputs:
-        params.append(ir.GlobalParam(node.id, node.dtype.name, shape_expr(node.shape)))
-    from wsched.partition import output_names
+        params.append(ir.GlobalParam(param_name(node.id), node.dtype.name, shape_expr(node.shape)))
     for out, name in zip(part.outputs, output_names(part)):
         params.append(ir.GlobalParam(name, out.dtype.name, (V("M"), V("N"))))
 

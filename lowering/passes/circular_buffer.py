@@ -2,7 +2,9 @@
 
 Both nests derive the slot from the same counter `it` = (local tile index) x k_tiles + k, so
 the producer and the consumers walk the ring in lockstep without sharing any state:
-stage = it % S and phase = (it / S) & 1.
+stage = it % S and phase = (it / S) & 1. When the number of k iterations varies per tile
+(causal attention), each role keeps the same running base instead: `var k_base`, advanced
+by the tile's `kv_tiles` after its k loop, and it = k_base + k.
 
     before:  for k in serial(0, k_tiles, 1) { tma.load A[0] <- a[m0, k * 64] bar(full[0]) }
     after:   for k in serial(0, k_tiles, 1) {
@@ -18,7 +20,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from .. import ir
-from ..context import K_VAR, TILE_VAR, LoweringContext
+from ..context import K_BASE, K_COUNT, K_VAR, TILE_VAR, LoweringContext
 from ..rewrite import map_loop, transform
 
 V = ir.Var
@@ -26,10 +28,12 @@ V = ir.Var
 
 def run(kernel: ir.Kernel, ctx: LoweringContext) -> ir.Kernel:
     stages = ctx.schedule.stages
-    ch = ctx.channel
-    buffers = {ld.buffer for ld in ch.loads}
+    ring = ctx.channels("k")
+    buffers = {b for c in ring for b in c.buffers}
+    barrier_names = {n for c in ring for n in (c.full, c.empty)}
     smem = tuple(replace(b, shape=(stages,) + b.shape[1:]) if b.name in buffers else b for b in kernel.smem)
-    barriers = tuple(replace(b, slots=stages) if b.name in (ch.full, ch.empty) else b for b in kernel.barriers)
+    barriers = tuple(replace(b, slots=stages) if b.name in barrier_names else b for b in kernel.barriers)
+    uniform = ctx.kind == "matmul"   # every tile runs k_tiles iterations
     stage = V("s")
 
     def restage(stmt):
@@ -42,8 +46,9 @@ def run(kernel: ir.Kernel, ctx: LoweringContext) -> ir.Kernel:
         return None
 
     def add_counter(loop: ir.For):
+        base = ir.mul("tile_iter", "k_tiles") if uniform else V(K_BASE)
         counter = (
-            ir.Let("it", ir.add(ir.mul("tile_iter", "k_tiles"), K_VAR)),
+            ir.Let("it", ir.add(base, K_VAR)),
             ir.Let("s", ir.mod("it", stages)),
             ir.Let("ph", ir.band(ir.div("it", stages), 1)),
         )
@@ -51,7 +56,9 @@ def run(kernel: ir.Kernel, ctx: LoweringContext) -> ir.Kernel:
 
     def add_tile_iter(loop: ir.For):
         local = ir.Let("tile_iter", ir.div(ir.sub(TILE_VAR, "cta_id"), "num_ctas"))
-        return replace(loop, body=(local,) + loop.body)
+        advance = () if uniform else (ir.Assign(K_BASE, ir.add(K_BASE, K_COUNT)),)
+        tile_loop = replace(loop, body=(local,) + loop.body + advance)
+        return tile_loop if uniform else (ir.Let(K_BASE, ir.IntConst(0), mutable=True), tile_loop)
 
     body = transform(kernel.body, restage)
     body = map_loop(body, K_VAR, add_counter)

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from wsched.partition import output_names
+from wsched.partition import output_names, param_name
 
 from .. import ir
 from ..context import ACC, CONSUMER, TILE_VAR, LoweringContext
@@ -36,6 +36,10 @@ C = ir.IntConst
 
 
 def run(kernel: ir.Kernel, ctx: LoweringContext) -> ir.Kernel:
+    if ctx.kind == "attention":
+        from . import attention_epilogue
+
+        return attention_epilogue.run(kernel, ctx)
     part, s = ctx.partition, ctx.schedule
     rows, bn = s.rows_per_consumer, s.bn
     row0 = ir.add("m0", ir.mul("wg", rows))
@@ -67,7 +71,7 @@ def run(kernel: ir.Kernel, ctx: LoweringContext) -> ir.Kernel:
             node = part.fusion.node(node_id)
             name = declare(f"{node_id}_t", info.dtype, info.kind)
             coords = _side_coords(node, info.kind, row0)
-            body.append(ir.TileLoadGlobal(name, node_id, coords))
+            body.append(ir.TileLoadGlobal(name, param_name(node_id), coords))
             tile_of[node_id] = name
         return tile_of[node_id]
 

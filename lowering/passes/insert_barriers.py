@@ -1,12 +1,15 @@
-"""insert_barriers: the full/empty mbarrier protocol of the channel.
+"""insert_barriers: the full/empty mbarrier protocol of every channel.
 
-    setup     mbarrier.init full arrivals(1); mbarrier.init empty arrivals(consumers);
+    setup     mbarrier.init <full> arrivals(1); mbarrier.init <empty> arrivals(consumers); ...
               fence.mbarrier_init; syncthreads
-    producer  producer_acquire: mbarrier.wait empty[s] phase(ph ^ 1)   (first pass is free)
-              producer_commit:  mbarrier.arrive_expect_tx full[s] bytes(stage bytes), then loads
-    consumer  consumer_wait:    mbarrier.wait full[s] phase(ph)
-              consumer_release: mbarrier.arrive empty[s]   (placed after the mma here;
-                                lower_mma moves it behind the wgmma wait that frees the slot)
+    producer  producer_acquire: mbarrier.wait empty[s] phase(ph ^ 1)   (the first pass is free)
+              producer_commit:  mbarrier.arrive_expect_tx full[s] bytes(<stage bytes>), then loads
+    consumer  consumer_wait:    mbarrier.wait full[s] phase(ph)   before the first reader
+              consumer_release: mbarrier.arrive empty[s]          after the last reader
+                                (lower_mma then puts the wgmma wait that frees it in between)
+
+A channel stepped by the k loop uses that loop's stage `s` and phase `ph`; a channel loaded once
+per tile (attention's Q, one slot) uses slot 0 and phase tile_iter & 1, around the k loop.
 
     before:  for k ... { let it ...; tma.load A[s] <- ...; tma.load B[s] <- ... }
     after:   for k ... { let it ...; mbarrier.wait empty[s] phase(ph ^ 1)
@@ -19,34 +22,77 @@ from __future__ import annotations
 from dataclasses import replace
 
 from .. import ir
-from ..context import CONSUMER, K_VAR, PRODUCER, LoweringContext
+from ..context import CONSUMER, K_VAR, PRODUCER, TILE_VAR, LoweringContext
 from ..rewrite import map_loop, map_role
 
 V = ir.Var
+C = ir.IntConst
+
+
+def _reads(stmt: ir.Stmt, buffers: set[str]) -> bool:
+    """Does `stmt` (or anything nested in it) read one of the channel's buffers with a wgmma?"""
+    for s in ir.walk((stmt,)):
+        if isinstance(s, ir.Wgmma):
+            refs = [s.b] + ([s.a] if isinstance(s.a, ir.SmemRef) else [])
+            if any(r.buffer in buffers for r in refs):
+                return True
+    return False
+
+
+def _loads(stmt: ir.Stmt, buffers: set[str]) -> bool:
+    return isinstance(stmt, ir.TmaLoad) and stmt.dst.buffer in buffers
+
+
+def _slot(channel, level: str) -> tuple[ir.Expr, ir.Expr]:
+    """(slot, phase parity) a channel uses at its loop level."""
+    if level == "k":
+        return V("s"), V("ph")
+    return C(0), ir.band("tile_iter", 1)
+
+
+def _producer(body: tuple[ir.Stmt, ...], channels, level) -> tuple[ir.Stmt, ...]:
+    out: list[ir.Stmt] = []
+    started: set[str] = set()
+    for s in body:
+        for c in channels:
+            if c.name not in started and _loads(s, set(c.buffers)):
+                slot, phase = _slot(c, level)
+                out += [ir.MbarrierWait(ir.BarRef(c.empty, slot), ir.BinOp("^", phase, C(1))),
+                        ir.MbarrierArriveExpectTx(ir.BarRef(c.full, slot), C(c.bytes_per_stage))]
+                started.add(c.name)
+        out.append(s)
+    return tuple(out)
+
+
+def _consumer(body: tuple[ir.Stmt, ...], channels, level) -> tuple[ir.Stmt, ...]:
+    waits: dict[int, list[ir.Stmt]] = {}
+    releases: dict[int, list[ir.Stmt]] = {}
+    for c in channels:
+        readers = [i for i, s in enumerate(body) if _reads(s, set(c.buffers))]
+        if not readers:
+            continue
+        slot, phase = _slot(c, level)
+        waits.setdefault(readers[0], []).append(ir.MbarrierWait(ir.BarRef(c.full, slot), phase))
+        releases.setdefault(readers[-1], []).append(ir.MbarrierArrive(ir.BarRef(c.empty, slot)))
+    out: list[ir.Stmt] = []
+    for i, s in enumerate(body):
+        out += waits.get(i, []) + [s] + releases.get(i, [])
+    return tuple(out)
 
 
 def run(kernel: ir.Kernel, ctx: LoweringContext) -> ir.Kernel:
-    ch = ctx.channel
-    full, empty = ir.BarRef(ch.full, V("s")), ir.BarRef(ch.empty, V("s"))
-
-    def producer_loop(loop: ir.For):
-        lets = tuple(x for x in loop.body if isinstance(x, ir.Let))
-        rest = tuple(x for x in loop.body if not isinstance(x, ir.Let))
-        acquire = (ir.MbarrierWait(empty, ir.BinOp("^", V("ph"), ir.IntConst(1))),
-                   ir.MbarrierArriveExpectTx(full, ir.IntConst(ch.bytes_per_stage)))
-        return replace(loop, body=lets + acquire + rest)
-
-    def consumer_loop(loop: ir.For):
-        lets = tuple(x for x in loop.body if isinstance(x, ir.Let))
-        rest = tuple(x for x in loop.body if not isinstance(x, ir.Let))
-        return replace(loop, body=lets + (ir.MbarrierWait(full, V("ph")),) + rest + (ir.MbarrierArrive(empty),))
-
-    kernel = map_role(kernel, PRODUCER, lambda r: replace(r, body=map_loop(r.body, K_VAR, producer_loop)))
-    kernel = map_role(kernel, CONSUMER, lambda r: replace(r, body=map_loop(r.body, K_VAR, consumer_loop)))
-    init = (ir.MbarrierInit(ch.full, 1),
-            ir.MbarrierInit(ch.empty, ctx.schedule.consumer_warpgroups),
-            ir.FenceMbarrierInit(),
-            ir.SyncThreads())
+    nwg = ctx.schedule.consumer_warpgroups
+    for level, var in (("k", K_VAR), ("tile", TILE_VAR)):
+        channels = ctx.channels(level)
+        if not channels:
+            continue
+        kernel = map_role(kernel, PRODUCER, lambda r, ch=channels, lv=level, v=var: replace(
+            r, body=map_loop(r.body, v, lambda loop: replace(loop, body=_producer(loop.body, ch, lv)))))
+        kernel = map_role(kernel, CONSUMER, lambda r, ch=channels, lv=level, v=var: replace(
+            r, body=map_loop(r.body, v, lambda loop: replace(loop, body=_consumer(loop.body, ch, lv)))))
+    init: list[ir.Stmt] = []
+    for c in ctx.channels():
+        init += [ir.MbarrierInit(c.full, 1), ir.MbarrierInit(c.empty, nwg)]
+    init += [ir.FenceMbarrierInit(), ir.SyncThreads()]
     first_role = next(i for i, x in enumerate(kernel.body) if isinstance(x, ir.Role))
-    body = kernel.body[:first_role] + init + kernel.body[first_role:]
-    return replace(kernel, body=body)
+    return replace(kernel, body=kernel.body[:first_role] + tuple(init) + kernel.body[first_role:])

@@ -4,8 +4,9 @@ wgmma is asynchronous: `wgmma.fence` orders the accumulator's register traffic b
 `wgmma.commit` closes a group, `wgmma.wait n` leaves at most n groups in flight. A stage may be
 released only when no wgmma reading it is pending. With `mma_inflight = 1` one group stays in
 flight across iterations, so iteration k releases the stage of iteration k - 1 and the tile's
-last stage is released after the loop's final `wgmma.wait 0`. The first k block overwrites the
-accumulator (accumulate(k > 0)), so no zero fill is needed.
+last stage is released after the loop's final `wgmma.wait 0`. In a matmul the first k block
+overwrites the accumulator (accumulate(k > 0)), so no zero fill is needed; attention's two
+wgmmas keep the accumulate flags build_loops gave them (S is overwritten, O accumulates).
 
     before:  tile.fill acc, 0.0
              for k ... { mbarrier.wait full[s] phase(ph)
@@ -39,14 +40,15 @@ C = ir.IntConst
 def run(kernel: ir.Kernel, ctx: LoweringContext) -> ir.Kernel:
     stages = ctx.schedule.stages
     inflight = ctx.schedule.mma_inflight
+    matmul = ctx.kind == "matmul"
     empty = ctx.channel.empty
 
     def k_body(loop: ir.For) -> ir.For:
         out: list[ir.Stmt] = []
         for s in loop.body:
             if isinstance(s, ir.Wgmma):
-                out += [ir.WgmmaFence(), replace(s, accumulate=ir.BinOp(">", V(K_VAR), C(0))),
-                        ir.WgmmaCommit(), ir.WgmmaWait(inflight)]
+                mma = replace(s, accumulate=ir.BinOp(">", V(K_VAR), C(0))) if matmul else s
+                out += [ir.WgmmaFence(), mma, ir.WgmmaCommit(), ir.WgmmaWait(inflight)]
             elif isinstance(s, ir.MbarrierArrive) and s.bar.barrier == empty and inflight:
                 prev = ir.Let("prev_s", ir.mod(ir.sub("it", 1), stages))
                 out.append(ir.If(ir.BinOp(">", V(K_VAR), C(0)),
@@ -69,6 +71,6 @@ def run(kernel: ir.Kernel, ctx: LoweringContext) -> ir.Kernel:
 
     def consumer(role: ir.Role) -> ir.Role:
         body = map_loop(role.body, K_VAR, k_body)
-        return replace(role, body=map_loop(body, TILE_VAR, tile_body))
+        return replace(role, body=map_loop(body, TILE_VAR, tile_body) if matmul else body)
 
     return map_role(kernel, CONSUMER, consumer)

@@ -26,7 +26,7 @@ def run(kernel: ir.Kernel, ctx: LoweringContext) -> ir.Kernel:
         return replace(role, body=decls + (ir.ElectOne(rest), ir.Return()))
 
     kernel = map_role(kernel, PRODUCER, elect)
-    swizzled = {ld.tensor: ld.buffer for ld in ctx.channel.loads
+    swizzled = {ld.tensor: ld.buffer for c in ctx.channels() for ld in c.loads
                 if ld.box[-1] * ir.DTYPE_BYTES[ld.dtype] == 128}
     params = tuple(replace(p, swizzle=128) if isinstance(p, ir.TensorMapParam) and p.name in swizzled else p
                    for p in kernel.params)

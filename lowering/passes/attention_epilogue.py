@@ -1,0 +1,50 @@
+"""epilogue for attention: normalise O by the running sum, store it, and the log-sum-exp.
+
+The running max is kept in log2 units (S was scaled by log2 e), so
+LSE = m * ln 2 + ln l, in natural units like torch.logsumexp.
+
+    after (inside the tile loop, after the kv loop):
+      tile.div o_acc, o_acc, l_run
+      tile.cast o_t, o_acc
+      tile.store o[b0, b1, m0 + wg * 64, 0] <- o_t
+      tile.log l_run, l_run
+      tile.mul m_run, m_run, scalar(0.6931471805599453)
+      tile.add l_run, l_run, m_run
+      tile.store lse[b0, b1, m0 + wg * 64, 0] <- l_run
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from wsched.attention import LN2
+
+from .. import ir
+from ..context import CONSUMER, TILE_VAR, LoweringContext
+from ..rewrite import map_loop, map_role
+
+V = ir.Var
+C = ir.IntConst
+
+
+def run(kernel: ir.Kernel, ctx: LoweringContext) -> ir.Kernel:
+    part, d = ctx.partition, ctx.schedule.bk
+    coords = tuple(V(f"b{i}") for i in range(part.batch)) + (ir.add("m0", ir.mul("wg", 64)), C(0))
+    tail: list[ir.Stmt] = [
+        ir.TileBinary("div", "o_acc", "o_acc", "l_run"),
+        ir.TileUnary("cast", "o_t", "o_acc"),
+        ir.TileStoreGlobal("o", coords, "o_t"),
+    ]
+    if part.lse is not None:
+        tail += [ir.TileUnary("log", "l_run", "l_run"),
+                 ir.TileBinary("mul", "m_run", "m_run", ir.FloatConst(LN2)),
+                 ir.TileBinary("add", "l_run", "l_run", "m_run"),
+                 ir.TileStoreGlobal("lse", coords, "l_run")]
+
+    def consumer(role: ir.Role) -> ir.Role:
+        body = map_loop(role.body, TILE_VAR, lambda loop: replace(loop, body=loop.body + tuple(tail)))
+        decls = tuple(x for x in body if isinstance(x, ir.RegDecl))
+        rest = tuple(x for x in body if not isinstance(x, ir.RegDecl))
+        return replace(role, body=decls + (ir.RegDecl("o_t", part.out.dtype.name, (64, d)),) + rest)
+
+    return map_role(kernel, CONSUMER, consumer)

@@ -1,0 +1,203 @@
+"""Partition an attention fusion (matmul -> softmax -> matmul) into load and compute sub-DAGs.
+
+    load    : for tile in persistent(batch x m-blocks): { tma.load Q ;
+                                                         for k in kv-blocks: tma.load K ; tma.load V }
+    compute : for tile in persistent(same):  { for k in kv-blocks: S = Q K^T ; online softmax ;
+                                                                   O += P V ;
+                                               O /= l ; store O (and LSE) }
+
+Q is its own channel (one slot, loaded once per tile); K and V are circular buffers stepped by
+the kv loop. The softmax is online (running max and sum, O rescaled), so S and P never leave
+registers.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import networkx as nx
+
+from .partition import Channel, OperandLoad, param_name
+from .schedule import Schedule, ScheduleError
+
+
+@dataclass(frozen=True)
+class AttentionPartition:
+    fusion: object
+    schedule: Schedule
+    q: object
+    k: object
+    v: object
+    out: object                    # the [..., S, D] output node
+    lse: object | None             # the [..., S] logsumexp output node, if any
+    scale: float                   # multiplier applied to Q K^T before the softmax
+    causal: bool                   # top-left aligned causal mask (key j visible to query i if j <= i)
+    batch: int                     # number of leading (batch / head) dims of q
+    k_broadcast: tuple[bool, ...]  # per batch dim: K and V have extent 1 there (GQA / MQA)
+    channels: tuple[Channel, ...]
+    load_dag: nx.DiGraph
+    compute_dag: nx.DiGraph
+    dims: dict                     # kernel scalar -> (input name, axis)
+
+    kind = "attention"
+
+    @property
+    def outputs(self) -> tuple:
+        return (self.out,) + ((self.lse,) if self.lse is not None else ())
+
+    @property
+    def head_dim(self) -> int:
+        return self.schedule.bk
+
+    def output_names(self) -> list[str]:
+        return ["o"] + (["lse"] if self.lse is not None else [])
+
+    def __str__(self) -> str:
+        s = self.schedule
+        bm, bn, d = s.tile
+        batch = " x ".join(f"batch{i}" for i in range(self.batch))
+        kv = f"min(ceil(T/{bn}), ceil((m0+{bm})/{bn}))" if self.causal else f"ceil(T/{bn})"
+        lines = [f"partition of {self.fusion.name} (attention {s.short()})", "",
+                 "load sub-DAG  (producer: 1 warp of 1 warpgroup, elected thread)",
+                 f"  for tile in persistent({batch} x ceil(S/{bm}) tiles):",
+                 f"    tma.load {self.q.id} -> Q   {bm} x {d} once per tile   (channel q)",
+                 f"    for k in range({kv}):",
+                 f"      tma.load {self.k.id} -> K[stage]   {bn} x {d}   (channel k)",
+                 f"      tma.load {self.v.id} -> V[stage]   {bn} x {d}   (channel v)", "",
+                 f"compute sub-DAG  (consumers: {s.consumer_warpgroups} warpgroups x 64 query rows)",
+                 "  for tile in persistent(same tiles, same order):",
+                 f"    for k in range({kv}):",
+                 f"      S = Q K^T * {self.scale:g}" + ("   causal mask on diagonal blocks" if self.causal else "")
+                 + "   key-tail mask on the last block",
+                 "      online softmax: m = max(m, rowmax S); P = exp(S - m); l = l * c + rowsum P; O *= c",
+                 "      O += P V   (P in registers as the wgmma A operand)",
+                 f"    O /= l ; store {self.out.id} -> o" + (f" ; LSE = m + log l -> lse ({self.lse.id})"
+                                                             if self.lse is not None else ""), "",
+                 "channels"]
+        for c in self.channels:
+            level = "once per tile" if c.level == "tile" else "per kv block"
+            lines.append(f"  {c.name}: {c.stages} stage(s) x {c.bytes_per_stage} bytes, {level}, barriers "
+                         f"{c.full}[{c.stages}] / {c.empty}[{c.stages}] (arrivals {s.consumer_warpgroups})")
+        return "\n".join(lines) + "\n"
+
+
+def head_dim_of(fusion):
+    """The head dim of the Q in Q @ K^T (None if not found)."""
+    for n in fusion.nodes():
+        if n.op == "matmul" and fusion.node(n.inputs[1]).op == "transpose":
+            return fusion.node(n.inputs[0]).shape[-1]
+    return None
+
+
+def is_attention(fusion) -> bool:
+    return any(n.op == "softmax" for n in fusion.nodes()) and sum(n.op == "matmul" for n in fusion.nodes()) == 2
+
+
+def partition_attention(fusion, schedule: Schedule) -> AttentionPartition:
+    nodes = {n.id: n for n in fusion.nodes()}
+
+    def fail(msg: str, node=None):
+        where = f" ({node.id} = {node.op}(...) at {node.source})" if node is not None else ""
+        raise ScheduleError(f"attention schedule for {fusion.name}: {msg}{where}")
+
+    softmaxes = [n for n in nodes.values() if n.op == "softmax"]
+    matmuls = [n for n in nodes.values() if n.op == "matmul"]
+    if len(softmaxes) != 1 or len(matmuls) != 2:
+        fail(f"expected matmul -> softmax -> matmul, found {len(matmuls)} matmul(s) and "
+             f"{len(softmaxes)} softmax(es)")
+    sm = softmaxes[0]
+    if sm.attr("dim") != -1:
+        fail("the softmax must run over the last dim (keys)", sm)
+    pv = next((m for m in matmuls if m.inputs[0] == sm.id), None)
+    if pv is None:
+        fail("the second matmul must take the softmax as its left operand")
+    qk = next(m for m in matmuls if m is not pv)
+
+    # Walk from the softmax input back to Q K^T through scalings and one causal mask.
+    scale, causal, x = 1.0, False, nodes[sm.inputs[0]]
+    scores = x
+    while x.id != qk.id:
+        if x.op == "causal_mask":
+            if x.attr("align") != "top_left":
+                fail("only the top-left aligned causal mask (torch SDPA's is_causal) is supported", x)
+            causal = True
+            x = nodes[x.inputs[0]]
+        elif x.op in ("mul", "div"):
+            consts = [nodes[i] for i in x.inputs if nodes[i].op == "const"]
+            others = [nodes[i] for i in x.inputs if nodes[i].op != "const"]
+            if len(consts) != 1 or len(others) != 1 or (x.op == "div" and x.inputs[1] != consts[0].id):
+                fail("between Q K^T and the softmax only scaling by a constant and a causal mask fuse", x)
+            value = float(consts[0].attr("value"))
+            if value <= 0:
+                fail(f"the softmax scale must be positive, got {value}", x)
+            scale *= value if x.op == "mul" else 1.0 / value
+            x = others[0]
+        else:
+            fail("between Q K^T and the softmax only scaling by a constant and a causal mask fuse", x)
+
+    q, kt = nodes[qk.inputs[0]], nodes[qk.inputs[1]]
+    if kt.op != "transpose" or {kt.attr("dim0"), kt.attr("dim1")} != {-1, -2}:
+        fail("the first matmul must be Q @ K.transpose(-1, -2)", qk)
+    k, v = nodes[kt.inputs[0]], nodes[pv.inputs[1]]
+    for name, node in (("Q", q), ("K", k), ("V", v)):
+        if node.op != "input":
+            fail(f"{name} must be a fusion input (it is loaded by TMA)", node)
+        if node.dtype.name not in ("bf16", "f16"):
+            fail(f"{name} is {node.dtype.name}; wgmma takes bf16 or f16", node)
+    if len({q.dtype.name, k.dtype.name, v.dtype.name}) != 1:
+        fail(f"Q, K, V dtypes differ ({q.dtype.name}, {k.dtype.name}, {v.dtype.name})")
+    rank = len(q.shape)
+    if len(k.shape) != rank or len(v.shape) != rank or rank < 3 or rank > 5:
+        fail(f"Q, K, V must have one rank in 3..5 ([batch..., seq, head_dim]); got {len(q.shape)}, "
+             f"{len(k.shape)}, {len(v.shape)}")
+    d = q.shape[-1]
+    if not isinstance(d, int):
+        fail(f"the head dim of Q is the symbol {d!r}; declare it as a number (64, 128 or 256) so the "
+             f"kernel can be specialised for it", q)
+    if k.shape[-1] != d or v.shape[-1] != d:
+        fail(f"head dims differ: Q {d}, K {k.shape[-1]}, V {v.shape[-1]}")
+    if k.shape[-2] != v.shape[-2]:
+        fail(f"K and V have different key lengths ({k.shape[-2]} vs {v.shape[-2]})")
+    if d != schedule.bk:
+        fail(f"the schedule's head dim (tile[2] = {schedule.bk}) differs from Q's head dim {d}")
+    batch = rank - 2
+    k_broadcast = tuple(k.shape[i] == 1 and q.shape[i] != 1 for i in range(batch))
+
+    outputs = [nodes[o] for o in fusion.outputs]
+    out = next((o for o in outputs if o.id == pv.id or (o.op == "cast" and o.inputs[0] == pv.id)), None)
+    if out is None:
+        fail("the output of the second matmul (optionally cast) must be a fusion output")
+    lse = next((o for o in outputs if o.op == "logsumexp"), None)
+    if lse is not None and (lse.inputs[0] != scores.id or lse.attr("dim") != -1 or lse.attr("keepdim")):
+        fail("the logsumexp output must reduce the softmax's input over the last dim", lse)
+    extra = [o for o in outputs if o is not out and o is not lse]
+    if extra:
+        fail(f"outputs other than O and LSE cannot be fused: {[o.id for o in extra]}", extra[0])
+    if out.dtype.name not in ("bf16", "f16"):
+        fail(f"O is stored as bf16 or f16; add .to(ws.bf16) (it is {out.dtype.name})", out)
+
+    bm, bn, _ = schedule.tile
+    dt = q.dtype.name
+    chunks = d // 64
+    q_load = OperandLoad(param_name(q.id), "q", "Q", "k", dt, (64, 64), schedule.consumer_warpgroups * chunks)
+    k_load = OperandLoad(param_name(k.id), "k", "K", "k", dt, (bn, 64), chunks)
+    v_load = OperandLoad(param_name(v.id), "v", "V", "n", dt, (bn, 64), chunks)
+    channels = (Channel("q", 1, (q_load,), "q_full", "q_empty", level="tile"),
+                Channel("k", schedule.stages, (k_load,), "k_full", "k_empty"),
+                Channel("v", schedule.stages, (v_load,), "v_full", "v_empty"))
+    load_dag, compute_dag = nx.DiGraph(), nx.DiGraph()
+    for c in channels:
+        for ld in c.loads:
+            load_dag.add_edge(ld.tensor, f"tma_load({ld.tensor})")
+            load_dag.add_edge(f"tma_load({ld.tensor})", f"{ld.buffer}[stage]")
+    compute_dag.add_edges_from([("Q", "S"), ("K[stage]", "S"), ("S", "P"), ("P", "O"), ("V[stage]", "O"),
+                                ("O", "store(o)")] + ([("S", "store(lse)")] if lse is not None else []))
+    dims = {f"batch{i}": (q.id, i) for i in range(batch)}
+    dims.update({"S": (q.id, batch), "T": (k.id, batch)})
+    return AttentionPartition(fusion, schedule, q, k, v, out, lse, scale, causal, batch, k_broadcast,
+                              channels, load_dag, compute_dag, dims)
+
+
+LOG2E = 1.0 / math.log(2.0)
+LN2 = math.log(2.0)
