@@ -1,0 +1,105 @@
+"""Attention: partition, lowering (golden IR, round trip) and the CPU simulator against the
+torch reference — causal and not, head dims 64/128/256, ragged sequence lengths, decode, batch,
+GQA / MQA through broadcasting, LSE output."""
+
+import pytest
+import torch
+
+import wsched as ws
+from wsched.lowering.parser import parse_kernel
+from wsched.lowering.printer import print_kernel
+from wsched.schedule import ScheduleError
+
+from attention_fusions import attention_inputs, make_attention
+
+
+def rel(out, ref):
+    return float((out.float() - ref.float()).norm() / ref.float().norm())
+
+
+def simulate_and_check(fusion, inputs, seed=0, num_sms=3):
+    kernel = ws.lower(fusion)
+    ck = ws.CompiledKernel(fusion, ws.schedule_for(fusion), ws.partition(fusion, ws.schedule_for(fusion)),
+                           kernel, cuda_source="")
+    got = ck.simulate(*inputs, seed=seed, num_sms=num_sms)
+    ref = fusion.reference(*inputs)
+    got, ref = (got, ref) if isinstance(got, tuple) else ((got,), (ref,))
+    for g, r in zip(got, ref):
+        assert not torch.isnan(g.float()).any(), "outputs never written"
+        assert rel(g, r) < 1e-2, rel(g, r)
+    return got
+
+
+def test_partition_finds_q_k_v_scale_and_mask():
+    f = make_attention(128, causal=True, lse=True)
+    p = ws.partition(f, ws.schedule_for(f))
+    assert (p.q.id, p.k.id, p.v.id) == ("q", "k", "v")
+    assert p.causal and p.lse is not None and abs(p.scale - 128 ** -0.5) < 1e-12
+    assert [(c.name, c.level, c.stages, c.bytes_per_stage) for c in p.channels] == [
+        ("q", "tile", 1, 128 * 128 * 2), ("k", "k", 2, 128 * 128 * 2), ("v", "k", 2, 128 * 128 * 2)]
+    assert p.dims == {"batch0": ("q", 0), "batch1": ("q", 1), "S": ("q", 2), "T": ("k", 2)}
+
+
+def test_attention_partition_prints(golden):
+    f = make_attention(128, causal=True, lse=True)
+    golden.check("attention.partition.txt", str(ws.partition(f, ws.schedule_for(f))))
+
+
+def test_attention_ir_is_golden_and_round_trips(golden):
+    k = ws.lower(make_attention(128, causal=True, lse=True))
+    text = print_kernel(k)
+    golden.check("attention_causal_d128.ir", text)
+    for snapshot in k.ir_after.values():
+        assert parse_kernel(print_kernel(snapshot)) == snapshot
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("D", [64, 128, 256])
+def test_head_dims_causal_and_not(D, causal):
+    f = make_attention(D, causal=causal, lse=True)
+    simulate_and_check(f, attention_inputs(1, 2, 200, 200, D, seed=D + causal))
+
+
+@pytest.mark.parametrize("S,T", [(1, 300), (70, 333), (129, 64), (256, 256)])
+def test_ragged_lengths_and_decode(S, T):
+    f = make_attention(64, lse=True)
+    simulate_and_check(f, attention_inputs(2, 3, S, T, 64, seed=S), num_sms=4)
+
+
+def test_causal_ragged_more_tiles_than_ctas():
+    f = make_attention(64, causal=True)
+    simulate_and_check(f, attention_inputs(2, 2, 300, 300, 64, seed=9), num_sms=3)
+
+
+@pytest.mark.parametrize("groups", [2, 4])
+def test_gqa_and_mqa_broadcast_k_and_v(groups):
+    f = make_attention(64, gqa=True, lse=True)
+    inputs = attention_inputs(1, 4, 150, 170, 64, seed=groups, gqa_groups=groups)   # groups=4: MQA
+    simulate_and_check(f, inputs)
+    text = print_kernel(ws.lower(f))
+    assert "k_in[b0, b1, 0, k * 128, 0]" in text   # no copy of K: the group coordinate is 0 (K is passed as k_in: `k` is the kv loop variable)
+
+
+def test_several_interleavings():
+    f = make_attention(64, causal=True, lse=True)
+    inputs = attention_inputs(1, 1, 260, 260, 64, seed=1)
+    for seed in range(4):
+        simulate_and_check(f, inputs, seed=seed, num_sms=2)
+
+
+def test_symbolic_head_dim_is_rejected():
+    @ws.fusion
+    def sym(q: ws.Tensor[ws.bf16, "B", "S", "D"], k: ws.Tensor[ws.bf16, "B", "T", "D"], v: ws.Tensor[ws.bf16, "B", "T", "D"]):
+        return ws.matmul(ws.softmax(ws.matmul(q, k.transpose(-1, -2)), dim=-1), v).to(ws.bf16)
+
+    with pytest.raises(ScheduleError, match="the head dim of Q is the symbol 'D'; declare it as a number"):
+        ws.lower(sym)
+
+
+def test_unfusable_op_between_the_matmuls_is_named():
+    @ws.fusion
+    def bad(q: ws.Tensor[ws.bf16, "S", 64], k: ws.Tensor[ws.bf16, "T", 64], v: ws.Tensor[ws.bf16, "T", 64]):
+        return ws.matmul(ws.softmax(ws.exp(ws.matmul(q, k.transpose(-1, -2))), dim=-1), v).to(ws.bf16)
+
+    with pytest.raises(ScheduleError, match=r"only scaling by a constant and a causal mask fuse \(n1 = exp"):
+        ws.lower(bad)
