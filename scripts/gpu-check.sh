@@ -1,17 +1,20 @@
 #!/usr/bin/env bash
-# One device call: install, build every kernel the GPU tests need, run the GPU tests, then the
-# benchmarks. Logs go to $OUT (the device tool brings them back). Carry .whl (lark).
+# One device call: install, build every kernel the GPU tests need (in parallel), run the GPU
+# tests, then the benchmarks. Logs go to $OUT (the device tool brings them back). Carry .whl.
+#   scripts/gpu-check.sh [all|matmul|attention] [tests|bench|both]
 set -uo pipefail
 OUT="${OUT:-/tmp/wsched-out}"; mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
 python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1 || echo "editable install failed"
 export PYTHONUNBUFFERED=1 WSCHED_CACHE_DIR=/tmp/wsched-cache
-nvidia-smi --query-gpu=name,driver_version,clocks.sm --format=csv | tee "$OUT/gpu.txt"
-what="${1:-all}"
-if [ "$what" = all ] || [ "$what" = tests ]; then
-  python3 scripts/prebuild.py 2>&1 | tee "$OUT/prebuild.log"
-  timeout 400 python3 -m pytest -q -x -m gpu tests/ -p no:cacheprovider 2>&1 | tee "$OUT/gpu-tests.log" | tail -40
+nvidia-smi --query-gpu=name,driver_version,clocks.sm --format=csv,noheader | tee "$OUT/gpu.txt"
+which="${1:-all}"; what="${2:-both}"
+python3 scripts/prebuild.py "$which" 2>&1 | tee "$OUT/prebuild-$which.log"
+if [ "$what" != bench ]; then
+  case "$which" in matmul) files=tests/test_gpu_matmul.py;; attention) files=tests/test_gpu_attention.py;; *) files=tests/;; esac
+  timeout 300 python3 -m pytest -q -m gpu $files -p no:cacheprovider -x 2>&1 | tee "$OUT/gpu-tests-$which.log" | tail -25
 fi
-if [ "$what" = all ] || [ "$what" = bench ]; then
-  timeout 300 python3 benchmarks/matmul.py --iters 30 2>&1 | tee "$OUT/bench-matmul.log"
+if [ "$what" != tests ]; then
+  if [ "$which" != attention ]; then timeout 240 python3 benchmarks/matmul.py --iters 30 2>&1 | tee "$OUT/bench-matmul.log"; fi
+  if [ "$which" != matmul ]; then timeout 240 python3 benchmarks/attention.py --iters 20 2>&1 | tee "$OUT/bench-attention.log"; fi
 fi

@@ -9,11 +9,15 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
 
 import wsched as ws  # noqa: E402
+from attention_fusions import make_attention  # noqa: E402
 from fusions import linear_relu_residual, matmul, matmul_f16, mlp, scaled_silu_f32  # noqa: E402
 
 VARIANTS = [(matmul, {}), (matmul_f16, {}), (mlp, {}), (linear_relu_residual, {}), (scaled_silu_f32, {}),
             (mlp, dict(stages=1)), (mlp, dict(stages=2)), (mlp, dict(stages=4, epilogue="direct")),
             (linear_relu_residual, dict(epilogue="direct"))]
+ATTENTION = ([(make_attention(d, causal=c, lse=True), {}) for d in (64, 128, 256) for c in (False, True)]
+             + [(make_attention(d, causal=c), {}) for d, c in ((128, False), (128, True), (64, False), (256, False))]
+             + [(make_attention(128, causal=True, gqa=True), {}), (make_attention(64, causal=True, dtype=ws.f16), {})])
 
 
 def build(item):
@@ -31,5 +35,8 @@ if __name__ == "__main__":
     from matmul import linear, matmul as bench_matmul
 
     with ThreadPoolExecutor(max_workers=8) as pool:
-        for line in pool.map(build, VARIANTS + [(bench_matmul, {}), (linear, {})]):
+        which = sys.argv[1] if len(sys.argv) > 1 else "all"
+        todo = (VARIANTS + [(bench_matmul, {}), (linear, {})] if which in ("all", "matmul") else []) + \
+               (ATTENTION if which in ("all", "attention") else [])
+        for line in pool.map(build, todo):
             print(line, flush=True)

@@ -1,0 +1,78 @@
+"""FMHA forward vs torch SDPA (cuDNN and flash backends), timed side by side in one run.
+
+    python benchmarks/attention.py [--iters 30]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+import wsched as ws  # noqa: E402
+from attention_fusions import make_attention  # noqa: E402
+from timing import median_ms, rel_error  # noqa: E402
+
+# (B, H, Hkv, S, D, causal)
+CASES = [(4, 16, 16, 4096, 128, False), (4, 16, 16, 4096, 128, True), (8, 16, 16, 2048, 64, False),
+         (4, 16, 16, 4096, 256, False), (16, 16, 16, 1024, 128, False), (4, 32, 8, 4096, 128, True)]
+
+
+def sdpa(backend, q, k, v, causal, gqa):
+    def fn():
+        with sdpa_kernel(backend):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=gqa)
+    return fn
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--iters", type=int, default=30)
+    args = ap.parse_args(argv)
+    print(f"# {torch.cuda.get_device_name()}  torch {torch.__version__}  bf16, median of {args.iters}")
+    rows = []
+    for B, H, HK, S, D, causal in CASES:
+        gqa = HK != H
+        f = make_attention(D, causal=causal, gqa=gqa)
+        k = ws.compile(f)
+        q = torch.randn(B, H, S, D, device="cuda", dtype=torch.bfloat16)
+        kk = torch.randn(B, HK, S, D, device="cuda", dtype=torch.bfloat16)
+        v = torch.randn(B, HK, S, D, device="cuda", dtype=torch.bfloat16)
+        ours_in = (q.view(B, HK, H // HK, S, D), kk.view(B, HK, 1, S, D), v.view(B, HK, 1, S, D)) if gqa else (q, kk, v)
+        out = k._outputs(f.bind(*ours_in), "cuda")
+        grid, launch_args, _ = k.launch_args(ours_in, out=out)
+        ours = lambda: k._loaded.launch(grid, launch_args)  # noqa: E731 (pre-bound args: time the kernel)
+        ours()
+        torch.cuda.synchronize()
+        o = next(iter(out.values())).view(B, H, S, D)
+        flops = 4 * B * H * S * S * D * (0.5 if causal else 1.0)
+        row = [f"B{B} H{H}{'/' + str(HK) if gqa else ''} S{S} D{D}{' causal' if causal else ''}"]
+        t_ours = median_ms(ours, iters=args.iters)
+        row.append(flops / t_ours / 1e9)
+        err = None
+        for backend in (SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION):
+            try:
+                fn = sdpa(backend, q, kk, v, causal, gqa)
+                ref = fn()
+                err = rel_error(o, ref) if err is None else err
+                row.append(flops / median_ms(fn, iters=args.iters) / 1e9)
+            except RuntimeError as e:   # a backend that does not take this case
+                print(f"  {backend.name}: {str(e).splitlines()[0][:100]}")
+                row.append(float("nan"))
+        row.append(err)
+        rows.append(row)
+        print(f"{row[0]:>28}  wsched {row[1]:6.1f}  cuDNN {row[2]:6.1f}  flash {row[3]:6.1f} TFLOP/s  "
+              f"vs cuDNN {row[1] / row[2]:.2f}  vs flash {row[1] / row[3]:.2f}  rel.err {err:.1e}", flush=True)
+    print("\n| case | wsched TFLOP/s | SDPA cuDNN | SDPA flash | vs cuDNN | vs flash |\n|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r[0]} | {r[1]:.0f} | {r[2]:.0f} | {r[3]:.0f} | {r[1] / r[2]:.2f} | {r[1] / r[3]:.2f} |")
+
+
+if __name__ == "__main__":
+    main()
