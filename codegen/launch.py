@@ -175,8 +175,11 @@ def check_tensor(
     rank: int | Sequence[int | None] | None = None,
     device: object = None,
     require_cuda: bool = True,
+    alignment: bool = True,
 ) -> None:
     """Check one tensor argument of a kernel; raise ValueError/TypeError saying what to change.
+    `alignment=False` skips the TMA rules (inner contiguity, 16-byte base and rows) for tensors
+    the kernel reads with plain loads.
 
     Order: type, device, dtype, rank/shape, inner contiguity, base alignment, row strides — so
     each later check can be exercised on a CPU tensor with `require_cuda=False`.
@@ -225,7 +228,7 @@ def check_tensor(
                 wanted = "(" + ", ".join("*" if e is None else str(e) for e in expected) + ")"
                 raise ValueError(f"{where} has shape {_shape_text(shape)}; required shape {wanted}")
 
-    if tensor.dim() == 0:
+    if tensor.dim() == 0 or not alignment:
         return
     if tensor.stride(-1) != 1 and tensor.shape[-1] != 1:
         raise ValueError(

@@ -549,7 +549,8 @@ class TileLoadGlobal:
 
 @dataclass(frozen=True)
 class TileStoreGlobal:
-    """`tile.store c[m0, n0] <- y`: plain stores of a tile; elements outside are dropped."""
+    """`tile.store c[m0, n0] <- y`: plain stores of a tile, each value rounded to the tensor's
+    dtype (round to nearest even); elements outside are dropped."""
 
     tensor: str
     coords: tuple[Expr, ...]
@@ -558,8 +559,9 @@ class TileStoreGlobal:
 
 @dataclass(frozen=True)
 class TileStoreSmem:
-    """`tile.store_smem C[wg] <- y`: write a tile into a smem sub-array (generic proxy:
-    a `fence.proxy.async` must precede any TMA/wgmma read of it)."""
+    """`tile.store_smem C[wg] <- y`: write a tile into a smem sub-array, each value rounded to
+    the buffer's dtype (generic proxy: a `fence.proxy.async` must precede any TMA/wgmma read of
+    it)."""
 
     dst: SmemRef
     src: str

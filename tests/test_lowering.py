@@ -37,7 +37,7 @@ def test_ir_after_each_pass_is_kept_by_name():
     assert "mbarrier.arrive_expect_tx full[s] bytes(49152)" in after
     assert "elect_one" not in print_kernel(k.ir_after["insert_barriers"])
     assert "setmaxnreg" not in print_kernel(k.ir_after["epilogue"])
-    assert "setmaxnreg.dec 40" in print_kernel(k)
+    assert "setmaxnreg.dec 24" in print_kernel(k)
 
 
 def test_print_ir_knob_prints_the_chosen_passes(monkeypatch, capsys):
@@ -76,16 +76,17 @@ def test_direct_epilogue_stores_from_registers():
 def test_epilogue_reuses_dead_tiles():
     k = ws.lower(mlp)
     regs = [s for s in ir.walk(k.body) if isinstance(s, ir.RegDecl)]
-    # acc carries add and gelu in place; only the bf16 output and the bias row are new tiles.
-    assert [(r.name, r.dtype, r.shape) for r in regs] == [
-        ("acc", "f32", (64, 256)), ("bias_t", "bf16", (1, 256)), ("n3_t", "bf16", (64, 256))]
+    # acc carries add and gelu in place, and the store rounds it to bf16: the bias row is the
+    # only other tile.
+    assert [(r.name, r.dtype, r.shape) for r in regs] == [("acc", "f32", (64, 256)), ("bias_t", "bf16", (1, 256))]
+    assert "tile.cast" not in print_kernel(k)
 
 
 def test_edited_ir_parses_back():
-    text = print_kernel(ws.lower(mlp)).replace("setmaxnreg.inc 232", "setmaxnreg.inc 224").replace(
-        "registers(232)", "registers(224)")
+    text = print_kernel(ws.lower(mlp)).replace("setmaxnreg.inc 240", "setmaxnreg.inc 232").replace(
+        "registers(240)", "registers(232)")
     k = parse_kernel(text)
-    assert [r.registers for r in k.roles()] == [40, 224]
+    assert [r.registers for r in k.roles()] == [24, 232]
 
 
 def test_lowering_takes_well_under_a_second():

@@ -10,11 +10,11 @@ from wsched.schedule import Schedule, ScheduleError, default_schedule, max_stage
 def test_default_is_the_hopper_heuristic():
     s = default_schedule()
     assert s.tile == (128, 256, 64)
-    assert (s.consumer_warpgroups, s.producer_registers, s.consumer_registers) == (2, 40, 232)
+    assert (s.consumer_warpgroups, s.producer_registers, s.consumer_registers) == (2, 24, 240)
     # 3 operand stages of 48 KB fit beside the 64 KB epilogue staging buffer; 4 do not.
     assert s.stages == 3 == max_stages(s)
     assert s.smem_bytes <= 232448
-    assert s.register_use == 128 * 40 + 256 * 232 == 64512
+    assert s.register_use == 128 * 24 + 256 * 240 == 64512
 
 
 def test_direct_epilogue_frees_room_for_a_fourth_stage():
@@ -44,9 +44,9 @@ def test_unknown_field_is_rejected():
     (dict(tile=(128, 256, 40)), "BK=40 is not a multiple of 16 (the wgmma k extent); use 32"),
     (dict(tile=(96, 256, 64)), "BM=96 must be a multiple of 64 x consumer_warpgroups=128"),
     (dict(tile=(128, 260, 64)), "BN=260 must be a multiple of 8 in [8, 256]"),
-    (dict(consumer_registers=240), "register budget exceeded: 128 x 40 + 256 x 240 = 66560 > 65536 "
+    (dict(producer_registers=40, consumer_registers=240), "register budget exceeded: 128 x 40 + 256 x 240 = 66560 > 65536 "
                                    "per SM by 1024"),
-    (dict(producer_registers=42), "producer_registers=42 must be a multiple of 8 in [24, 256]"),
+    (dict(producer_registers=42, consumer_registers=232), "producer_registers=42 must be a multiple of 8 in [24, 256]"),
     (dict(mode="pingpong"), "mode 'pingpong' is not implemented yet; use 'cooperative'"),
     (dict(epilogue="smem"), "epilogue 'smem' is not one of 'tma_store', 'direct'"),
     (dict(stages=1, mma_inflight=1), "mma_inflight=1 keeps one stage in use while the next is loaded"),

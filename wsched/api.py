@@ -138,17 +138,23 @@ class CompiledKernel:
         from .lowering.evaluate import evaluate
 
         inputs, scalars, sizes = self._bind(tensors)
-        device = next(iter(inputs.values())).device
-        for name, t in inputs.items():
-            check_tensor(name, t, device=device)
+        device = next((t.device for t in inputs.values() if t.is_cuda), None) or torch.device(
+            "cuda", torch.cuda.current_device())
         outs = out if out is not None else self._outputs(sizes, device)
         tensors_by_name = self._kernel_views({**inputs, **outs}, scalars)
         args = []
         for p in self.kernel.params:
-            if isinstance(p, ir.TensorMapParam):
+            if isinstance(p, ir.TensorMapParam):   # TMA: 16-byte aligned base and rows
+                check_tensor(p.name, tensors_by_name[p.name], device=device)
                 args.append(("tensor_map", tensor_map_for(tensors_by_name[p.name], p.box, p.swizzle, p.name)))
-            elif isinstance(p, ir.GlobalParam):
-                args.append(("ptr", tensors_by_name[p.name].data_ptr()))
+            elif isinstance(p, ir.GlobalParam):    # plain loads/stores: row-major, any alignment
+                t = tensors_by_name[p.name]
+                check_tensor(p.name, t, device=device, alignment=False)
+                if not t.is_contiguous():
+                    raise ValueError(f"argument '{p.name}' (shape {tuple(t.shape)}, strides {t.stride()}) "
+                                     f"is not contiguous; the kernel reads it row-major — pass "
+                                     f"{p.name}.contiguous()")
+                args.append(("ptr", t.data_ptr()))
             else:
                 args.append((p.dtype, scalars[p.name]))
         grid = evaluate(self.kernel.grid, {**scalars, "num_sms": sm_count(device)})

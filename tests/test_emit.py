@@ -1,0 +1,341 @@
+"""CUDA emission from the final loop IR (codegen/emit.py): the shape of the generated file,
+golden text, the CUDA spelling of the IR's rules, errors, and (nvcc) spill-free sm_90a builds."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import pytest
+
+import wsched as ws
+from wsched.codegen import build
+from wsched.codegen.emit import EMITTERS, EmitError, EmittedKernel, emit_kernel
+from wsched.lowering import ir
+from wsched.lowering.pipeline import lower_partition
+from wsched.partition import partition
+from wsched.schedule import default_schedule
+
+from attention_fusions import make_attention
+
+C, V = ir.IntConst, ir.Var
+
+
+# --- fusions ------------------------------------------------------------------------------------
+
+
+@ws.fusion
+def matmul(a: ws.Tensor[ws.bf16, "M", "K"], b: ws.Tensor[ws.bf16, "K", "N"]):
+    return ws.matmul(a, b).to(ws.bf16)
+
+
+@ws.fusion
+def bias_gelu(a: ws.Tensor[ws.bf16, "M", "K"], b: ws.Tensor[ws.bf16, "K", "N"],
+              bias: ws.Tensor[ws.bf16, "N"]):
+    return ws.gelu(ws.matmul(a, b) + bias).to(ws.bf16)
+
+
+@ws.fusion
+def linear_relu_residual(a: ws.Tensor[ws.bf16, "M", "K"], w: ws.Tensor[ws.bf16, "N", "K"],
+                         bias: ws.Tensor[ws.bf16, "N"], r: ws.Tensor[ws.bf16, "M", "N"]):
+    return (ws.relu(ws.matmul(a, w.transpose(-1, -2)) + bias) + r).to(ws.bf16)
+
+
+def lower(fusion, **schedule) -> ir.Kernel:
+    return lower_partition(partition(fusion, default_schedule(**schedule)))
+
+
+def emit(fusion, **schedule) -> EmittedKernel:
+    return emit_kernel(lower(fusion, **schedule))
+
+
+@pytest.fixture(scope="module")
+def default_kernel() -> ir.Kernel:
+    return lower(matmul)
+
+
+@pytest.fixture(scope="module")
+def default_source(default_kernel) -> str:
+    return emit_kernel(default_kernel).source
+
+
+# --- the generated file -------------------------------------------------------------------------
+
+
+def test_default_matmul_golden(golden, default_source):
+    golden.check("matmul_default.cu", default_source)
+
+
+def test_emitted_kernel_facts_come_from_the_ir(default_kernel):
+    e = emit_kernel(default_kernel)
+    assert (e.name, e.threads, e.smem_bytes) == ("matmul", 384, default_kernel.smem_bytes)
+    assert e.params == default_kernel.params
+    assert dataclasses.is_dataclass(e) and e.__dataclass_params__.frozen
+
+
+def test_signature_spells_every_param_in_ir_order(default_source):
+    start = default_source.index('extern "C"')
+    head = default_source[start:default_source.index(") {", start)]
+    assert head.startswith('extern "C" __global__ void __launch_bounds__(384, 1) matmul(')
+    assert re.findall(r"\n    ([^\n,]+)", head) == [
+        "int M", "int N", "int K",
+        "const __grid_constant__ CUtensorMap a",
+        "const __grid_constant__ CUtensorMap b",
+        "const __grid_constant__ CUtensorMap out",
+    ]
+    linear = emit(linear_relu_residual, epilogue="direct").source
+    assert "__nv_bfloat16* __restrict__ bias" in linear
+    assert "__nv_bfloat16* __restrict__ r" in linear
+
+
+def test_reads_like_a_warp_specialized_kernel(default_kernel, default_source):
+    src = default_source
+    producer, consumer = default_kernel.roles()
+    assert src.startswith("// matmul: warp-specialized kernel")
+    assert '#include "wsched.cuh"' in src and "#include <cuda_bf16.h>" in src
+    order = ["// setup", "__syncthreads();",
+             "const int wg_index = __shfl_sync(0xffffffff, threadIdx.x / 128, 0);",
+             "if (wg_index < 1) {", f"// role producer: warpgroup 0, {producer.registers} registers",
+             f"wsp::setmaxnreg_dec<{producer.registers}>();", "} else if (wg_index < 3) {",
+             f"// role consumer: warpgroups 1-2, {consumer.registers} registers",
+             "const int wg = wg_index - 1;", f"wsp::setmaxnreg_inc<{consumer.registers}>();"]
+    positions = [src.index(s) for s in order]
+    assert positions == sorted(positions)
+    # mbarrier init and its fence by thread 0 only, before the CTA barrier
+    assert re.search(r"if \(threadIdx.x == 0\) \{\n\s+for \(int i = 0; i < 3; \+\+i\) "
+                     r"wsp::mbar_init\(&full_bar\[i\], 1\);\n.*\n\s+wsp::fence_mbarrier_init\(\);", src)
+    # one arrival per warpgroup, a wait by every thread
+    assert "if (threadIdx.x % 128 == 0) {\n            wsp::mbar_arrive(&empty_bar[prev_s]);" in src
+    assert "\n        wsp::mbar_wait(&full_bar[s], ph);" in src
+    assert "if (wsp::warp_id_in_warpgroup() == 0 && wsp::elect_one()) {" in src
+    # the accumulator is declared at the top of the consumer branch
+    assert re.search(r"wsp::setmaxnreg_inc<\d+>\(\);\n\s+float acc\[128\];", src)
+
+
+def test_smem_carve_up_matches_kernel_smem_bytes(default_kernel, default_source):
+    offsets, end = {}, 0
+    for buf in default_kernel.smem:
+        end = -(-end // 1024) * 1024
+        offsets[f"smem_{buf.name}"] = end
+        end += buf.nbytes
+    end = -(-end // 8) * 8
+    for b in default_kernel.barriers:
+        offsets[f"{b.name}_bar"] = end
+        end += 8 * b.slots
+    for name, off in offsets.items():
+        assert re.search(rf"\b{name} = .*smem \+ {off}\b", default_source), name
+    assert end + 1023 <= default_kernel.smem_bytes  # runtime 1024-alignment of the base fits
+    assert "& ~uintptr_t(1023)" in default_source
+
+
+def test_changing_stages_changes_the_source():
+    three = emit(matmul).source
+    two = emit(matmul, stages=2).source
+    assert "const int s = it % 3;" in three and "% 2" not in three.split("// setup")[1]
+    assert "const int s = it % 2;" in two and "% 3" not in two.split("// setup")[1]
+    assert "i < 2; ++i) wsp::mbar_init(&full_bar[i], 1);" in two
+
+
+def test_tma_coordinates_are_innermost_first(default_source):
+    # IR: tma.load A[s] <- a[m0, k * 64]; tma.store out[m0 + wg * 64, n0 + 64] <- C_bf16[wg, 1]
+    assert "wsp::tma_load_2d(smem_A + s * 16384, &a, &full_bar[s], k * 64, m0);" in default_source
+    assert ("wsp::tma_store_2d(&out, smem_C_bf16 + wg * 32768 + 8192, n0 + 64, m0 + wg * 64);"
+            in default_source)
+    assert "wsp::tma_store_commit();" in default_source
+    assert "wsp::tma_store_wait_read<0>();" in default_source
+
+
+def test_wgmma_descriptors_for_n_major_and_k_major_b(default_source):
+    # B [K, N] row-major: N-major chunks (N/64, K, 64); LBO = next 64-column chunk, SBO = 8 rows
+    assert "make_smem_desc(smem_A + s * 16384 + wg * 8192, 128, 16, 1024)" in default_source
+    assert "make_smem_desc(smem_B + s * 32768, 128, 8192, 1024)" in default_source
+    assert ("wgmma_m64n256k16_bf16_ss_tb(acc, wsp::smem_desc_add(desc_a, 32), "
+            "wsp::smem_desc_add(desc_b, 2048), 1);") in default_source
+    assert "wgmma_m64n256k16_bf16_ss_tb(acc, desc_a, desc_b, k > 0);" in default_source
+    assert default_source.count("__device__ __forceinline__ void wgmma_m64n256k16") == 1
+    # B = w.T with w [N, K]: K-major [N, K] rows, advanced 32 bytes per k16 step like A
+    src = emit(linear_relu_residual).source
+    assert "make_smem_desc(smem_B + s * 32768, 128, 16, 1024)" in src
+    assert "wgmma_m64n256k16_bf16_ss(acc, wsp::smem_desc_add(desc_a, 32), " \
+           "wsp::smem_desc_add(desc_b, 32), 1);" in src
+    # accumulator fences around wgmma, as CUTLASS does
+    assert re.search(r"warpgroup_fence_array\(acc\);\n\s+wsp::wgmma_fence\(\);", default_source)
+    assert re.search(r"wgmma_wait<1>\(\);\n\s+wsp::warpgroup_fence_array\(acc\);", default_source)
+
+
+def test_fused_epilogues_are_spelled_from_their_tile_ops():
+    gelu = emit(bias_gelu).source
+    # consecutive elementwise ops share one fragment loop, in IR order
+    assert "// tile.add acc, acc, bias_t; tile.gelu acc, acc\n" in gelu
+    assert ("acc[4 * fj + 2 * fi + 0] = acc[4 * fj + 2 * fi + 0] + __bfloat162float(bias_t[fj].x);\n"
+            "          acc[4 * fj + 2 * fi + 1] = acc[4 * fj + 2 * fi + 1] + __bfloat162float(bias_t[fj].y);\n"
+            "          acc[4 * fj + 2 * fi + 0] = wsk::gelu(acc[4 * fj + 2 * fi + 0]);") in gelu
+    assert "erff(x * 0.7071067811865476f)" in gelu
+    # a bf16 row tile: one 32-bit load per pair when the row is aligned, else two 16-bit ones
+    assert "bias_t[fj] = wsk::load_pair(ptr + 8 * fj, row_ok && col0 + 8 * fj < N);" in gelu
+    assert "bias_t[fj] = wsk::load_split(ptr + 8 * fj, row_ok && col0 + 8 * fj < N, " in gelu
+    direct = emit(linear_relu_residual, epilogue="direct").source
+    assert "acc[4 * fj + 2 * fi + 0] = fmaxf(acc[4 * fj + 2 * fi + 0], 0.0f);" in direct
+    assert "const bool row_ok = row < M;" in direct
+    # stores round f32 to the tensor's dtype: the pair is packed at the store
+    assert re.search(r"wsk::store_pair\(ptr \+ 8 \* fj, row_ok && col0 \+ 8 \* fj < N, "
+                     r"__floats2bfloat162_rn\(acc\[4 \* fj \+ 2 \* fi \+ 0\], ", direct)
+    assert "tma_store" not in direct.split('extern "C"')[1]
+
+
+# --- the CUDA spelling of expressions and rules --------------------------------------------------
+
+
+def tiny_kernel(*consumer: ir.Stmt, kernel_level: tuple[ir.Stmt, ...] = (),
+                params: tuple[ir.Param, ...] = (ir.ScalarParam("M", "i32"),),
+                smem: tuple[ir.SmemDecl, ...] = (), barriers: tuple[ir.BarrierDecl, ...] = ()):
+    return ir.Kernel("tiny", params, C(1), (1, 1, 1), smem, barriers,
+                     kernel_level + (ir.Role("consumer", 1, 232, consumer),))
+
+
+def test_expressions_use_cpp_precedence_and_types():
+    k = tiny_kernel(
+        ir.Let("x", ir.BinOp("==", ir.BinOp("&", V("M"), C(1)), C(0))),   # IR: M & 1 == 0
+        ir.Let("y", ir.BinOp("-", V("M"), ir.BinOp("-", C(5), C(-1)))),
+        ir.Let("z", ir.Call("select", (V("x"), ir.FloatConst(1.5), ir.FloatConst(float("inf"))))),
+        ir.Let("u", ir.Call("ceil_div", (V("M"), C(64))), mutable=True),
+        ir.Assign("u", ir.Call("min", (V("u"), V("y")))),
+        ir.Let("f", ir.Call("max", (V("z"), ir.FloatConst(0.0)))),
+    )
+    src = emit_kernel(k).source
+    assert "const int x = (M & 1) == 0;" in src
+    assert "const int y = M - (5 - (-1));" in src
+    assert "const float z = x ? 1.5f : INFINITY;" in src
+    assert "int u = ceil_div(M, 64);" in src and "u = min(u, y);" in src
+    assert "const float f = fmaxf(z, 0.0f);" in src
+    assert "int ceil_div(int a, int b)" in src
+
+
+def test_tma_load_outside_elect_one_is_an_error(default_kernel):
+    def unwrap(stmts):
+        out = []
+        for s in stmts:
+            if isinstance(s, ir.ElectOne):
+                out.extend(unwrap(s.body))
+            elif isinstance(s, (ir.For, ir.Role)):
+                out.append(dataclasses.replace(s, body=tuple(unwrap(s.body))))
+            else:
+                out.append(s)
+        return out
+
+    producer_without_elect = tuple(
+        dataclasses.replace(s, body=tuple(unwrap(s.body)))
+        if isinstance(s, ir.Role) and s.name == "producer" else s
+        for s in default_kernel.body)
+    broken = dataclasses.replace(default_kernel, body=producer_without_elect)
+    with pytest.raises(EmitError, match=r"`tma.load` .*must be inside elect_one"):
+        emit_kernel(broken)
+
+
+def test_warpgroup_collective_ops_are_rejected_inside_elect_one():
+    k = tiny_kernel(ir.RegDecl("acc", "f32", (64, 64)),
+                    ir.ElectOne((ir.TileFill("acc", ir.FloatConst(0.0)),)))
+    with pytest.raises(EmitError, match="warpgroup-collective"):
+        emit_kernel(k)
+
+
+def test_an_unknown_node_is_named():
+    @dataclasses.dataclass(frozen=True)
+    class Prefetch:
+        tensor: str
+
+    with pytest.raises(EmitError, match="no CUDA spelling for IR node Prefetch"):
+        emit_kernel(tiny_kernel(Prefetch("a")))
+    assert set(ir.STMT_TYPES) == set(EMITTERS)  # one emit function per node kind
+
+
+def test_ir_names_that_would_clash_in_cpp_get_a_trailing_underscore():
+    k = tiny_kernel(ir.Let("row0", C(1)), ir.Let("int", V("row0")), ir.Let("min", ir.Call("min", (V("int"), V("v")))),
+                    params=(ir.ScalarParam("v", "i32"),))
+    src = emit_kernel(k).source
+    assert "    int v_)" in src
+    assert "const int row0_ = 1;" in src and "const int int_ = row0_;" in src
+    assert "const int min_ = min(int_, v_);" in src
+
+
+# --- a kitchen-sink consumer: reductions, register-A wgmma, column tiles, f32 smem stores --------
+
+SOFTMAX_PV = tiny_kernel(
+    ir.Setmaxnreg("inc", 232),
+    ir.RegDecl("s", "f32", (64, 64)), ir.RegDecl("p", "bf16", (64, 64)),
+    ir.RegDecl("m", "f32", (64, 1)), ir.RegDecl("l", "f32", (64, 1)),
+    ir.RegDecl("o", "f32", (64, 64)), ir.RegDecl("bias", "f16", (1, 64)),
+    ir.RegDecl("lse", "bf16", (64, 1)),
+    ir.MbarrierWait(ir.BarRef("full", C(0)), C(0)),
+    ir.WgmmaFence(),
+    ir.Wgmma("s", ir.SmemRef("Q", (C(0),)), ir.SmemRef("K", (C(0),)), "k", "k", C(0)),
+    ir.WgmmaCommit(), ir.WgmmaWait(0),
+    ir.TileLoadGlobal("bias", "bvec", (C(0),)),
+    ir.TileBinary("mul", "s", "s", ir.FloatConst(0.125)),
+    ir.TileBinary("add", "s", "s", "bias"),
+    ir.TileReduce("max", "m", "s", 1),
+    ir.TileBinary("sub", "s", "s", "m"),
+    ir.TileUnary("exp2", "s", "s"),
+    ir.TileReduce("sum", "l", "s", 1),
+    ir.TileUnary("cast", "p", "s"),
+    ir.WgmmaFence(),
+    ir.Wgmma("o", "p", ir.SmemRef("Vt", (C(0),)), "k", "n", C(0)),
+    ir.WgmmaCommit(), ir.WgmmaWait(0),
+    ir.TileBinary("div", "o", "o", "l"),
+    ir.TileUnary("log", "l", "l"),
+    ir.TileBinary("add", "l", "l", "m"),
+    ir.TileUnary("cast", "lse", "l"),
+    ir.TileStoreGlobal("lse_out", (C(0), C(0)), "lse"),
+    ir.TileStoreSmem(ir.SmemRef("O", (C(0),)), "o"),
+    ir.FenceProxyAsync(),
+    kernel_level=(ir.MbarrierInit("full", 1), ir.FenceMbarrierInit(), ir.SyncThreads()),
+    params=(ir.ScalarParam("M", "i32"), ir.GlobalParam("bvec", "f16", (C(64),)),
+            ir.GlobalParam("lse_out", "bf16", (V("M"), C(1)))),
+    smem=(ir.SmemDecl("Q", "bf16", (1, 64, 64), 128), ir.SmemDecl("K", "bf16", (1, 64, 64), 128),
+          ir.SmemDecl("Vt", "bf16", (1, 1, 64, 64), 128), ir.SmemDecl("O", "f32", (1, 2, 64, 32), 128)),
+    barriers=(ir.BarrierDecl("full", 1),),
+)
+
+
+def test_row_reductions_and_register_a_operand():
+    src = emit_kernel(SOFTMAX_PV).source
+    # per-thread max over its columns, then over the 4 lanes of the quad that share the row
+    assert re.search(r"float fr = -INFINITY;\n(.*\n){2}\s+fr = fmaxf\(fr, s\[4 \* fj \+ 2 \* fi \+ 0\]\);", src)
+    assert "fr = fmaxf(fr, __shfl_xor_sync(0xffffffff, fr, 1));" in src
+    assert "fr = fr + __shfl_xor_sync(0xffffffff, fr, 2);" in src
+    # P (bf16 accumulator layout) is the A fragment: pairs 4 ks .. 4 ks + 3 per k16 step
+    assert ("wgmma_m64n64k16_bf16_rs_tb(o, wsk::bit_cast<uint32_t>(p[4]), wsk::bit_cast<uint32_t>(p[5]), "
+            "wsk::bit_cast<uint32_t>(p[6]), wsk::bit_cast<uint32_t>(p[7]), "
+            "wsp::smem_desc_add(desc_b, 2048), 1);") in src
+    assert "wsk::fence_packed(p);" in src
+    # f32 tile into a (2, 64, 32) 128B-swizzled buffer: 64-bit stores, chunk every 4 fj
+    assert "wsk::swizzle128(row_addr + 1024 * fi + 8192 * (fj / 4) + 32 * (fj % 4))" in src
+    assert "if (threadIdx.x % 4 == 0) {  // tile.store lse_out[0, 0] <- lse" in src
+
+
+# --- nvcc: sm_90a builds without spills, stack or ignored setmaxnreg ------------------------------
+
+BUILDS = {
+    "matmul_default": lambda: emit(matmul),
+    "bias_gelu": lambda: emit(bias_gelu),
+    "linear_relu_residual_wT": lambda: emit(linear_relu_residual),
+    "linear_relu_residual_wT_direct": lambda: emit(linear_relu_residual, epilogue="direct"),
+    "matmul_direct_epilogue": lambda: emit(matmul, epilogue="direct"),
+    "softmax_pv": lambda: emit_kernel(SOFTMAX_PV),
+    "attention_d128_causal_lse": lambda: emit_kernel(ws.lower(make_attention(128, causal=True, lse=True))),
+}
+
+
+@pytest.mark.nvcc
+@pytest.mark.parametrize("case", sorted(BUILDS))
+def test_compiles_for_sm90a_without_spills(case, tmp_path_factory):
+    emitted = BUILDS[case]()
+    cache = tmp_path_factory.mktemp("emit_cache")
+    result = build.compile_cuda(emitted.source, name=emitted.name, cache_dir=cache)  # raises on C7508
+    build.check_resources(result)
+    res = result.resources[emitted.name]
+    print(f"{case}: {res.registers} registers, {res.spill_stores}/{res.spill_loads} bytes "
+          f"spill stores/loads, {res.stack_bytes} bytes stack")
+    assert (res.spill_stores, res.spill_loads, res.stack_bytes) == (0, 0, 0)
+    assert not [w for w in result.warnings if "C7508" in w]
+    assert res.registers <= 65536 // emitted.threads
