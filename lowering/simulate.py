@@ -1557,10 +1557,8 @@ class _Machine:
         for o, fn in zip((s.lhs, s.rhs), node.ex):
             if fn is None:
                 operands.append(self._read_reg(co, node, o).value)
-            else:
-                operands.append(float(fn(co.env)))
-        if not any(isinstance(o, torch.Tensor) for o in operands):
-            operands[0] = torch.tensor(operands[0])
+            else:   # a scalar operand: a 0-d fp32 tensor broadcasts like a tile (torch.maximum
+                operands.append(torch.tensor(float(fn(co.env))))   # takes tensors only)
         try:
             result = _BINARY[s.op](*operands)
         except RuntimeError as e:

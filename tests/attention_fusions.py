@@ -7,11 +7,12 @@ import torch
 import wsched as ws
 
 
-def make_attention(head_dim: int, causal: bool = False, lse: bool = False, gqa: bool = False,
+def make_attention(head_dim: int, causal: bool | str = False, lse: bool = False, gqa: bool = False,
                    name: str | None = None, dtype=ws.bf16):
     """softmax(Q K^T / sqrt(d)) V over [B, H, S, D] (or [B, Hkv, G, S, D] with K/V broadcast over G).
     The default name encodes the variant, so equal variants give equal kernels (one build)."""
-    name = name or (f"attn_d{head_dim}{'_causal' if causal else ''}{'_lse' if lse else ''}"
+    name = name or (f"attn_d{head_dim}{'_causal' if causal else ''}{'_br' if causal == 'bottom_right' else ''}"
+                    f"{'_lse' if lse else ''}"
                     f"{'_gqa' if gqa else ''}_{dtype.name}")
     scale = 1.0 / math.sqrt(head_dim)
     if gqa:
@@ -31,7 +32,7 @@ def make_attention(head_dim: int, causal: bool = False, lse: bool = False, gqa: 
 def _body(q, k, v, scale, causal, lse, dtype):
     s = ws.matmul(q, k.transpose(-1, -2)) * scale
     if causal:
-        s = ws.causal_mask(s)
+        s = ws.causal_mask(s, align="bottom_right" if causal == "bottom_right" else "top_left")
     o = ws.matmul(ws.softmax(s, dim=-1), v).to(dtype)
     return (o, ws.logsumexp(s, dim=-1)) if lse else o
 

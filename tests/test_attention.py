@@ -80,6 +80,22 @@ def test_gqa_and_mqa_broadcast_k_and_v(groups):
     assert "k_in[b0, b1, 0, k * 128, 0]" in text   # no copy of K: the group coordinate is 0 (K is passed as k_in: `k` is the kv loop variable)
 
 
+@pytest.mark.parametrize("S,T", [(300, 100), (1, 257), (130, 130), (64, 300)])
+def test_bottom_right_causal_and_fully_masked_rows(S, T):
+    """Bottom-right alignment (query i sees keys j <= i + T - S): with S > T the first S - T
+    rows see no key; they store O = 0 and LSE = -inf (the reference has NaN there)."""
+    f = make_attention(64, causal="bottom_right", lse=True)
+    inputs = attention_inputs(1, 2, S, T, 64, seed=S * T)
+    kernel = ws.lower(f)
+    ck = ws.CompiledKernel(f, ws.schedule_for(f), ws.partition(f, ws.schedule_for(f)), kernel, cuda_source="")
+    o, lse = ck.simulate(*inputs, num_sms=3)
+    ro, rlse = f.reference(*inputs)
+    hidden = max(S - T, 0)
+    assert (o[..., :hidden, :] == 0).all() and torch.isneginf(lse[..., :hidden]).all()
+    assert rel(o[..., hidden:, :], ro[..., hidden:, :]) < 1e-2
+    assert rel(lse[..., hidden:], rlse[..., hidden:]) < 1e-3
+
+
 def test_several_interleavings():
     f = make_attention(64, causal=True, lse=True)
     inputs = attention_inputs(1, 1, 260, 260, 64, seed=1)

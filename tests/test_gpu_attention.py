@@ -68,6 +68,18 @@ def test_gqa_and_mqa(groups):
     assert rel(o.reshape(B, H, S, 128), ref) < 1e-2
 
 
+@pytest.mark.parametrize("S,T", [(1, 4097), (2000, 700), (700, 2000)])
+def test_bottom_right_causal_kv_cache(S, T):
+    f, k = compiled(128, causal="bottom_right", lse=True)
+    q, kk, v = attention_inputs(2, 4, S, T, 128, device="cuda", seed=S)
+    o, lse = run(f, k, (q, kk, v))
+    ro, rlse = f.reference(q, kk, v)
+    hidden = max(S - T, 0)     # rows that see no key: O = 0, LSE = -inf
+    assert (o[..., :hidden, :] == 0).all() and torch.isneginf(lse[..., :hidden]).all()
+    assert rel(o[..., hidden:, :], ro[..., hidden:, :]) < 1e-2
+    assert rel(lse[..., hidden:], rlse[..., hidden:]) < 1e-3
+
+
 def test_fp16():
     f, k = compiled(64, causal=True, dtype=ws.f16)
     q, kk, v = attention_inputs(2, 4, 700, 700, 64, device="cuda", dtype=torch.float16)

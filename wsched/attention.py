@@ -32,7 +32,8 @@ class AttentionPartition:
     out: object                    # the [..., S, D] output node
     lse: object | None             # the [..., S] logsumexp output node, if any
     scale: float                   # multiplier applied to Q K^T before the softmax
-    causal: bool                   # top-left aligned causal mask (key j visible to query i if j <= i)
+    causal: str | None             # None, "top_left" (key j visible to query i if j <= i) or
+                                   # "bottom_right" (if j <= i + T - S: the last query sees all keys)
     batch: int                     # number of leading (batch / head) dims of q
     k_broadcast: tuple[bool, ...]  # per batch dim: K and V have extent 1 there (GQA / MQA)
     channels: tuple[Channel, ...]
@@ -57,7 +58,8 @@ class AttentionPartition:
         s = self.schedule
         bm, bn, d = s.tile
         batch = " x ".join(f"batch{i}" for i in range(self.batch))
-        kv = f"min(ceil(T/{bn}), ceil((m0+{bm})/{bn}))" if self.causal else f"ceil(T/{bn})"
+        shift = "+T-S" if self.causal == "bottom_right" else ""
+        kv = f"min(ceil(T/{bn}), ceil((m0+{bm}{shift})/{bn}))" if self.causal else f"ceil(T/{bn})"
         lines = [f"partition of {self.fusion.name} (attention {s.short()})", "",
                  "load sub-DAG  (producer: 1 warp of 1 warpgroup, elected thread)",
                  f"  for tile in persistent({batch} x ceil(S/{bm}) tiles):",
@@ -70,6 +72,8 @@ class AttentionPartition:
                  f"    for k in range({kv}):",
                  f"      S = Q K^T * {self.scale:g}" + ("   causal mask on diagonal blocks" if self.causal else "")
                  + "   key-tail mask on the last block",
+                 *(["      (bottom-right: rows with no visible key keep m = -1e30, store O = 0, LSE = -inf)"]
+                   if self.causal == "bottom_right" else []),
                  "      online softmax: m = max(m, rowmax S); P = exp(S - m); l = l * c + rowsum P; O *= c",
                  "      O += P V   (P in registers as the wgmma A operand)",
                  f"    O /= l ; store {self.out.id} -> o" + (f" ; LSE = m + log l -> lse ({self.lse.id})"
@@ -115,13 +119,13 @@ def partition_attention(fusion, schedule: Schedule) -> AttentionPartition:
     qk = next(m for m in matmuls if m is not pv)
 
     # Walk from the softmax input back to Q K^T through scalings and one causal mask.
-    scale, causal, x = 1.0, False, nodes[sm.inputs[0]]
+    scale, causal, x = 1.0, None, nodes[sm.inputs[0]]
     scores = x
     while x.id != qk.id:
         if x.op == "causal_mask":
-            if x.attr("align") != "top_left":
-                fail("only the top-left aligned causal mask (torch SDPA's is_causal) is supported", x)
-            causal = True
+            if causal is not None:
+                fail("only one causal mask fuses", x)
+            causal = x.attr("align")
             x = nodes[x.inputs[0]]
         elif x.op in ("mul", "div"):
             consts = [nodes[i] for i in x.inputs if nodes[i].op == "const"]

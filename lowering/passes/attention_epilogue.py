@@ -1,7 +1,8 @@
 """epilogue for attention: normalise O by the running sum, store it, and the log-sum-exp.
 
 The running max is kept in log2 units (S was scaled by log2 e), so
-LSE = m * ln 2 + ln l, in natural units like torch.logsumexp.
+LSE = m * ln 2 + ln l, in natural units like torch.logsumexp (-inf for a row that sees no key,
+which only a bottom-right causal mask with S > T produces; such a row stores O = 0).
 
     after (inside the tile loop, after the kv loop):
       tile.div o_acc, o_acc, l_run
@@ -30,8 +31,12 @@ C = ir.IntConst
 def run(kernel: ir.Kernel, ctx: LoweringContext) -> ir.Kernel:
     part, d = ctx.partition, ctx.schedule.bk
     coords = tuple(V(f"b{i}") for i in range(part.batch)) + (ir.add("m0", ir.mul("wg", 64)), C(0))
-    tail: list[ir.Stmt] = [
-        ir.TileBinary("div", "o_acc", "o_acc", "l_run"),
+    if part.causal == "bottom_right":   # a row with no visible key has l = 0: store O = 0
+        normalise = [ir.TileBinary("maximum", "corr", "l_run", ir.FloatConst(1e-30)),
+                     ir.TileBinary("div", "o_acc", "o_acc", "corr")]
+    else:
+        normalise = [ir.TileBinary("div", "o_acc", "o_acc", "l_run")]
+    tail: list[ir.Stmt] = normalise + [
         ir.TileUnary("cast", "o_t", "o_acc"),
         ir.TileStoreGlobal("o", coords, "o_t"),
     ]

@@ -84,15 +84,21 @@ def run(kernel, ctx: LoweringContext) -> ir.Kernel:
     ))
 
     rows0 = ir.add("m0", ir.mul("wg", 64))
-    limit = ir.emin("T", ir.add(rows0, 1)) if part.causal else V("T")
-    mask = ir.TileMask("s_acc", rows0, row, V("T"), C(0) if part.causal else None)
+    shift = causal_shift(part)
+    limit = ir.emin("T", _shifted(ir.add(rows0, 1), shift)) if part.causal else V("T")
+    mask = ir.TileMask("s_acc", rows0, row, V("T"), shift)
     f = ir.FloatConst
+    # Bottom-right alignment can hide every key of a row (S > T): keep its max finite so that
+    # exp2(S - m) is 0, not NaN.
+    finite = ((ir.TileBinary("maximum", "m_blk", "m_blk", f(-1e30)),)
+              if part.causal == "bottom_right" else ())
     softmax = (
         ir.Wgmma("s_acc", ir.SmemRef("Q", (C(0), V("wg"))), ir.SmemRef("K", (C(0),)), "k", "k", C(0)),
         ir.TileBinary("mul", "s_acc", "s_acc", f(part.scale * LOG2E)),
         ir.If(ir.BinOp(">", ir.add(row, bn), limit), (mask,)),
         ir.TileReduce("max", "m_blk", "s_acc", 1),
         ir.TileBinary("maximum", "m_blk", "m_blk", "m_run"),
+        *finite,
         ir.TileBinary("sub", "corr", "m_run", "m_blk"),
         ir.TileUnary("exp2", "corr", "corr"),
         ir.TileBinary("maximum", "m_run", "m_run", "m_blk"),
@@ -120,6 +126,17 @@ def run(kernel, ctx: LoweringContext) -> ir.Kernel:
     return ir.Kernel(ctx.name, tuple(params), grid, (1, 1, 1), smem, barriers, setup + (producer, consumer))
 
 
+def causal_shift(part) -> ir.Expr | None:
+    """How far right of the diagonal the last visible key of a row lies (None: no causal mask)."""
+    if part.causal is None:
+        return None
+    return C(0) if part.causal == "top_left" else ir.sub("T", "S")
+
+
+def _shifted(e: ir.Expr, shift: ir.Expr | None) -> ir.Expr:
+    return e if shift is None or shift == C(0) else ir.add(e, shift)
+
+
 def _plus(name: str, offset: int) -> ir.Expr:
     return V(name) if offset == 0 else ir.add(name, offset)
 
@@ -139,6 +156,10 @@ def tile_loop(ctx: LoweringContext, body: tuple[ir.Stmt, ...]) -> ir.For:
                  ir.Let(f"rest{i}", ir.div("rest" if i == part.batch - 1 else f"rest{i + 1}", f"batch{i}"))]
     lets.append(ir.Let("b0", V("rest1") if part.batch > 1 else V("rest")))
     lets.append(ir.Let("m0", ir.mul("m_block", bm)))
-    count = ir.emin("kv_blocks", ir.ceil_div(ir.add("m0", bm), bn)) if part.causal else V("kv_blocks")
+    shift = causal_shift(part)
+    visible = _shifted(ir.add("m0", bm), shift)       # keys up to this one are seen by some row
+    if part.causal == "bottom_right":
+        visible = ir.emax(visible, 0)
+    count = ir.emin("kv_blocks", ir.ceil_div(visible, bn)) if part.causal else V("kv_blocks")
     lets.append(ir.Let(K_COUNT, count))
     return ir.For(TILE_VAR, V("cta_id"), V("num_tiles"), V("num_ctas"), "persistent", tuple(lets) + body)
