@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import multiprocessing
 import shutil
-import time
 import uuid
 from pathlib import Path
 
@@ -151,10 +150,8 @@ def test_miss_then_hit_with_artifacts(tmp_path, monkeypatch):
 
     monkeypatch.setattr(build.subprocess, "run", no_subprocess)
     monkeypatch.setattr(build, "nvcc_version", no_subprocess)
-    t0 = time.perf_counter()
-    r2 = compile_cuda(src, name="scale", cache_dir=tmp_path)
-    dt = time.perf_counter() - t0
-    assert r2.cache_hit and dt < 0.050, f"warm hit took {dt * 1e3:.1f} ms"
+    r2 = compile_cuda(src, name="scale", cache_dir=tmp_path)   # its time: benchmarks/compile_time.py
+    assert r2.cache_hit
     assert r2.cubin_path == r1.cubin_path and r2.resources["scale"] == r1.resources["scale"]
     assert r2.artifact_text("loop_ir.txt") == "loop i {}\n"
     # a hit adds artifacts the entry lacks

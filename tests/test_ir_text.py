@@ -11,7 +11,6 @@ import functools
 import logging
 import math
 import re
-import time
 from pathlib import Path
 
 import lark
@@ -318,23 +317,6 @@ kernel k(i32 n) grid(n) cluster(1, 1, 1) {
   tma.wait.read 0
 }
 """
-
-
-def test_parsing_is_fast():
-    path = ROOT / "tests" / "golden" / "all_nodes.ir"
-    lines = path.read_text().splitlines()
-    # ~150 lines: the body twice over.
-    text = "\n".join([lines[0], *lines[1:-1], *lines[11:-1], "}"]) + "\n"
-    assert len(text.splitlines()) >= 140
-    parse_kernel(text)
-    best = min(_seconds(parse_kernel, text) for _ in range(5))
-    assert best < 0.05, f"parsing a {len(text.splitlines())}-line kernel took {best * 1e3:.1f} ms"
-
-
-def _seconds(fn, *args) -> float:
-    start = time.perf_counter()
-    fn(*args)
-    return time.perf_counter() - start
 
 
 # ---------------------------------------------------------------------------------------------

@@ -3,7 +3,6 @@ introduced by editing the printed IR are caught (deadlock with every blocked rol
 naming slot, writer and reader) instead of giving a silent wrong answer."""
 
 import re
-import time
 
 import pytest
 import torch
@@ -59,13 +58,8 @@ def test_more_tiles_than_ctas_each_cta_walks_several():
     check(k, matmul, 512, 512, 128, seed=2, num_sms=3)   # 16 tiles on 3 CTAs
 
 
-def test_256_cubed_runs_in_under_30_seconds():
-    k = ws.compile(mlp, build=False)
-    t0 = time.perf_counter()
-    check(k, mlp, 256, 256, 256, seed=0)
-    elapsed = time.perf_counter() - t0
-    print(f"simulated 256x256x256 mlp in {elapsed:.2f} s")
-    assert elapsed < 30
+def test_256_cubed():   # its time is reported by benchmarks/compile_time.py
+    check(ws.compile(mlp, build=False), mlp, 256, 256, 256, seed=0)
 
 
 # --- protocol mutations: edit the printed IR, parse it back, simulate ------------------------------

@@ -10,7 +10,6 @@ by plain stores or by smem + TMA store). `mutate` breaks it in one named way.
 from __future__ import annotations
 
 import dataclasses
-import time
 
 import pytest
 import torch
@@ -176,14 +175,9 @@ def test_seeds_change_the_interleaving():
     assert len(steps) > 1
 
 
-def test_256_cubed_is_fast():
-    start = time.perf_counter()
+def test_256_cubed():   # its time is reported by benchmarks/compile_time.py
     c, expected, report = run_matmul(256, 256, 256, bn=256, bk=64, stages=4, consumers=2)
-    elapsed = time.perf_counter() - start
-    print(f"\n256x256x256 bf16 matmul, tile 128x256x64, 4 stages, 2 consumers: {elapsed:.3f} s, "
-          f"{report.steps} steps, {report.counters}")
     torch.testing.assert_close(c.float(), expected.float(), rtol=2e-2, atol=2e-2)
-    assert elapsed < 10
 
 
 # ---------------------------------------------------------------------------------------------
