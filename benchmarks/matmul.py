@@ -30,25 +30,43 @@ def linear(a: ws.Tensor[ws.bf16, "M", "K"], w: ws.Tensor[ws.bf16, "N", "K"]):
     return ws.matmul(a, w.transpose(-1, -2)).to(ws.bf16)
 
 
+def parse_overrides(text: str) -> dict:
+    """'stages=4,epilogue=direct,tile=128x128x64' -> schedule keyword overrides."""
+    out = {}
+    for item in filter(None, text.split(",")):
+        key, value = item.split("=")
+        if key == "tile":
+            out[key] = tuple(int(x) for x in value.split("x"))
+        else:
+            out[key] = int(value) if value.lstrip("-").isdigit() else value
+    return out
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--shapes", default="")
     ap.add_argument("--layouts", default="kn,nk", help="kn: b is [K, N]; nk: b is [N, K] (a linear layer)")
+    ap.add_argument("--schedule", action="append", default=[],
+                    help="schedule overrides to compare, e.g. 'stages=4,epilogue=direct' (repeatable)")
     args = ap.parse_args(argv)
     shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",") if s] or SHAPES
     print(f"# {torch.cuda.get_device_name()}  torch {torch.__version__}  bf16, median of {args.iters}")
     rows = []
-    for layout in args.layouts.split(","):
+    variants = [{}] + [parse_overrides(text) for text in args.schedule]
+    for layout, overrides in [(lay, ov) for lay in args.layouts.split(",") for ov in variants]:
         fusion = matmul if layout == "kn" else linear
-        k = ws.compile(fusion)
+        k = ws.compile(fusion, **overrides)
         res = k.resources
+        if overrides:
+            layout = f"{layout} {','.join(f'{a}={b}' for a, b in overrides.items())}"
         print(f"# {layout}: {k.schedule.short()}  registers {res.registers}  smem {k.kernel.smem_bytes}  "
               f"spills {res.spill_stores}/{res.spill_loads}")
         for M, N, K in shapes:
             a = torch.randn(M, K, device="cuda", dtype=torch.bfloat16) / K ** 0.25
-            b = torch.randn((K, N) if layout == "kn" else (N, K), device="cuda", dtype=torch.bfloat16) / K ** 0.25
-            ref_fn = (lambda: torch.matmul(a, b)) if layout == "kn" else (lambda: torch.matmul(a, b.t()))
+            kn = fusion is matmul
+            b = torch.randn((K, N) if kn else (N, K), device="cuda", dtype=torch.bfloat16) / K ** 0.25
+            ref_fn = (lambda: torch.matmul(a, b)) if kn else (lambda: torch.matmul(a, b.t()))
             out = torch.full((M, N), float("nan"), device="cuda", dtype=torch.bfloat16)
             grid, launch_args, _ = k.launch_args((a, b), out={"out": out})
             ours_fn = lambda: k._loaded.launch(grid, launch_args)  # noqa: E731 (pre-bound args: time the kernel)

@@ -59,6 +59,7 @@ class CompiledKernel:
     cuda_source: str
     timings: dict = field(default_factory=dict)  # seconds spent in lower / emit / build
     build: object = None                         # codegen.build.BuildResult once built
+    _maps: dict = field(default_factory=dict, repr=False)   # encoded TMA maps by tensor layout
 
     @property
     def ir(self) -> str:
@@ -145,8 +146,16 @@ class CompiledKernel:
         args = []
         for p in self.kernel.params:
             if isinstance(p, ir.TensorMapParam):   # TMA: 16-byte aligned base and rows
-                check_tensor(p.name, tensors_by_name[p.name], device=device)
-                args.append(("tensor_map", tensor_map_for(tensors_by_name[p.name], p.box, p.swizzle, p.name)))
+                t = tensors_by_name[p.name]
+                check_tensor(p.name, t, device=device)
+                # A map encodes only address, shape, strides, box and swizzle: reuse it for the
+                # same tensor layout instead of re-encoding it on every call.
+                key = (p.name, t.data_ptr(), tuple(t.shape), t.stride(), t.dtype, t.device)
+                if key not in self._maps:
+                    if len(self._maps) >= 256:
+                        self._maps.clear()
+                    self._maps[key] = tensor_map_for(t, p.box, p.swizzle, p.name)
+                args.append(("tensor_map", self._maps[key]))
             elif isinstance(p, ir.GlobalParam):    # plain loads/stores: row-major, any alignment
                 t = tensors_by_name[p.name]
                 check_tensor(p.name, t, device=device, alignment=False)
