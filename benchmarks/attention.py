@@ -32,9 +32,17 @@ def sdpa(backend, q, k, v, causal, gqa):
 
 
 def main(argv=None):
+    from matmul import parse_overrides
+
     ap = argparse.ArgumentParser()
     ap.add_argument("--iters", type=int, default=30)
+    ap.add_argument("--schedule", action="append", default=[],
+                    help="extra schedule to compare for one head dim, e.g. '64:tile=128x192x64,stages=3'")
     args = ap.parse_args(argv)
+    extra: dict[int, list[dict]] = {}
+    for text in args.schedule:
+        d, overrides = text.split(":", 1)
+        extra.setdefault(int(d), []).append(parse_overrides(overrides))
     print(f"# {torch.cuda.get_device_name()}  torch {torch.__version__}  bf16, median of {args.iters}")
     rows = []
     for B, H, HK, S, D, causal in CASES:
@@ -69,9 +77,30 @@ def main(argv=None):
         rows.append(row)
         print(f"{row[0]:>28}  wsched {row[1]:6.1f}  cuDNN {row[2]:6.1f}  flash {row[3]:6.1f} TFLOP/s  "
               f"vs cuDNN {row[1] / row[2]:.2f}  vs flash {row[1] / row[3]:.2f}  rel.err {err:.1e}", flush=True)
+        for overrides in extra.get(D, []):
+            variant = ws.compile(f, **overrides)
+            rows.append(time_variant(variant, f, B, H, HK, S, D, causal, gqa, args.iters, overrides))
     print("\n| case | wsched TFLOP/s | SDPA cuDNN | SDPA flash | vs cuDNN | vs flash |\n|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r[0]} | {r[1]:.0f} | {r[2]:.0f} | {r[3]:.0f} | {r[1] / r[2]:.2f} | {r[1] / r[3]:.2f} |")
+        if r[4] is None:   # a schedule variant: our kernel only
+            print(f"| {r[0].strip()} | {r[1]:.0f} | | | | |")
+        else:
+            print(f"| {r[0]} | {r[1]:.0f} | {r[2]:.0f} | {r[3]:.0f} | {r[1] / r[2]:.2f} | {r[1] / r[3]:.2f} |")
+
+
+def time_variant(k, f, B, H, HK, S, D, causal, gqa, iters, overrides):
+    """Our kernel alone with other schedule overrides (SDPA columns left empty)."""
+    q = torch.randn(B, HK, H // HK, S, D, device="cuda", dtype=torch.bfloat16) if gqa else \
+        torch.randn(B, H, S, D, device="cuda", dtype=torch.bfloat16)
+    kv_shape = (B, HK, 1, S, D) if gqa else (B, H, S, D)
+    kk, v = (torch.randn(kv_shape, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    out = k._outputs(f.bind(q, kk, v), "cuda")
+    grid, launch_args, _ = k.launch_args((q, kk, v), out=out)
+    t = median_ms(lambda: k._loaded.launch(grid, launch_args), iters=iters)
+    flops = 4 * B * H * S * S * D * (0.5 if causal else 1.0)
+    label = f"  variant {','.join(f'{a}={b}' for a, b in overrides.items())}"
+    print(f"{label:>28}  wsched {flops / t / 1e9:6.1f} TFLOP/s  ({k.schedule.short()})", flush=True)
+    return [label, flops / t / 1e9, float("nan"), float("nan"), None]
 
 
 if __name__ == "__main__":

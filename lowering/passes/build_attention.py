@@ -6,14 +6,15 @@ tiles run in reverse m-block order so that, with a causal mask, the longest tile
 
     after (consumer, per kv block):
       wgmma.mma s_acc, Q[0, wg], K[0] major(k, k) accumulate(0)
-      tile.mul s_acc, s_acc, scalar(<scale * log2 e>)
       if (k * 128 + 128 > T) { tile.mask s_acc, rows(m0 + wg * 64), cols(k * 128), limit(T) }
-      tile.reduce.max m_blk, s_acc, axis(1)        # m_new = max(rowmax S, m)
+      tile.reduce.max m_blk, s_acc, axis(1)        # m_new = max(c * rowmax S, m), c = scale log2 e
+      tile.mul m_blk, m_blk, scalar(<c>)
       tile.maximum m_blk, m_blk, m_run
       tile.sub corr, m_run, m_blk                  # c = exp2(m - m_new)
       tile.exp2 corr, corr
       tile.maximum m_run, m_run, m_blk
-      tile.sub s_acc, s_acc, m_blk                 # P = exp2(S - m_new)
+      tile.mul s_acc, s_acc, scalar(<c>)           # P = exp2(c S - m_new): one fma + ex2
+      tile.sub s_acc, s_acc, m_blk
       tile.exp2 s_acc, s_acc
       tile.reduce.sum m_blk, s_acc, axis(1)        # l = l * c + rowsum P ; O *= c
       tile.mul l_run, l_run, corr
@@ -94,14 +95,17 @@ def run(kernel, ctx: LoweringContext) -> ir.Kernel:
               if part.causal == "bottom_right" else ())
     softmax = (
         ir.Wgmma("s_acc", ir.SmemRef("Q", (C(0), V("wg"))), ir.SmemRef("K", (C(0),)), "k", "k", C(0)),
-        ir.TileBinary("mul", "s_acc", "s_acc", f(part.scale * LOG2E)),
         ir.If(ir.BinOp(">", ir.add(row, bn), limit), (mask,)),
+        # The row max is taken on the unscaled scores (the scale is positive), so that the
+        # scale and the subtraction below fuse into one multiply-add per element.
         ir.TileReduce("max", "m_blk", "s_acc", 1),
+        ir.TileBinary("mul", "m_blk", "m_blk", f(part.scale * LOG2E)),
         ir.TileBinary("maximum", "m_blk", "m_blk", "m_run"),
         *finite,
         ir.TileBinary("sub", "corr", "m_run", "m_blk"),
         ir.TileUnary("exp2", "corr", "corr"),
         ir.TileBinary("maximum", "m_run", "m_run", "m_blk"),
+        ir.TileBinary("mul", "s_acc", "s_acc", f(part.scale * LOG2E)),
         ir.TileBinary("sub", "s_acc", "s_acc", "m_blk"),
         ir.TileUnary("exp2", "s_acc", "s_acc"),
         ir.TileReduce("sum", "m_blk", "s_acc", 1),
