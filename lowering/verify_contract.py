@@ -1,0 +1,646 @@
+"""The verifier's contract between the load and compute nests (DESIGN.md §3).
+
+Static half (`ContractCheck`): each tma.load elected, announced by an arrive_expect_tx with the
+bytes of its loads, completing on the slot of its destination's stage; each channel's full and
+empty barriers declared with one slot per stage and initialised with the right arrival counts;
+and both sides' loop nests around a channel with the same bounds.
+
+Dynamic half: `_Tracer` runs each role's control flow (lets, vars, loops, ifs) on the host for a
+few sample problem sizes and CTAs, recording the barrier operations, wgmma groups and smem
+accesses of every warpgroup; persistent tile loops are cut after two tiles (tile = cta_id,
+cta_id + num_ctas), which both sides' identical tile loops make a common prefix. A sample the
+host cannot run (a name without a value, a division by zero, too many steps) is skipped.
+`_TraceCheck` then holds each sample's traces to the contract: the same (tile, k) traversal with
+the same stage and phase on both sides, barrier arrival counts, no stage released (and no smem
+overwritten) while a wgmma reading it may be pending, and generic smem writes fenced before TMA
+or wgmma read them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from . import ir
+from .evaluate import evaluate
+from .rewrite import subst
+from .verify_lines import (
+    Report, Site, block_of, constant, expr_text, keyword, ordinal, plural, ref_text, sites, statement_at,
+    volume,
+)
+
+_SAME_ORDER = "the load and compute nests must traverse the same (tile, k) order"
+
+
+def _lets_before(kernel: ir.Kernel, path: tuple[int, ...]) -> dict[str, ir.Expr]:
+    """The `let` definitions in scope at `path`, each substituted into the ones after it."""
+    lets: dict[str, ir.Expr] = {}
+    for depth in range(1, len(path) + 1):
+        stmts, index, _ = block_of(kernel, path[:depth])
+        for s in stmts[:index]:
+            if isinstance(s, ir.Let) and not s.mutable:
+                lets[s.name] = subst(s.value, lets)
+    return lets
+
+
+@dataclass
+class _Channel:
+    full: str
+    empty: "str | None"
+    buffers: set
+    expect_tx: Site                  # the producer's first arrive_expect_tx on `full`
+    mismatched_roles: set = field(default_factory=set)   # consumer roles whose loop nest differs
+
+
+class ContractCheck:
+    """The load/compute contract of a kernel whose structure is sound: the static checks of
+    every tma.load and channel, then `_TraceCheck` on the host-run traces of each sample."""
+
+    def __init__(self, kernel: ir.Kernel, report: Report):
+        self.k = kernel
+        self.r = report
+        self.sites = sites(kernel)
+        self.reported: set = set()
+        self.inits = {s.stmt.barrier: s for s in self.sites if isinstance(s.stmt, ir.MbarrierInit)}
+
+    def once(self, key, path, problem, cause=None) -> None:
+        """Report `problem` at `path` unless this check already reported there (or, given a
+        `cause` path, already reported anything that cause led to): a rule broken on one sample
+        point is broken at many, and the first one says it."""
+        seen = (key, cause if cause is not None else path)
+        if seen not in self.reported:
+            self.reported.add(seen)
+            self.r.at(path, problem)
+
+    def run(self) -> None:
+        self._load_blocks()
+        channels = self._channels()
+        for ch in channels:
+            self._channel_declarations(ch)
+            ch.mismatched_roles = self._same_nests(ch)
+        if self.k.roles():
+            for sample in _samples(self.k):
+                traces = _Tracer(self.k, sample.env).run()
+                if traces is not None:
+                    _TraceCheck(self, channels, traces, sample).run()
+
+    # -- static ---------------------------------------------------------------------------------
+
+    def _load_blocks(self) -> None:
+        """Each tma.load: elected, announced by an arrive_expect_tx on its barrier earlier in the
+        same block, completing on the slot of its destination's stage; each expect_tx: the bytes
+        of the loads it announces."""
+        blocks = [(self.k.body, (), 0)]
+        for site in self.sites:
+            s = site.stmt
+            if isinstance(s, ir.If):
+                blocks += [(s.then, site.path, 0), (s.orelse, site.path, len(s.then))]
+            elif ir.child_blocks(s):
+                blocks.append((s.body, site.path, 0))
+        by_path = {site.path: site for site in self.sites}
+        for stmts, prefix, offset in blocks:
+            announced: dict[ir.BarRef, list] = {}       # barrier -> loads since its latest expect_tx
+            groups: list[tuple[ir.MbarrierArriveExpectTx, tuple[int, ...], list]] = []
+            for i, s in enumerate(stmts):
+                path = prefix + (offset + i,)
+                if isinstance(s, ir.MbarrierArriveExpectTx):
+                    groups.append((s, path, []))
+                    announced[s.bar] = groups[-1][2]
+                elif isinstance(s, ir.TmaLoad):
+                    self._load(s, by_path[path], announced)
+            for s, path, loads in groups:
+                self._expect_tx_bytes(s, path, loads)
+
+    def _load(self, s: ir.TmaLoad, site: Site, announced) -> None:
+        if not any(isinstance(a, ir.ElectOne) for a in site.ancestors):
+            self.r.at(site.path, "tma.load outside elect_one would be issued by every thread of the "
+                                 "warpgroup; put the producer's loads inside `elect_one { ... }`")
+        if s.bar in announced:
+            announced[s.bar].append(s)
+        else:
+            self.r.at(site.path, f"tma.load completes on {ref_text(s.bar)} but no `mbarrier.arrive_expect_tx "
+                                 f"{ref_text(s.bar)} bytes(...)` precedes it in this block; announce the "
+                                 f"stage's bytes on that barrier before the loads")
+        if not s.dst.index:
+            self.r.at(site.path, f"tma.load into {s.dst.buffer} without a stage index; a channel buffer "
+                                 f"is selected by its stage: {s.dst.buffer}[s]")
+        elif s.bar.index != s.dst.index[0]:
+            self.r.at(site.path, f"tma.load {ref_text(s.dst)} completes on {ref_text(s.bar)}: the barrier slot "
+                                 f"must be the destination's stage, {s.bar.barrier}[{expr_text(s.dst.index[0])}]")
+
+    def _load_bytes(self, s: ir.TmaLoad) -> "int | None":
+        try:
+            p = self.k.param(s.tensor)
+            decl = self.k.smem_decl(s.dst.buffer)
+        except KeyError:
+            return None
+        if isinstance(p, ir.TensorMapParam) and p.dtype in ir.DTYPE_BYTES:
+            return volume(p.box) * ir.DTYPE_BYTES[p.dtype]
+        return volume(ir.smem_subshape(decl, s.dst)) * ir.DTYPE_BYTES.get(decl.dtype, 0)
+
+    def _expect_tx_bytes(self, s: ir.MbarrierArriveExpectTx, path, loads) -> None:
+        announced = constant(subst(s.bytes, _lets_before(self.k, path)))
+        if not isinstance(announced, int):
+            self.r.at(path, f"bytes({expr_text(s.bytes)}) is not a constant; TMA delivers whole boxes "
+                            f"(out-of-bounds elements included), so announce their constant sum")
+            return
+        sizes = [self._load_bytes(ld) for ld in loads]
+        if None in sizes:
+            return
+        if not loads:
+            self.r.at(path, f"expect_tx announces {announced} bytes but no tma.load into {ref_text(s.bar)} "
+                            f"follows it in this block; announce the bytes right before the loads")
+        elif sum(sizes) != announced:
+            parts = " + ".join(f"{ref_text(ld.dst)} {n}" for ld, n in zip(loads, sizes))
+            self.r.at(path, f"expect_tx announces {announced} bytes but the loads into {ref_text(s.bar)} "
+                            f"deliver {sum(sizes)} ({parts}); use bytes({sum(sizes)})")
+
+    def _channels(self) -> list[_Channel]:
+        channels: dict[str, _Channel] = {}
+        for site in self.sites:
+            s = site.stmt
+            if isinstance(s, ir.TmaLoad) and site.role is not None:
+                ch = channels.get(s.bar.barrier)
+                if ch is None:
+                    expect = next((x for x in self.sites if isinstance(x.stmt, ir.MbarrierArriveExpectTx)
+                                   and x.stmt.bar.barrier == s.bar.barrier and x.role is site.role), None)
+                    if expect is None:
+                        continue            # reported with the load
+                    ch = channels[s.bar.barrier] = _Channel(s.bar.barrier, self._empty_of(expect), set(),
+                                                            expect)
+                ch.buffers.add(s.dst.buffer)
+        return list(channels.values())
+
+    def _empty_of(self, expect: Site) -> "str | None":
+        """The barrier the producer waits on right before announcing a stage (producer_acquire)."""
+        stmts, index, _ = block_of(self.k, expect.path)
+        full = expect.stmt.bar.barrier
+        for s in reversed(stmts[:index]):
+            if isinstance(s, ir.MbarrierWait) and s.bar.barrier != full:
+                return s.bar.barrier
+        self.r.at(expect.path, f"the producer announces {ref_text(expect.stmt.bar)} without first waiting for "
+                               f"the stage to be free; put `mbarrier.wait empty[...] phase(ph ^ 1)` "
+                               f"(producer_acquire) before it")
+        return None
+
+    def _channel_declarations(self, ch: _Channel) -> None:
+        barriers = {b.name: (j, b) for j, b in enumerate(self.k.barriers)}
+        for name in filter(None, (ch.full, ch.empty)):
+            if name not in barriers:
+                continue
+            j, bar = barriers[name]
+            stages: dict[int, list[str]] = {}
+            for buf in sorted(ch.buffers):
+                decl = next((b for b in self.k.smem if b.name == buf and b.shape), None)
+                if decl is not None and decl.shape[0] != bar.slots:
+                    stages.setdefault(decl.shape[0], []).append(buf)
+            for n, bufs in stages.items():
+                self.r.barrier_decl(j, f"barrier {name} has {plural(bar.slots, 'slot')} but its channel "
+                                       f"{'buffers' if len(bufs) > 1 else 'buffer'} {', '.join(bufs)} "
+                                       f"{'have' if len(bufs) > 1 else 'has'} {plural(n, 'stage')}; a channel "
+                                       f"has one full and one empty barrier per stage: declare {name}[{n}]")
+        init = self.inits.get(ch.full)
+        if init is not None and init.stmt.arrivals != 1:
+            self.r.at(init.path, f"{ch.full} is initialised with arrivals({init.stmt.arrivals}), but a full "
+                                 f"barrier's phase is completed by the one elected producer thread's "
+                                 f"arrive_expect_tx (plus the TMA bytes); use arrivals(1)")
+
+    def _same_nests(self, ch: _Channel) -> set:
+        """Both sides' loop nests around the channel have the same bounds, after substituting
+        lets and renaming loop variables by nest position. Returns the paths of the consumer
+        roles whose nest differs (their stage sequence is not compared again on the traces)."""
+        mismatched = set()
+        producer = ch.expect_tx.loops()
+        waits = [x for x in self.sites if isinstance(x.stmt, ir.MbarrierWait)
+                 and x.stmt.bar.barrier == ch.full and x.role is not None]
+        checked_roles = set()
+        for wait in waits:
+            if wait.role_path in checked_roles:
+                continue
+            checked_roles.add(wait.role_path)
+            consumer = wait.loops()
+            if len(consumer) != len(producer):
+                names = lambda nest: " > ".join(f"for {f.var}" for f, _ in nest) or "no loop"  # noqa: E731
+                self.r.at(wait.path, f"the consumer waits on {ch.full} inside {plural(len(consumer), 'loop')} "
+                                     f"({names(consumer)}) but the producer fills it inside "
+                                     f"{len(producer)} ({names(producer)}); {_SAME_ORDER}")
+                mismatched.add(wait.role_path)
+                continue
+            p_rename: dict[str, ir.Expr] = {}
+            c_rename: dict[str, ir.Expr] = {}
+            for level, ((pf, ppath), (cf, cpath)) in enumerate(zip(producer, consumer)):
+                p_lets, c_lets = _lets_before(self.k, ppath), _lets_before(self.k, cpath)
+                p_bounds = [subst(e, p_lets) for e in (pf.start, pf.stop, pf.step)]
+                c_bounds = [subst(e, c_lets) for e in (cf.start, cf.stop, cf.step)]
+                same = ([subst(e, p_rename) for e in p_bounds] == [subst(e, c_rename) for e in c_bounds]
+                        and (pf.kind == "persistent") == (cf.kind == "persistent"))
+                if not same:
+                    spell = lambda f, b: f"{f.kind}({', '.join(expr_text(e) for e in b)})"  # noqa: E731
+                    self.r.at(cpath, f"the consumer's for {cf.var} runs {spell(cf, c_bounds)} but the "
+                                     f"producer's for {pf.var} (IR line {self.r.line(ppath)}) runs "
+                                     f"{spell(pf, p_bounds)}; {_SAME_ORDER}")
+                    mismatched.add(wait.role_path)
+                    break
+                p_rename[pf.var] = c_rename[cf.var] = ir.Var(f"loop{level}")
+        return mismatched
+
+
+# -- running the roles on the host -----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Sample:
+    env: dict
+    text: str
+
+
+def _samples(kernel: ir.Kernel) -> list[_Sample]:
+    """A few problem sizes (every i32 param gets a value; several k-tile counts around typical
+    stage counts, partial tiles included) and CTA positions."""
+    ints = ((256, 384, 320, 192, 448, 130), (384, 130, 200, 448, 256, 320), (130, 256, 64, 320, 192, 384))
+    ctas = ((0, 2), (1, 3), (0, 1))
+    out = []
+    for values, (cta, num) in zip(ints, ctas):
+        env: dict = {}
+        scalars = [p for p in kernel.params if isinstance(p, ir.ScalarParam)]
+        for i, p in enumerate(scalars):
+            env[p.name] = values[i % len(values)] if p.dtype == "i32" else 1.0
+        env.update(cta_id=cta, num_ctas=num)
+        text = ", ".join(f"{k}={v}" for k, v in env.items())
+        out.append(_Sample(env, text))
+    return out
+
+
+@dataclass(frozen=True)
+class _Event:
+    kind: str                          # wait | arrive | expect_tx | mma | commit | mma_wait |
+    path: tuple[int, ...]              # smem_write | fence_proxy | bar_sync | tma_store
+    bar: str = ""
+    slot: int = -1
+    value: int = 0                     # wait: parity; mma_wait: pending groups
+    refs: tuple = ()                   # smem touched: ((buffer, index values, text), ...)
+    point: tuple = ()                  # ((loop var, value), ...), outermost first
+
+
+class _Abort(Exception):
+    """A sample the host cannot run (unbound name, division by zero, too many steps)."""
+
+
+class _Stop(Exception):
+    """`return`: the warpgroup leaves the kernel."""
+
+
+class _Tracer:
+    MAX_STEPS = 200_000
+    PERSISTENT_TILES = 2
+
+    def __init__(self, kernel: ir.Kernel, env: dict):
+        self.k = kernel
+        self.env = env
+        self.steps = 0
+        self.traces: dict[tuple[tuple[int, ...], int], tuple[ir.Role, list[_Event]]] = {}
+
+    def run(self):
+        try:
+            self._exec(self.k.body, (), dict(self.env), (), None)
+        except _Abort:
+            return None
+        return self.traces
+
+    def _eval(self, e, env):
+        try:
+            return evaluate(e, env)
+        except (KeyError, ZeroDivisionError, TypeError, ValueError):
+            raise _Abort() from None
+
+    def _exec(self, stmts, prefix, env, point, out, offset=0) -> None:
+        for i, s in enumerate(stmts):
+            path = prefix + (offset + i,)
+            self.steps += 1
+            if self.steps > self.MAX_STEPS:
+                raise _Abort()
+            if isinstance(s, ir.Let):
+                env[s.name] = self._eval(s.value, env)
+            elif isinstance(s, ir.Assign):
+                env[s.name] = self._eval(s.value, env)
+            elif isinstance(s, ir.For):
+                start, stop, step = (self._eval(e, env) for e in (s.start, s.stop, s.step))
+                if step <= 0:
+                    raise _Abort()
+                limit = self.PERSISTENT_TILES if s.kind == "persistent" else None
+                for n, v in enumerate(range(start, stop, step)):
+                    if limit is not None and n == limit:
+                        break
+                    env[s.var] = v
+                    self._exec(s.body, path, env, point + ((s.var, v),), out)
+            elif isinstance(s, ir.If):
+                if self._eval(s.cond, env):
+                    self._exec(s.then, path, env, point, out)
+                else:
+                    self._exec(s.orelse, path, env, point, out, len(s.then))
+            elif isinstance(s, ir.Role):
+                if out is not None:
+                    raise _Abort()
+                for wg in range(s.warpgroups):
+                    events: list[_Event] = []
+                    try:
+                        self._exec(s.body, path, dict(env, wg=wg), (), events)
+                    except _Stop:
+                        pass
+                    self.traces[(path, wg)] = (s, events)
+            elif isinstance(s, ir.ElectOne):
+                self._exec(s.body, path, env, point, out)
+            elif isinstance(s, ir.Return):
+                if out is not None:
+                    raise _Stop()
+            elif out is not None:
+                event = self._event(s, path, env, point)
+                if event is not None:
+                    out.append(event)
+
+    def _event(self, s, path, env, point) -> "_Event | None":
+        if isinstance(s, ir.MbarrierWait):
+            return _Event("wait", path, s.bar.barrier, self._eval(s.bar.index, env),
+                          self._eval(s.phase, env), point=point)
+        if isinstance(s, ir.MbarrierArrive):
+            return _Event("arrive", path, s.bar.barrier, self._eval(s.bar.index, env), point=point)
+        if isinstance(s, ir.MbarrierArriveExpectTx):
+            return _Event("expect_tx", path, s.bar.barrier, self._eval(s.bar.index, env), point=point)
+        if isinstance(s, ir.Wgmma):
+            refs = [r for r in (s.a, s.b) if isinstance(r, ir.SmemRef)]
+            return _Event("mma", path, refs=self._refs(refs, env), point=point)
+        if isinstance(s, ir.TileStoreSmem):
+            return _Event("smem_write", path, refs=self._refs([s.dst], env), point=point)
+        if isinstance(s, ir.TmaStore):
+            return _Event("tma_store", path, refs=self._refs([s.src], env), point=point)
+        kind = _PLAIN_EVENTS.get(type(s))
+        if kind is not None:
+            return _Event(kind, path, value=getattr(s, "pending", 0), point=point)
+        return None
+
+    def _refs(self, refs, env) -> tuple:
+        return tuple((r.buffer, tuple(self._eval(i, env) for i in r.index), ref_text(r)) for r in refs)
+
+
+_PLAIN_EVENTS = {ir.WgmmaCommit: "commit", ir.WgmmaWait: "mma_wait", ir.FenceProxyAsync: "fence_proxy",
+                 ir.NamedBarrierSync: "bar_sync"}
+
+
+# -- the contract on one sample's traces ----------------------------------------------------------
+
+
+def _overlap(a: tuple, b: tuple) -> bool:
+    """Whether two references (buffer, index values) may touch the same elements."""
+    n = min(len(a[1]), len(b[1]))
+    return a[0] == b[0] and a[1][:n] == b[1][:n]
+
+
+@dataclass
+class _Use:
+    slot: int
+    wait: _Event
+    releases: int = 0
+
+
+class _TraceCheck:
+    """The contract on one sample's traces: the same stage sequence on both sides of every
+    channel, the parity each use must wait for, the arrivals that release a stage, and no release
+    while a wgmma reading the stage may be pending."""
+
+    def __init__(self, contract: ContractCheck, channels: list[_Channel], traces, sample: _Sample):
+        self.c = contract
+        self.k = contract.k
+        self.channels = channels
+        self.traces = traces
+        self.sample = sample
+
+    def where(self, role: ir.Role, wg: int, e: _Event) -> str:
+        point = ", ".join(f"{v}={x}" for v, x in e.point)
+        if role.warpgroups > 1:
+            point = f"wg={wg}" + (f", {point}" if point else "")
+        return f"{point} ({self.sample.text})" if point else f"({self.sample.text})"
+
+    def run(self) -> None:
+        for ch in self.channels:
+            fills = self._producer(ch)
+            if fills is None:
+                continue
+            for key, (role, events) in self.traces.items():
+                waits = [e for e in events if e.kind == "wait" and e.bar == ch.full]
+                if (waits and key[0] not in ch.mismatched_roles
+                        and not any(e.kind == "expect_tx" and e.bar == ch.full for e in events)):
+                    self._consumer(ch, fills, role, key[1], waits)
+            if ch.empty is not None:
+                self._releases(ch, fills)
+        for key, (role, events) in self.traces.items():
+            self._wgmma_groups(role, key[1], events)
+            self._generic_writes(role, key[1], events)
+
+    def _producer(self, ch: _Channel) -> "list[int] | None":
+        """The stages the producer fills, in order, with its acquire of each; checks the parity of
+        every acquire (the j-th use of a stage waits with parity (j & 1) ^ 1)."""
+        producers = [(key, role, events) for key, (role, events) in self.traces.items()
+                     if any(e.kind == "expect_tx" and e.bar == ch.full for e in events)]
+        if not producers:
+            return None
+        if len(producers) > 1:
+            names = ", ".join(f"role {role.name} wg {key[1]}" for key, role, _ in producers)
+            self.c.once("producers", ch.expect_tx.path,
+                        f"{len(producers)} warpgroups ({names}) arrive on {ch.full} for every stage; a full "
+                        f"barrier is completed by one elected producer thread: issue the loads from one "
+                        f"warpgroup")
+        (_, wg), role, events = producers[0]
+        fills: list[int] = []
+        uses: dict[int, int] = {}
+        acquire = None
+        for e in events:
+            if e.kind == "wait" and ch.empty is not None and e.bar == ch.empty:
+                acquire = e
+            elif e.kind == "expect_tx" and e.bar == ch.full:
+                j = uses.get(e.slot, 0)
+                uses[e.slot] = j + 1
+                fills.append(e.slot)
+                if ch.empty is None:
+                    continue
+                if acquire is None:
+                    self.c.once("acquire", e.path,
+                                f"at {self.where(role, wg, e)} the producer fills stage {e.slot} without "
+                                f"waiting on {ch.empty} first; every fill waits for the stage to be free")
+                elif acquire.slot != e.slot:
+                    self.c.once("acquire", acquire.path,
+                                f"at {self.where(role, wg, e)} the producer waits on {ch.empty} stage "
+                                f"{acquire.slot} but then fills stage {e.slot}; wait on the stage it fills")
+                elif acquire.value != (j & 1) ^ 1:
+                    self.c.once("parity", acquire.path,
+                                f"at {self.where(role, wg, acquire)} the producer waits on {ch.empty} stage "
+                                f"{e.slot} with phase({acquire.value}), its {ordinal(j + 1)} use of the "
+                                f"stage; the parity must be {(j & 1) ^ 1}, the consumer's phase {j & 1} "
+                                f"XOR 1 (the first pass through a stage is free, each later one waits for "
+                                f"the previous release)")
+                acquire = None
+        return fills
+
+    def _consumer(self, ch, fills, role, wg, waits) -> None:
+        """The consumer's i-th wait on `full` is for the producer's i-th fill: same stage, and the
+        parity of that fill's phase."""
+        uses: dict[int, int] = {}
+        for i, w in enumerate(waits):
+            if i >= len(fills):
+                self.c.once("sequence", w.path,
+                            f"at {self.where(role, wg, w)} the consumer waits on {ch.full} for a fill the "
+                            f"producer never makes (it fills {len(fills)} stages here): deadlock; {_SAME_ORDER}")
+                return
+            slot = fills[i]
+            if w.slot != slot:
+                self.c.once("sequence", w.path,
+                            f"at {self.where(role, wg, w)} the consumer waits on {ch.full} stage {w.slot} "
+                            f"but the producer's {ordinal(i + 1)} fill went to stage {slot}; both sides "
+                            f"must compute the stage from the same counter (stage = it % S)")
+                return
+            j = uses.get(slot, 0)
+            uses[slot] = j + 1
+            if w.value != j & 1:
+                self.c.once("parity", w.path,
+                            f"at {self.where(role, wg, w)} the consumer waits on {ch.full} stage {slot} with "
+                            f"phase({w.value}), the {ordinal(j + 1)} use of the stage, which completes "
+                            f"phase {j}; the parity must be {j & 1} (phase = (it / S) & 1)")
+                return
+        if len(waits) < len(fills):
+            self.c.once("sequence", waits[0].path,
+                        f"the consumer waits on {ch.full} {len(waits)} times ({self.sample.text}) but the "
+                        f"producer fills {len(fills)} stages; the producer blocks on a stage nobody "
+                        f"releases: {_SAME_ORDER}")
+
+    def _releases(self, ch: _Channel, fills) -> None:
+        """Each use of a stage that the producer fills again later is released the same number of
+        times by every consumer warpgroup; the empty barrier's arrivals are the sum of those."""
+        later: set[int] = set()
+        reused = []                      # whether the producer fills each use's stage again later
+        for slot in reversed(fills):
+            reused.append(slot in later)
+            later.add(slot)
+        reused.reverse()
+        per_role: dict[tuple[int, ...], tuple[ir.Role, list[int]]] = {}
+        for (rpath, wg), (role, events) in self.traces.items():
+            if rpath in ch.mismatched_roles or not any(e.kind == "wait" and e.bar == ch.full for e in events):
+                continue
+            uses: list[_Use] = []
+            current: dict[int, int] = {}
+            for e in events:
+                if e.kind == "wait" and e.bar == ch.full:
+                    current[e.slot] = len(uses)
+                    uses.append(_Use(e.slot, e))
+                elif e.kind == "arrive" and e.bar == ch.empty:
+                    if e.slot in current:
+                        uses[current[e.slot]].releases += 1
+                    else:
+                        self.c.once("release", e.path,
+                                    f"at {self.where(role, wg, e)} the consumer releases {ch.empty} stage "
+                                    f"{e.slot} before it ever waited on {ch.full} for it; release a stage "
+                                    f"only after using it")
+            counts = set()
+            for i, use in enumerate(uses[:len(fills)]):
+                if not reused[i]:
+                    continue
+                if use.releases == 0:
+                    self.c.once("release", use.wait.path,
+                                f"at {self.where(role, wg, use.wait)} the consumer never releases stage "
+                                f"{use.slot} before its next use; the producer's wait on {ch.empty} "
+                                f"deadlocks: arrive on {ch.empty} once the wgmmas reading the stage are done")
+                counts.add(use.releases)
+            if 0 in counts:
+                continue
+            if len(counts) > 1:
+                self.c.once("release-count", next(u.wait.path for u in uses),
+                            f"the consumer releases its stages {' or '.join(map(str, sorted(counts)))} times "
+                            f"per use ({self.sample.text}); release every use exactly the same number of "
+                            f"times")
+            elif counts:
+                per_role.setdefault(rpath, (role, []))[1].append(counts.pop())
+        init = self.c.inits.get(ch.empty)
+        if init is None or not per_role:
+            return
+        total = sum(sum(counts) for _, counts in per_role.values())
+        if init.stmt.arrivals != total:
+            parts = ", ".join(
+                f"role {role.name}: " + (f"{plural(len(counts), 'warpgroup')} × {plural(counts[0], 'arrive')}"
+                                         if len(set(counts)) == 1 else f"{' + '.join(map(str, counts))} arrives")
+                for role, counts in per_role.values())
+            self.c.once("arrivals", init.path,
+                        f"{ch.empty} is initialised with arrivals({init.stmt.arrivals}) but {total} consumer "
+                        f"arrivals release each stage ({parts}); use arrivals({total})")
+
+    def _wgmma_groups(self, role: ir.Role, wg: int, events) -> None:
+        """Release only what no pending wgmma group reads; read only stages this warpgroup holds."""
+        of_buffer = {b: ch for ch in self.channels for b in ch.buffers}
+        of_empty = {ch.empty: ch for ch in self.channels if ch.empty is not None}
+        fulls = {ch.full for ch in self.channels}
+        held: set[tuple[str, int]] = set()
+        open_group: list[tuple[tuple, _Event]] = []
+        groups: list[list[tuple[tuple, _Event]]] = []
+        for e in events:
+            if e.kind == "wait" and e.bar in fulls:
+                held.add((e.bar, e.slot))
+            elif e.kind == "mma":
+                for read in e.refs:
+                    ch = of_buffer.get(read[0])
+                    if ch is None or not read[1]:
+                        continue
+                    stage = read[1][0]
+                    if (ch.full, stage) not in held:
+                        self.c.once("held", e.path,
+                                    f"at {self.where(role, wg, e)} wgmma.mma reads {read[2]} (stage {stage}) "
+                                    f"but this warpgroup does not hold that stage; wait on "
+                                    f"{ch.full}[{stage}] first and release it only after the wgmma")
+                open_group.extend((read, e) for read in e.refs)
+            elif e.kind == "smem_write":
+                pending = [mma for g in groups + [open_group] for read, mma in g if _overlap(read, e.refs[0])]
+                if pending:
+                    self.c.once("pending-write", e.path,
+                                f"at {self.where(role, wg, e)} tile.store_smem overwrites {e.refs[0][2]} while the "
+                                f"wgmma reading it (IR line {self.c.r.line(pending[0].path)}) may be pending; put "
+                                f"`wgmma.wait 0` (or wait for that group) before the write")
+            elif e.kind == "commit":
+                groups.append(open_group)
+                open_group = []
+            elif e.kind == "mma_wait":
+                groups = groups[len(groups) - e.value:] if e.value else []
+            elif e.kind == "arrive" and e.bar in of_empty:
+                ch = of_empty[e.bar]
+                pending = [(read, mma) for g in groups + [open_group] for read, mma in g
+                           if read[0] in ch.buffers and read[1][:1] == (e.slot,)]
+                if pending:
+                    names = " and ".join(dict.fromkeys(read[2] for read, _ in pending))
+                    line = self.c.r.line(pending[0][1].path)
+                    self.c.once("pending", e.path,
+                                f"consumer releases {ref_text(statement_at(self.k, e.path).bar)} (stage "
+                                f"{e.slot}, at {self.where(role, wg, e)}) before the wgmma reading {names} "
+                                f"(IR line {line}) has completed; put `wgmma.wait 0` (or wait for that "
+                                f"group) before the release")
+                held.discard((ch.full, e.slot))
+
+    def _generic_writes(self, role: ir.Role, wg: int, events) -> None:
+        """A tile.store_smem is seen by the async proxy only after `fence.proxy.async`; a TMA store
+        issued by one thread also needs the warpgroup barrier that says every thread has written."""
+        written: list[tuple[tuple, _Event, bool]] = []      # (reference, write, fenced)
+        for e in events:
+            if e.kind == "smem_write":
+                written.append((e.refs[0], e, False))
+            elif e.kind == "fence_proxy":
+                written = [(ref, w, True) for ref, w, _ in written]
+            elif e.kind == "bar_sync":
+                written = [x for x in written if not x[2]]
+            elif e.kind in ("tma_store", "mma"):
+                for read in e.refs:
+                    for ref, write, fenced in written:
+                        if not _overlap(ref, read) or (fenced and e.kind == "mma"):
+                            continue
+                        line = self.c.r.line(write.path)
+                        missing = ("`bar.sync` of the warpgroup after the fence (one thread issues the "
+                                   "copy of what every thread wrote)" if fenced else
+                                   "`fence.proxy.async` and then a `bar.sync` of the warpgroup"
+                                   if e.kind == "tma_store" else "`fence.proxy.async`")
+                        self.c.once("proxy", e.path,
+                                    f"at {self.where(role, wg, e)} {keyword(statement_at(self.k, e.path))} "
+                                    f"reads {read[2]}, written by tile.store_smem {ref[2]} (IR line {line}) "
+                                    f"with generic stores; put {missing} between the write and this read",
+                                    cause=write.path)

@@ -1,0 +1,421 @@
+"""The verifier's structural checks: one walk over the kernel in program order.
+
+`StructureCheck` keeps the names in scope at each statement and checks names and scopes,
+references to declarations, the order of barrier initialisation (init, `fence.mbarrier_init`,
+`syncthreads`, then the roles), warpgroup-collective statements kept out of elect_one, and the
+hardware limits of DESIGN.md §6 (registers, threads, shared memory, named barriers, setmaxnreg).
+It has one method per statement kind, `_<StmtType>`; those of the statements that move or
+compute tiles (TMA, wgmma, register tiles) come from its mixin `verify_tiles.TileChecks`.
+These checks need no barriers or pipeline, so they also run on partially lowered kernels
+(`verify(kernel, contract=False)`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from . import ir
+from .evaluate import evaluate
+from .parser import LOOP_KINDS, SETMAXNREG_ACTIONS
+from .verify_lines import Report, constant, expr_nodes, expr_text, keyword, location, ref_text, sites
+from .verify_tiles import SWIZZLES, TileChecks
+
+SMEM_LIMIT = 232448             # bytes of shared memory one CTA may use on sm_90 (227 KB)
+REGISTER_FILE = 65536           # 32-bit registers per SM
+MAX_THREADS = 1024
+
+_SCALARS = ("scalar param", "builtin", "let", "var", "loop variable")
+
+# Statements every thread of a warpgroup must execute together (not inside elect_one).
+_COLLECTIVE = (ir.Role, ir.Setmaxnreg, ir.SyncThreads, ir.NamedBarrierSync, ir.NamedBarrierArrive,
+               ir.WgmmaFence, ir.Wgmma, ir.WgmmaCommit, ir.WgmmaWait, ir.RegDecl, ir.TileFill,
+               ir.TileUnary, ir.TileBinary, ir.TileReduce, ir.TileMask, ir.TileLoadGlobal,
+               ir.TileStoreGlobal, ir.TileStoreSmem)
+
+
+@dataclass(frozen=True)
+class _Name:
+    kind: str                  # "scalar param", "tensormap param", "smem buffer", "let", ...
+    line: int
+    decl: object = None        # the Param / SmemDecl / BarrierDecl / RegDecl behind the name
+
+
+@dataclass(frozen=True)
+class _Ctx:
+    role: "ir.Role | None"
+    elected: bool = False
+
+
+@dataclass(frozen=True)
+class _Declaration:
+    kind: str
+    line: int
+    path: tuple[int, ...]
+    role: "str | None"
+
+
+class StructureCheck(TileChecks):
+    """One walk over the kernel in program order, with the names in scope at each statement."""
+
+    def __init__(self, kernel: ir.Kernel, report: Report, require_init: bool):
+        self.k = kernel
+        self.r = report
+        self.require_init = require_init
+        self.inits: dict[str, int] = {}          # barrier -> IR line of its mbarrier.init
+        self.unfenced_init = False                # an init not yet followed by fence + syncthreads
+        self.fenced = False                       # fence.mbarrier_init seen, syncthreads pending
+        self.visibility_reported = False
+        self.declarations = self._index_declarations()
+
+    def _index_declarations(self) -> dict[str, list[_Declaration]]:
+        """Every let, var, loop variable and register tile, for messages about names used where
+        their declaration is not in scope."""
+        kinds = {ir.Let: "let", ir.For: "loop variable", ir.RegDecl: "register tile"}
+        found: dict[str, list[_Declaration]] = {}
+        for site in sites(self.k):
+            s = site.stmt
+            kind = "var" if isinstance(s, ir.Let) and s.mutable else kinds.get(type(s))
+            if kind is not None:
+                role = site.role.name if site.role is not None else None
+                name = s.var if isinstance(s, ir.For) else s.name
+                found.setdefault(name, []).append(_Declaration(kind, self.r.line(site.path), site.path, role))
+        return found
+
+    # -- kernel header and declarations ---------------------------------------------------------
+
+    def run(self) -> None:
+        scope = self._globals()
+        self._launch(scope)
+        self._block(self.k.body, (), scope, _Ctx(None))
+        self._budgets()
+
+    def _globals(self) -> dict[str, _Name]:
+        scope: dict[str, _Name] = {"cta_id": _Name("builtin", 0), "num_ctas": _Name("builtin", 0)}
+        scalars = {p.name: _Name("scalar param", 1, p) for p in self.k.params if isinstance(p, ir.ScalarParam)}
+        seen: dict[str, tuple[str, int]] = {}
+
+        def declare(name, kind, line, decl, report):
+            if name in ir.BUILTINS:
+                report(f"`{name}` is a builtin name; rename the {kind}")
+            elif name in seen:
+                other_kind, other_line = seen[name]
+                report(f"`{name}` is already declared as a {other_kind} at IR line {other_line} "
+                       f"(names are unique in the IR); rename one of them")
+            else:
+                seen[name] = (kind, line)
+                scope[name] = _Name(kind, line, decl)
+
+        for p in self.k.params:
+            kind = {ir.ScalarParam: "scalar param", ir.TensorMapParam: "tensormap param",
+                    ir.GlobalParam: "global param"}[type(p)]
+            what = f"{kind.split()[0]} {p.name}"
+            report = lambda problem, what=what: self.r.header(problem, what)  # noqa: E731
+            declare(p.name, kind, 1, p, report)
+            self._dtype(p.dtype, report)
+            if isinstance(p, (ir.TensorMapParam, ir.GlobalParam)):
+                for d in p.shape:
+                    self._host_expr(d, scalars, report, "a tensor shape")
+            if isinstance(p, ir.TensorMapParam):
+                self._tensormap(p, report)
+        for i, b in enumerate(self.k.smem):
+            report = lambda problem, i=i: self.r.smem_decl(i, problem)  # noqa: E731
+            declare(b.name, "smem buffer", 2 + i, b, report)
+            self._dtype(b.dtype, report)
+            if not b.shape or any(d < 1 for d in b.shape):
+                report(f"shape {list(b.shape)}: a smem buffer needs at least one dim, each >= 1")
+            if b.swizzle not in SWIZZLES:
+                report(f"swizzle({b.swizzle}) is not a TMA swizzle; use 0, 32, 64 or 128")
+        for j, b in enumerate(self.k.barriers):
+            report = lambda problem, j=j: self.r.barrier_decl(j, problem)  # noqa: E731
+            declare(b.name, "barrier", 2 + len(self.k.smem) + j, b, report)
+            if b.slots < 1:
+                report(f"barrier {b.name}[{b.slots}] has no slots; declare at least one")
+        return scope
+
+    def _dtype(self, dtype, report) -> None:
+        if dtype not in ir.DTYPES:
+            report(f"dtype {dtype!r} is not one of {', '.join(ir.DTYPES)}")
+
+    def _host_expr(self, e, scalars, report, what) -> None:
+        for node in expr_nodes(e):
+            if isinstance(node, ir.Var) and node.name not in scalars and node.name != "num_sms":
+                report(f"{what} reads `{node.name}`; host-side expressions may read scalar params "
+                       f"(and num_sms in the grid) only")
+
+    def _launch(self, scope) -> None:
+        scalars = {n: b for n, b in scope.items() if b.kind == "scalar param"}
+        self._host_expr(self.k.grid, scalars, lambda m: self.r.header(m, "grid"), "the grid")
+        if len(self.k.cluster) != 3 or any(c < 1 for c in self.k.cluster):
+            self.r.header(f"cluster{tuple(self.k.cluster)}: give three extents, each >= 1")
+
+    def _budgets(self) -> None:
+        roles = self.k.roles()
+        threads = self.k.threads
+        if threads > MAX_THREADS:
+            self.r.header(f"the roles add up to {threads} threads ({threads // 128} warpgroups); a CTA "
+                          f"has at most {MAX_THREADS} threads (8 warpgroups)")
+        used = sum(r.warpgroups * 128 * r.registers for r in roles)
+        if used > REGISTER_FILE:
+            terms = " + ".join(f"role {r.name} {r.warpgroups}×128×{r.registers}" for r in roles)
+            widest = max(roles, key=lambda r: r.warpgroups * r.registers)
+            rest = used - widest.warpgroups * 128 * widest.registers
+            fit = (REGISTER_FILE - rest) // (widest.warpgroups * 128) // 8 * 8
+            hint = (f"lower the registers of a role, e.g. role {widest.name} registers({fit})"
+                    if fit >= 24 else "use fewer warpgroups")
+            self.r.header(f"register budget exceeded: {terms} = {used} registers, {used - REGISTER_FILE} "
+                          f"over the {REGISTER_FILE} of an SM; {hint}")
+        total = self.k.smem_bytes
+        if total > SMEM_LIMIT:
+            self.r.header(f"shared memory needs {total} bytes (buffers, barriers and alignment), "
+                          f"{total - SMEM_LIMIT} over the {SMEM_LIMIT} bytes (227 KB) a CTA can have; "
+                          f"use fewer stages or smaller tiles")
+
+    # -- statements -----------------------------------------------------------------------------
+
+    def _block(self, stmts, prefix, scope, ctx, offset=0) -> None:
+        scope = dict(scope)
+        for i, s in enumerate(stmts):
+            path = prefix + (offset + i,)
+            if ctx.elected and isinstance(s, _COLLECTIVE):
+                self.r.at(path, f"{keyword(s)} is warpgroup-collective, but elect_one runs its body on one "
+                                f"thread; move it out of elect_one")
+            getattr(self, "_" + type(s).__name__)(s, path, scope, ctx)
+
+    def _declare(self, name, kind, path, scope, decl=None) -> None:
+        line = self.r.line(path)
+        if name in ir.BUILTINS:
+            self.r.at(path, f"`{name}` is a builtin name; choose another name for the {kind}")
+            return
+        if name in scope:
+            other = scope[name]
+            self.r.at(path, f"`{name}` is already declared as a {other.kind} at IR line {other.line} "
+                            f"(names are unique in the IR); rename one of them")
+        scope[name] = _Name(kind, line, decl)
+
+    def _undeclared(self, name, path, ctx) -> str:
+        if name == "wg":
+            return ("`wg` (the warpgroup index) exists only inside a role; move this statement into a "
+                    "role or use a constant")
+        if name == "num_sms":
+            return ("`num_sms` is host-side and may appear only in the grid; inside the kernel use "
+                    "num_ctas (gridDim.x)")
+        role = ctx.role.name if ctx.role else None
+        line = self.r.line(path)
+        for d in self.declarations.get(name, ()):
+            if d.kind == "register tile" and d.role != role:
+                owner = f"role {d.role}" if d.role else "kernel level"
+                return (f"register tile `{name}` belongs to {owner} (IR line {d.line}); register tiles "
+                        f"are per warpgroup and visible only inside the role that declares them")
+            if d.role == role and d.line > line:
+                return (f"`{name}` is used before its declaration ({d.kind} at IR line {d.line}); "
+                        f"declare it before this statement")
+        if name in self.declarations:
+            d = min(self.declarations[name], key=lambda d: d.role != role)     # this role's first
+            return (f"`{name}` is declared at IR line {d.line} ({location(self.k, d.path)}), which does "
+                    f"not enclose this statement; declare it in this block or an enclosing one")
+        return (f"`{name}` is not declared; expressions read scalar params, builtins (cta_id, num_ctas, "
+                f"wg inside a role), loop variables and the lets/vars of enclosing blocks")
+
+    def _expr(self, e, path, scope, ctx) -> None:
+        for node in expr_nodes(e):
+            if isinstance(node, ir.Var):
+                b = scope.get(node.name)
+                if b is None:
+                    self.r.at(path, self._undeclared(node.name, path, ctx))
+                elif b.kind not in _SCALARS:
+                    self.r.at(path, f"`{node.name}` is a {b.kind}, not a scalar; expressions read scalar "
+                                    f"params, builtins, loop variables and lets/vars")
+            elif isinstance(node, ir.BinOp) and node.op not in ir.BINARY_PRECEDENCE:
+                self.r.at(path, f"`{node.op}` is not an operator of the IR; use one of "
+                                f"{' '.join(ir.BINARY_PRECEDENCE)}")
+            elif isinstance(node, ir.Call) and ir.CALLS.get(node.func) != len(node.args):
+                if node.func in ir.CALLS:
+                    self.r.at(path, f"{node.func}() takes {ir.CALLS[node.func]} arguments, not "
+                                    f"{len(node.args)}")
+                else:
+                    self.r.at(path, f"`{node.func}` is not a function of the IR; use one of "
+                                    f"{', '.join(ir.CALLS)}")
+
+    def _lookup(self, name, kind, path, scope, ctx, what):
+        """The declaration behind `name` if it is a `kind` in scope, else report and None."""
+        b = scope.get(name)
+        if b is not None and b.kind == kind:
+            return b.decl
+        known = ", ".join(n for n, x in scope.items() if x.kind == kind) or "none"
+        if b is not None:
+            self.r.at(path, f"{what} `{name}` is a {b.kind}, not a {kind} (declared: {known})")
+        elif kind == "register tile":
+            message = self._undeclared(name, path, ctx)
+            if name not in self.declarations:
+                message = (f"`{name}` is not a register tile; declare it in this role with "
+                           f"`reg {name}: f32[rows, cols]`")
+            self.r.at(path, message)
+        else:
+            self.r.at(path, f"{what} `{name}` is not a declared {kind} (declared: {known})")
+        return None
+
+    def _bar(self, ref: ir.BarRef, path, scope, ctx) -> "ir.BarrierDecl | None":
+        decl = self._lookup(ref.barrier, "barrier", path, scope, ctx, "barrier")
+        self._expr(ref.index, path, scope, ctx)
+        if decl is None:
+            return None
+        v = constant(ref.index)
+        if isinstance(v, int) and not 0 <= v < decl.slots:
+            self.r.at(path, f"`{ref_text(ref)}`: barrier {decl.name} has {decl.slots} slots "
+                            f"(0..{decl.slots - 1})")
+        self._initialised(decl.name, path)
+        return decl
+
+    def _initialised(self, barrier, path) -> None:
+        if barrier in self.inits:
+            return
+        later = any(isinstance(s, ir.MbarrierInit) and s.barrier == barrier for s in ir.walk(self.k.body))
+        if later:
+            self.r.at(path, f"barrier `{barrier}` is used before its mbarrier.init; initialise every "
+                            f"barrier at kernel level before the roles")
+        elif self.require_init:
+            self.r.at(path, f"barrier `{barrier}` is never initialised; add `mbarrier.init {barrier} "
+                            f"arrivals(n)` at kernel level before the roles")
+
+    # one method per statement kind ----------------------------------------------------------
+
+    def _Let(self, s: ir.Let, path, scope, ctx):
+        self._expr(s.value, path, scope, ctx)
+        self._declare(s.name, "var" if s.mutable else "let", path, scope)
+
+    def _Assign(self, s: ir.Assign, path, scope, ctx):
+        self._expr(s.value, path, scope, ctx)
+        b = scope.get(s.name)
+        if b is None:
+            self.r.at(path, f"`set {s.name}` updates an undeclared name; declare it first with "
+                            f"`var {s.name} = ...`")
+        elif b.kind == "let":
+            self.r.at(path, f"`set {s.name}` updates a let (immutable, IR line {b.line}); declare it with "
+                            f"`var {s.name} = ...` to update it")
+        elif b.kind != "var":
+            self.r.at(path, f"`set {s.name}` updates a {b.kind}; only a `var` can be updated")
+
+    def _For(self, s: ir.For, path, scope, ctx):
+        for e in (s.start, s.stop, s.step):
+            self._expr(e, path, scope, ctx)
+        if s.kind not in LOOP_KINDS:
+            self.r.at(path, f"loop kind `{s.kind}` is not one of {', '.join(LOOP_KINDS)}")
+        step = constant(s.step)
+        if isinstance(step, (int, float)) and step <= 0:
+            self.r.at(path, f"step {expr_text(s.step)}: a loop counts up; use a step >= 1")
+        inner = dict(scope)
+        self._declare(s.var, "loop variable", path, inner)
+        self._block(s.body, path, inner, ctx)
+
+    def _If(self, s: ir.If, path, scope, ctx):
+        self._expr(s.cond, path, scope, ctx)
+        self._block(s.then, path, scope, ctx)
+        self._block(s.orelse, path, scope, ctx, len(s.then))
+
+    def _Role(self, s: ir.Role, path, scope, ctx):
+        if ctx.role is not None:
+            self.r.at(path, f"role {s.name} is nested in role {ctx.role.name}; roles are laid out at "
+                            f"kernel level")
+        if s.warpgroups < 1:
+            self.r.at(path, f"warpgroups({s.warpgroups}): a role has at least one warpgroup")
+        if s.registers % 8 or not 24 <= s.registers <= 256:
+            self.r.at(path, f"registers({s.registers}): a role's register count must be a multiple of 8 "
+                            f"in [24, 256] (what setmaxnreg can set)")
+        if (self.unfenced_init or self.fenced) and not self.visibility_reported:
+            self.visibility_reported = True
+            self.r.at(path, "the barrier inits are not visible to the roles yet; after the last "
+                            "mbarrier.init put `fence.mbarrier_init` and then `syncthreads`")
+        inner = dict(scope)
+        inner["wg"] = _Name("builtin", 0)
+        self._block(s.body, path, inner, _Ctx(s))
+
+    def _ElectOne(self, s: ir.ElectOne, path, scope, ctx):
+        self._block(s.body, path, scope, _Ctx(ctx.role, True))
+
+    def _Return(self, s, path, scope, ctx):
+        pass
+
+    def _Setmaxnreg(self, s: ir.Setmaxnreg, path, scope, ctx):
+        if s.action not in SETMAXNREG_ACTIONS:
+            self.r.at(path, f"setmaxnreg.{s.action}: the action is inc or dec")
+        if s.registers % 8 or not 24 <= s.registers <= 256:
+            self.r.at(path, f"setmaxnreg {s.registers}: the register count must be a multiple of 8 in "
+                            f"[24, 256]")
+        if ctx.role is None:
+            self.r.at(path, "setmaxnreg outside a role; it belongs at the start of a role's body")
+        elif s.registers != ctx.role.registers:
+            self.r.at(path, f"setmaxnreg.{s.action} {s.registers} in role {ctx.role.name} "
+                            f"registers({ctx.role.registers}); the role's budget and its setmaxnreg must "
+                            f"agree: use setmaxnreg.{s.action} {ctx.role.registers} (or "
+                            f"registers({s.registers}))")
+
+    def _MbarrierInit(self, s: ir.MbarrierInit, path, scope, ctx):
+        self._lookup(s.barrier, "barrier", path, scope, ctx, "barrier")
+        if ctx.role is not None:
+            self.r.at(path, f"mbarrier.init inside role {ctx.role.name}; barriers are initialised at "
+                            f"kernel level (by thread 0) before the roles")
+            return
+        if s.arrivals < 1:
+            self.r.at(path, f"arrivals({s.arrivals}): an mbarrier phase needs at least 1 arrival; count "
+                            f"the arrive operations of one phase")
+        if s.barrier in self.inits:
+            self.r.at(path, f"barrier `{s.barrier}` is initialised twice (first at IR line "
+                            f"{self.inits[s.barrier]}); initialise it once")
+        self.inits.setdefault(s.barrier, self.r.line(path))
+        self.unfenced_init, self.fenced = True, False
+
+    def _MbarrierArrive(self, s: ir.MbarrierArrive, path, scope, ctx):
+        self._bar(s.bar, path, scope, ctx)
+
+    def _MbarrierArriveExpectTx(self, s: ir.MbarrierArriveExpectTx, path, scope, ctx):
+        self._bar(s.bar, path, scope, ctx)
+        self._expr(s.bytes, path, scope, ctx)
+
+    def _MbarrierWait(self, s: ir.MbarrierWait, path, scope, ctx):
+        self._bar(s.bar, path, scope, ctx)
+        self._expr(s.phase, path, scope, ctx)
+
+    def _MbarrierInval(self, s: ir.MbarrierInval, path, scope, ctx):
+        if self._lookup(s.barrier, "barrier", path, scope, ctx, "barrier") is not None:
+            self._initialised(s.barrier, path)
+
+    def _FenceMbarrierInit(self, s, path, scope, ctx):
+        if ctx.role is None and self.unfenced_init:
+            self.unfenced_init, self.fenced = False, True
+
+    def _FenceProxyAsync(self, s, path, scope, ctx):
+        pass
+
+    def _SyncThreads(self, s, path, scope, ctx):
+        if ctx.role is not None:
+            self.r.at(path, f"syncthreads inside role {ctx.role.name} waits for the threads of every "
+                            f"role (deadlock); synchronise the participating warpgroups with a named "
+                            f"barrier `bar.sync id, threads` with id >= 1")
+        self.fenced = False
+
+    def _named_barrier(self, s, path, scope, ctx):
+        verb = keyword(s)
+        self._expr(s.id, path, scope, ctx)
+        reads_wg = "wg" in ir.expr_vars(s.id)
+        wgs = range(ctx.role.warpgroups) if ctx.role is not None and reads_wg else [None]
+        for wg in wgs:
+            try:
+                bid = evaluate(s.id, {} if wg is None else {"wg": wg})
+            except (KeyError, ZeroDivisionError, TypeError):
+                break
+            if not 1 <= bid <= 15:
+                at = "" if wg is None else f" for wg = {wg}"
+                self.r.at(path, f"{verb} {expr_text(s.id)}: barrier id {bid}{at} is outside [1, 15] (id 0 is "
+                                f"the barrier syncthreads uses); use ids 1..15")
+                break
+        unit = 128 if ctx.role is not None else 32
+        if s.threads < 1 or s.threads % unit:
+            what = "whole warpgroups inside a role" if unit == 128 else "whole warps"
+            self.r.at(path, f"{verb} {expr_text(s.id)}, {s.threads}: the thread count must be a multiple of "
+                            f"{unit} ({what})")
+        if s.threads > self.k.threads:
+            self.r.at(path, f"{verb} {expr_text(s.id)}, {s.threads}: more threads than the block has "
+                            f"({self.k.threads}); count only the participating threads")
+
+    _NamedBarrierSync = _named_barrier
+    _NamedBarrierArrive = _named_barrier

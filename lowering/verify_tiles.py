@@ -1,0 +1,296 @@
+"""The verifier's shape checks: TMA boxes and copies, wgmma operands, and register-tile ops.
+
+`TileChecks` holds the per-statement checks of every statement that moves or computes a tile
+(tma.load/store, wgmma.*, reg, tile.*) plus the tensormap declarations' box rules. It is a mixin
+of `verify_structure.StructureCheck`, whose walk calls these methods by statement kind and
+provides what they build on: the report `self.r`, name lookup (`_lookup`, `_declare`), scalar
+expressions (`_expr`), barrier references (`_bar`) and dtypes (`_dtype`).
+"""
+
+from __future__ import annotations
+
+from . import ir
+from .parser import MMA_MAJORS
+from .verify_lines import array_text, constant, expr_text, keyword, plural, ref_text, volume
+
+SWIZZLES = (0, 32, 64, 128)
+
+
+class TileChecks:
+    """Shapes and dtypes of every copy, MMA and tile op (a mixin of StructureCheck)."""
+
+    # -- operands -------------------------------------------------------------------------------
+
+    def _tile(self, name, path, scope, ctx) -> "ir.RegDecl | None":
+        return self._lookup(name, "register tile", path, scope, ctx, "tile")
+
+    def _smem(self, ref: ir.SmemRef, path, scope, ctx) -> "ir.SmemDecl | None":
+        decl = self._lookup(ref.buffer, "smem buffer", path, scope, ctx, "buffer")
+        for e in ref.index:
+            self._expr(e, path, scope, ctx)
+        if decl is None:
+            return None
+        if len(ref.index) >= len(decl.shape):
+            self.r.at(path, f"`{ref_text(ref)}` has {len(ref.index)} indices but {decl.name} is "
+                            f"{array_text(decl.dtype, decl.shape)} (rank {len(decl.shape)}); a reference "
+                            f"selects a sub-array, so use at most {len(decl.shape) - 1}")
+            return None
+        for dim, e in enumerate(ref.index):
+            v = constant(e)
+            if isinstance(v, int) and not 0 <= v < decl.shape[dim]:
+                self.r.at(path, f"`{ref_text(ref)}`: index {v} is out of range for dim {dim} of {decl.name} "
+                                f"(extent {decl.shape[dim]}); valid indices are 0..{decl.shape[dim] - 1}")
+                return None
+        return decl
+
+    def _tensormap(self, p: ir.TensorMapParam, report) -> None:
+        """The box a tensormap param declares must be one TMA can copy."""
+        if len(p.box) != len(p.shape):
+            report(f"box({', '.join(map(str, p.box))}) has {len(p.box)} dims but the tensor has rank "
+                   f"{len(p.shape)}; give one box extent per dim")
+        for d in p.box:
+            if not 1 <= d <= 256:
+                report(f"box extent {d} is outside [1, 256], the range a TMA box allows")
+        if p.swizzle not in SWIZZLES:
+            report(f"swizzle({p.swizzle}) is not a TMA swizzle; use 0, 32, 64 or 128")
+        if not p.box or p.dtype not in ir.DTYPE_BYTES:
+            return
+        inner = p.box[-1] * ir.DTYPE_BYTES[p.dtype]
+        if inner % 16:
+            report(f"the box's inner dim is {p.box[-1]} {p.dtype} = {inner} bytes; TMA needs a multiple "
+                   f"of 16 bytes")
+        if p.swizzle in SWIZZLES[1:] and inner > p.swizzle:
+            most = p.swizzle // ir.DTYPE_BYTES[p.dtype]
+            report(f"the box's inner dim is {p.box[-1]} {p.dtype} = {inner} bytes, more than the "
+                   f"{p.swizzle}-byte swizzle span; use at most {most} {p.dtype} per box row (store "
+                   f"wider tiles as column chunks)")
+
+    # -- statements -----------------------------------------------------------------------------
+
+    def _tma(self, verb, ref: ir.SmemRef, tensor, coords, path, scope, ctx) -> None:
+        decl = self._smem(ref, path, scope, ctx)
+        for c in coords:
+            self._expr(c, path, scope, ctx)
+        b = scope.get(tensor)
+        param = b.decl if b is not None and b.kind == "tensormap param" else None
+        if b is None:
+            self.r.at(path, f"{verb} uses `{tensor}`, which is not a kernel parameter; declare it as "
+                            f"`tensormap {tensor}: dtype[shape] box(...) swizzle(...)`")
+        elif param is None:
+            self.r.at(path, f"{verb} needs a tensormap param, but `{tensor}` is a {b.kind}; declare it "
+                            f"as `tensormap {tensor}: ...`")
+        if param is None:
+            return
+        coord_text = f"{tensor}[{', '.join(expr_text(c) for c in coords)}]"
+        if len(coords) != len(param.shape):
+            self.r.at(path, f"{verb} {coord_text} gives {plural(len(coords), 'coordinate')} but tensormap {tensor} "
+                            f"is {array_text(param.dtype, param.shape)} (rank {len(param.shape)}); give one "
+                            f"coordinate per dim, outermost first")
+        if decl is None or param.dtype not in ir.DTYPE_BYTES or decl.dtype not in ir.DTYPE_BYTES:
+            return
+        sub = ir.smem_subshape(decl, ref)
+        box_bytes = volume(param.box) * ir.DTYPE_BYTES[param.dtype]
+        sub_bytes = volume(sub) * ir.DTYPE_BYTES[decl.dtype]
+        if param.dtype != decl.dtype:
+            direction = "into" if verb == "tma.load" else "from"
+            self.r.at(path, f"{verb} copies {param.dtype} (tensormap {tensor}) {direction} {decl.name}, "
+                            f"which is {decl.dtype}; TMA does not convert: declare {decl.name} as "
+                            f"{param.dtype}")
+        elif box_bytes != sub_bytes:
+            self.r.at(path, f"{verb} moves one box({', '.join(map(str, param.box))}) of {param.dtype} = "
+                            f"{box_bytes} bytes but {ref_text(ref)} is {array_text(decl.dtype, sub)} = {sub_bytes} "
+                            f"bytes; the smem sub-array must hold exactly one box")
+        if param.swizzle != decl.swizzle:
+            self.r.at(path, f"tensormap {tensor} has swizzle({param.swizzle}) but smem {decl.name} has "
+                            f"swizzle({decl.swizzle}); TMA lays the box out with the map's swizzle, so both "
+                            f"must agree")
+
+    def _TmaLoad(self, s: ir.TmaLoad, path, scope, ctx):
+        self._tma("tma.load", s.dst, s.tensor, s.coords, path, scope, ctx)
+        self._bar(s.bar, path, scope, ctx)
+
+    def _TmaStore(self, s: ir.TmaStore, path, scope, ctx):
+        self._tma("tma.store", s.src, s.tensor, s.coords, path, scope, ctx)
+
+    def _TmaCommit(self, s, path, scope, ctx):
+        pass
+
+    def _TmaWait(self, s: ir.TmaWait, path, scope, ctx):
+        if s.pending < 0:
+            self.r.at(path, f"{keyword(s)} {s.pending}: the pending count is >= 0")
+
+    _WgmmaFence = _WgmmaCommit = _TmaCommit            # no operands to check
+
+    def _WgmmaWait(self, s: ir.WgmmaWait, path, scope, ctx):
+        if s.pending < 0:
+            self.r.at(path, f"wgmma.wait {s.pending}: the pending count is >= 0")
+
+    def _smem_tile(self, ref, decl, path) -> "tuple[int, int] | None":
+        sub = ir.smem_subshape(decl, ref)
+        try:
+            return ir.tile_shape_of_subarray(sub)
+        except ValueError:
+            self.r.at(path, f"`{ref_text(ref)}` is a {array_text(decl.dtype, sub)} sub-array, which holds no 2-D "
+                            f"tile; select a [rows, cols] or (chunks, rows, width) sub-array")
+            return None
+
+    def _Wgmma(self, s: ir.Wgmma, path, scope, ctx):
+        self._expr(s.accumulate, path, scope, ctx)
+        for which, major in (("a", s.a_major), ("b", s.b_major)):
+            if major not in MMA_MAJORS:
+                self.r.at(path, f"major({s.a_major}, {s.b_major}): {which}'s major must be k or n")
+        acc = self._tile(s.acc, path, scope, ctx)
+        n = k = a_dtype = None
+        if acc is not None:
+            if (acc.dtype != "f32" or len(acc.shape) != 2 or acc.shape[0] != 64 or acc.shape[1] % 8
+                    or not 8 <= acc.shape[1] <= 256):
+                self.r.at(path, f"the accumulator {s.acc} is {array_text(acc.dtype, acc.shape)}; wgmma "
+                                f"accumulates into an f32[64, N] register tile with N a multiple of 8 in "
+                                f"[8, 256]")
+            else:
+                n = acc.shape[1]
+        if isinstance(s.a, ir.SmemRef):
+            a_name = ref_text(s.a)
+            decl = self._smem(s.a, path, scope, ctx)
+            tile = self._smem_tile(s.a, decl, path) if decl is not None else None
+            if tile is not None:
+                a_dtype = decl.dtype
+                rows, k = tile if s.a_major == "k" else (tile[1], tile[0])
+        else:
+            a_name = s.a
+            reg = self._tile(s.a, path, scope, ctx)
+            if s.a_major != "k":
+                self.r.at(path, f"A from registers ({s.a}) is K-major; use major(k, {s.b_major})")
+            tile = None
+            if reg is not None and len(reg.shape) == 2:
+                a_dtype = reg.dtype
+                rows, k = reg.shape
+                tile = reg.shape
+        if tile is not None and (rows != 64 or k % 16 or k < 16):
+            self.r.at(path, f"A operand {a_name} holds a [{rows}, {k}] tile; wgmma's A is [64, K] with K a "
+                            f"multiple of 16")
+            k = None
+        if a_dtype is not None and a_dtype not in ("bf16", "f16"):
+            self.r.at(path, f"A operand {a_name} is {a_dtype}; wgmma multiplies bf16 or f16")
+        decl = self._smem(s.b, path, scope, ctx)
+        tile = self._smem_tile(s.b, decl, path) if decl is not None else None
+        if tile is None:
+            return
+        if a_dtype is not None and decl.dtype != a_dtype:
+            self.r.at(path, f"B operand {ref_text(s.b)} is {decl.dtype} but A is {a_dtype}; both operands "
+                            f"must have one dtype")
+        b_n, b_k = tile if s.b_major == "k" else (tile[1], tile[0])
+        if n is not None and k is not None and (b_n, b_k) != (n, k):
+            sub = list(ir.smem_subshape(decl, s.b))
+            if s.b_major == "k":
+                want = f"[{n}, {k}] (K-major: [N, K])"
+            else:
+                want = f"({n // 64}, {k}, 64) (N-major column chunks)" if n % 64 == 0 else f"[{k}, {n}]"
+            self.r.at(path, f"B operand {ref_text(s.b)} is {sub}, a tile with N = {b_n} and K = {b_k}, but the "
+                            f"accumulator {s.acc} has N = {n} and A has K = {k}; B must be {want}")
+
+    def _RegDecl(self, s: ir.RegDecl, path, scope, ctx):
+        self._dtype(s.dtype, lambda m: self.r.at(path, m))
+        if not s.shape or any(d < 1 for d in s.shape):
+            self.r.at(path, f"shape {list(s.shape)}: a register tile needs at least one dim, each >= 1")
+        self._declare(s.name, "register tile", path, scope, s)
+
+    def _TileFill(self, s: ir.TileFill, path, scope, ctx):
+        self._tile(s.dst, path, scope, ctx)
+        self._expr(s.value, path, scope, ctx)
+
+    def _TileUnary(self, s: ir.TileUnary, path, scope, ctx):
+        if s.op not in ir.UNARY_OPS:
+            self.r.at(path, f"tile.{s.op} is not a unary tile op; use one of {', '.join(ir.UNARY_OPS)}")
+        dst = self._tile(s.dst, path, scope, ctx)
+        src = self._tile(s.src, path, scope, ctx)
+        if dst is not None and src is not None and dst.shape != src.shape:
+            self.r.at(path, f"tile.{s.op} {s.dst}, {s.src}: {s.src} is {array_text(src.dtype, src.shape)} but "
+                            f"{s.dst} is {array_text(dst.dtype, dst.shape)}; an elementwise op keeps the shape")
+
+    def _TileBinary(self, s: ir.TileBinary, path, scope, ctx):
+        if s.op not in ir.BINARY_OPS:
+            self.r.at(path, f"tile.{s.op} is not a binary tile op; use one of {', '.join(ir.BINARY_OPS)}")
+        dst = self._tile(s.dst, path, scope, ctx)
+        shapes = []
+        for operand in (s.lhs, s.rhs):
+            if isinstance(operand, str):
+                t = self._tile(operand, path, scope, ctx)
+                if t is None:
+                    return
+                shapes.append((operand, t.shape))
+            else:
+                self._expr(operand, path, scope, ctx)
+        if dst is None or not shapes:
+            return
+        names = ", ".join(f"{name} {list(shape)}" for name, shape in shapes)
+        if any(len(shape) != len(dst.shape) for _, shape in shapes):
+            self.r.at(path, f"tile.{s.op} {s.dst}: operands {names} and result {list(dst.shape)} differ in "
+                            f"rank; tiles of one op have one rank (extent 1 broadcasts)")
+            return
+        result = tuple(max(shape[d] for _, shape in shapes) for d in range(len(dst.shape)))
+        bad = any(x not in (1, r) for _, shape in shapes for x, r in zip(shape, result))
+        if bad or result != tuple(dst.shape):
+            self.r.at(path, f"tile.{s.op} {s.dst}: operands {names} do not broadcast to the result "
+                            f"{list(dst.shape)}; each dim must equal the result's or be 1")
+
+    def _TileMask(self, s: ir.TileMask, path, scope, ctx):
+        dst = self._tile(s.dst, path, scope, ctx)
+        for e in (s.row0, s.col0, s.limit) + (() if s.causal is None else (s.causal,)):
+            self._expr(e, path, scope, ctx)
+        if dst is not None and len(dst.shape) != 2:
+            self.r.at(path, f"tile.mask {s.dst}: {s.dst} is {list(dst.shape)}; the mask applies to a 2-D tile")
+
+    def _TileReduce(self, s: ir.TileReduce, path, scope, ctx):
+        if s.op not in ir.REDUCE_OPS:
+            self.r.at(path, f"tile.reduce.{s.op} is not a reduction; use one of {', '.join(ir.REDUCE_OPS)}")
+        dst = self._tile(s.dst, path, scope, ctx)
+        src = self._tile(s.src, path, scope, ctx)
+        if dst is None or src is None:
+            return
+        if not 0 <= s.axis < len(src.shape):
+            self.r.at(path, f"axis({s.axis}) is out of range for {s.src} {list(src.shape)}; use 0.."
+                            f"{len(src.shape) - 1}")
+            return
+        want = tuple(1 if d == s.axis else x for d, x in enumerate(src.shape))
+        if tuple(dst.shape) != want:
+            self.r.at(path, f"tile.reduce.{s.op} {s.dst}, {s.src}, axis({s.axis}): {s.dst} is "
+                            f"{list(dst.shape)} but reducing {list(src.shape)} over axis {s.axis} gives "
+                            f"{list(want)}; declare {s.dst} with that shape")
+
+    def _global_tile(self, verb, tensor, coords, tile_name, path, scope, ctx) -> None:
+        for c in coords:
+            self._expr(c, path, scope, ctx)
+        param = self._lookup(tensor, "global param", path, scope, ctx, "tensor")
+        t = self._tile(tile_name, path, scope, ctx)
+        if param is None:
+            return
+        if len(coords) != len(param.shape):
+            self.r.at(path, f"{verb} {tensor}[{', '.join(expr_text(c) for c in coords)}] gives "
+                            f"{plural(len(coords), 'coordinate')} but {tensor} is {array_text(param.dtype, param.shape)} (rank "
+                            f"{len(param.shape)}); give one coordinate per dim")
+        if t is None:
+            return
+        extra = len(t.shape) - len(param.shape)
+        if extra > 0 and any(d != 1 for d in t.shape[:extra]):
+            self.r.at(path, f"{verb}: tile {tile_name} {list(t.shape)} does not fit {tensor} (rank "
+                          f"{len(param.shape)}); the tile covers the tensor's trailing dims, and its "
+                          f"dims beyond the tensor's rank must be 1")
+
+    def _TileLoadGlobal(self, s: ir.TileLoadGlobal, path, scope, ctx):
+        self._global_tile("tile.load", s.tensor, s.coords, s.dst, path, scope, ctx)
+
+    def _TileStoreGlobal(self, s: ir.TileStoreGlobal, path, scope, ctx):
+        self._global_tile("tile.store", s.tensor, s.coords, s.src, path, scope, ctx)
+
+    def _TileStoreSmem(self, s: ir.TileStoreSmem, path, scope, ctx):
+        decl = self._smem(s.dst, path, scope, ctx)
+        t = self._tile(s.src, path, scope, ctx)
+        if decl is None or t is None:
+            return
+        holds = self._smem_tile(s.dst, decl, path)
+        if holds is not None and tuple(t.shape) != holds:
+            self.r.at(path, f"tile.store_smem {ref_text(s.dst)} <- {s.src}: {s.src} is {list(t.shape)} but "
+                            f"{ref_text(s.dst)} ({list(ir.smem_subshape(decl, s.dst))}) holds a {list(holds)} "
+                            f"tile; the tile and the sub-array must have one shape")
+
