@@ -169,16 +169,16 @@ def test_fused_epilogues_are_spelled_from_their_tile_ops():
     assert "// tile.add acc, acc, bias_t; tile.gelu acc, acc\n" in gelu
     assert ("acc[4 * fj + 2 * fi + 0] = acc[4 * fj + 2 * fi + 0] + __bfloat162float(bias_t[fj].x);\n"
             "          acc[4 * fj + 2 * fi + 1] = acc[4 * fj + 2 * fi + 1] + __bfloat162float(bias_t[fj].y);\n"
-            "          acc[4 * fj + 2 * fi + 0] = wsk::gelu(acc[4 * fj + 2 * fi + 0]);") in gelu
-    assert "erff(x * 0.7071067811865476f)" in gelu
+            "          acc[4 * fj + 2 * fi + 0] = wsp::gelu(acc[4 * fj + 2 * fi + 0]);") in gelu
+    assert "erff(x * 0.7071067811865476f)" in (build.INCLUDE_DIR / "activation.cuh").read_text()
     # a bf16 row tile: one 32-bit load per pair when the row is aligned, else two 16-bit ones
-    assert "bias_t[fj] = wsk::load_pair(ptr + 8 * fj, row_ok && col0 + 8 * fj < N);" in gelu
-    assert "bias_t[fj] = wsk::load_split(ptr + 8 * fj, row_ok && col0 + 8 * fj < N, " in gelu
+    assert "bias_t[fj] = wsp::load_pair(ptr + 8 * fj, row_ok && col0 + 8 * fj < N);" in gelu
+    assert "bias_t[fj] = wsp::load_split(ptr + 8 * fj, row_ok && col0 + 8 * fj < N, " in gelu
     direct = emit(linear_relu_residual, epilogue="direct").source
     assert "acc[4 * fj + 2 * fi + 0] = fmaxf(acc[4 * fj + 2 * fi + 0], 0.0f);" in direct
     assert "const bool row_ok = row < M;" in direct
     # stores round f32 to the tensor's dtype: the pair is packed at the store
-    assert re.search(r"wsk::store_pair\(ptr \+ 8 \* fj, row_ok && col0 \+ 8 \* fj < N, "
+    assert re.search(r"wsp::store_pair\(ptr \+ 8 \* fj, row_ok && col0 \+ 8 \* fj < N, "
                      r"__floats2bfloat162_rn\(acc\[4 \* fj \+ 2 \* fi \+ 0\], ", direct)
     assert "tma_store" not in direct.split('extern "C"')[1]
 
@@ -206,9 +206,9 @@ def test_expressions_use_cpp_precedence_and_types():
     assert "const int x = (M & 1) == 0;" in src
     assert "const int y = M - (5 - (-1));" in src
     assert "const float z = x ? 1.5f : INFINITY;" in src
-    assert "int u = ceil_div(M, 64);" in src and "u = min(u, y);" in src
+    assert "int u = wsp::ceil_div(M, 64);" in src and "u = min(u, y);" in src
     assert "const float f = fmaxf(z, 0.0f);" in src
-    assert "int ceil_div(int a, int b)" in src
+    assert_helpers_come_from_the_headers(src)
 
 
 def test_tma_load_outside_elect_one_is_an_error(default_kernel):
@@ -304,13 +304,33 @@ def test_row_reductions_and_register_a_operand():
     assert "fr = fmaxf(fr, __shfl_xor_sync(0xffffffff, fr, 1));" in src
     assert "fr = fr + __shfl_xor_sync(0xffffffff, fr, 2);" in src
     # P (bf16 accumulator layout) is the A fragment: pairs 4 ks .. 4 ks + 3 per k16 step
-    assert ("wgmma_m64n64k16_bf16_rs_tb(o, wsk::bit_cast<uint32_t>(p[4]), wsk::bit_cast<uint32_t>(p[5]), "
-            "wsk::bit_cast<uint32_t>(p[6]), wsk::bit_cast<uint32_t>(p[7]), "
+    assert ("wgmma_m64n64k16_bf16_rs_tb(o, wsp::bit_cast<uint32_t>(p[4]), wsp::bit_cast<uint32_t>(p[5]), "
+            "wsp::bit_cast<uint32_t>(p[6]), wsp::bit_cast<uint32_t>(p[7]), "
             "wsp::smem_desc_add(desc_b, 2048), 1);") in src
-    assert "wsk::fence_packed(p);" in src
+    assert "wsp::fence_packed(p);" in src
     # f32 tile into a (2, 64, 32) 128B-swizzled buffer: 64-bit stores, chunk every 4 fj
-    assert "wsk::swizzle128(row_addr + 1024 * fi + 8192 * (fj / 4) + 32 * (fj % 4))" in src
+    assert "wsp::swizzle128(row_addr + 1024 * fi + 8192 * (fj / 4) + 32 * (fj % 4))" in src
     assert "if (threadIdx.x % 4 == 0) {  // tile.store lse_out[0, 0] <- lse" in src
+
+
+def assert_helpers_come_from_the_headers(src: str) -> None:
+    """The .cu defines no device helpers of its own (only the per-shape wgmma wrappers), and
+    every wsp:: function it calls is declared in a codegen/include header that wsched.cuh pulls in."""
+    headers = sorted(p.name for p in build.INCLUDE_DIR.glob("*.cuh") if p.name != "wsched.cuh")
+    included = re.findall(r'#include "(\w+\.cuh)"', (build.INCLUDE_DIR / "wsched.cuh").read_text())
+    assert sorted(included) == headers
+    text = "\n".join((build.INCLUDE_DIR / h).read_text() for h in headers)
+    declared = set(re.findall(r"WSP_DEVICE\s+(?:[\w:<>]+\s+)*?(\w+)\s*\(", text))
+    defined = re.findall(r"__device__ __forceinline__ \w+ (\w+)\(", src)
+    assert all(name.startswith("wgmma_m64n") for name in defined), defined
+    called = set(re.findall(r"wsp::(\w+)", src))
+    assert called and called <= declared, f"not declared in codegen/include: {called - declared}"
+
+
+def test_device_helpers_come_from_the_headers(default_source):
+    for src in (default_source, emit(bias_gelu).source, emit(linear_relu_residual, epilogue="direct").source,
+                emit_kernel(SOFTMAX_PV).source):
+        assert_helpers_come_from_the_headers(src)
 
 
 # --- nvcc: sm_90a builds without spills, stack or ignored setmaxnreg ------------------------------
@@ -339,3 +359,15 @@ def test_compiles_for_sm90a_without_spills(case, tmp_path_factory):
     assert (res.spill_stores, res.spill_loads, res.stack_bytes) == (0, 0, 0)
     assert not [w for w in result.warnings if "C7508" in w]
     assert res.registers <= 65536 // emitted.threads
+
+
+def test_ir_names_that_clash_with_the_emitters_own_get_new_spellings():
+    from wsched.codegen.emit_context import _cpp_names
+    from wsched.lowering import ir
+
+    body = (ir.Let("wgmma_x", ir.IntConst(1)), ir.Let("v", ir.IntConst(2)), ir.Let("v_", ir.IntConst(3)),
+            ir.Let("__y", ir.IntConst(4)), ir.Let("int", ir.IntConst(5)))
+    kernel = ir.Kernel("k", (), ir.IntConst(1), (1, 1, 1), (), (), body)
+    names = _cpp_names(kernel)
+    assert names == {"wgmma_x": "v_wgmma_x", "v": "v__", "v_": "v_", "__y": "v___y", "int": "int_"}
+    assert len(set(names.values())) == len(names)

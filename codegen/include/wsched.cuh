@@ -8,3 +8,9 @@
 #include "wgmma.cuh"
 #include "stmatrix.cuh"
 #include "math.cuh"
+// register-tile helpers of the generated kernels
+#include "scalar.cuh"
+#include "activation.cuh"
+#include "fragment.cuh"
+#include "global_access.cuh"
+#include "shared_access.cuh"

@@ -57,36 +57,6 @@ __device__ __forceinline__ void wgmma_m64n256k16_bf16_ss_tb(float (&d)[128], uin
       : "l"(desc_a), "l"(desc_b), "r"(scale_d));
 }
 
-static __device__ __forceinline__ int ceil_div(int a, int b) { return (a + b - 1) / b; }
-
-namespace wsk {
-// This thread's place in a [64, N] register tile (wgmma accumulator layout): element
-// d[4j + 2i + c] sits at row frag_row() + 8i, column frag_col() + 8j + c.
-__device__ __forceinline__ int frag_row() { return 16 * ((threadIdx.x % 128) / 32) + (threadIdx.x % 32) / 4; }
-__device__ __forceinline__ int frag_col() { return 2 * (threadIdx.x % 4); }
-
-// Raw bits of a value (bf16/f16 constants and selects would go through the conversion asm of
-// cuda_bf16.h / cuda_fp16.h, and through local memory).
-template <typename To, typename From>
-__device__ __forceinline__ To bit_cast(const From& v) {
-  static_assert(sizeof(To) == sizeof(From), "bit_cast between types of one size");
-  To r;
-  memcpy(&r, &v, sizeof(To));
-  return r;
-}
-
-// 128-byte swizzle (what TMA and wgmma use, on 1024-byte-aligned buffers): the 16-byte unit
-// bits [4, 7) of a shared address are xor-ed with its 128-byte row bits [7, 10). Applied per
-// store to the unswizzled address, so no per-thread table of swizzled offsets stays live.
-__device__ __forceinline__ uint32_t swizzle128(uint32_t addr) { return addr ^ ((addr >> 3) & 0x70); }
-__device__ __forceinline__ void st_shared(uint32_t addr, uint32_t v) {
-  asm volatile("st.shared.b32 [%0], %1;\n" :: "r"(addr), "r"(v) : "memory");
-}
-__device__ __forceinline__ void st_shared(uint32_t addr, uint2 v) {
-  asm volatile("st.shared.v2.b32 [%0], {%1, %2};\n" :: "r"(addr), "r"(v.x), "r"(v.y) : "memory");
-}
-}  // namespace wsk
-
 extern "C" __global__ void __launch_bounds__(384, 1) matmul(
     int M,
     int N,
@@ -105,10 +75,10 @@ extern "C" __global__ void __launch_bounds__(384, 1) matmul(
   uint64_t* const empty_bar = reinterpret_cast<uint64_t*>(smem + 213016);  // 3 mbarriers
   const int cta_id = blockIdx.x;
   const int num_ctas = gridDim.x;
-  const int tiles_m = ceil_div(M, 128);
-  const int tiles_n = ceil_div(N, 256);
+  const int tiles_m = wsp::ceil_div(M, 128);
+  const int tiles_n = wsp::ceil_div(N, 256);
   const int num_tiles = tiles_m * tiles_n;
-  const int k_tiles = ceil_div(K, 64);
+  const int k_tiles = wsp::ceil_div(K, 64);
   if (threadIdx.x == 0) {
     for (int i = 0; i < 3; ++i) wsp::mbar_init(&full_bar[i], 1);
     for (int i = 0; i < 3; ++i) wsp::mbar_init(&empty_bar[i], 2);
@@ -195,12 +165,12 @@ extern "C" __global__ void __launch_bounds__(384, 1) matmul(
       }
       wsp::named_barrier_sync(1 + wg, 128);
       {  // tile.store_smem C_bf16[wg] <- acc: one st.shared per pair (stmatrix is a later optimisation)
-        const uint32_t row_addr = wsp::smem_u32(smem_C_bf16 + wg * 32768) + wsk::frag_row() * 128 + wsk::frag_col() * 2;
+        const uint32_t row_addr = wsp::smem_u32(smem_C_bf16 + wg * 32768) + wsp::frag_row() * 128 + wsp::frag_col() * 2;
         #pragma unroll
         for (int fj = 0; fj < 32; ++fj) {
           #pragma unroll
           for (int fi = 0; fi < 2; ++fi) {
-            wsk::st_shared(wsk::swizzle128(row_addr + 1024 * fi + 8192 * (fj / 8) + 16 * (fj % 8)), wsk::bit_cast<uint32_t>(__floats2bfloat162_rn(acc[4 * fj + 2 * fi + 0], acc[4 * fj + 2 * fi + 1])));
+            wsp::st_shared(wsp::swizzle128(row_addr + 1024 * fi + 8192 * (fj / 8) + 16 * (fj % 8)), wsp::bit_cast<uint32_t>(__floats2bfloat162_rn(acc[4 * fj + 2 * fi + 0], acc[4 * fj + 2 * fi + 1])));
           }
         }
       }

@@ -1,0 +1,285 @@
+"""Barriers and the asynchronous units in CUDA: mbarrier, named barriers, TMA, wgmma.
+
+Each IR statement becomes one call of a device primitive (`include/mbarrier.cuh`, `sync.cuh`,
+`tma.cuh`, `wgmma.cuh`), placed and guarded by the execution model (see `emit.py`):
+
+    mbarrier.arrive empty[s]          if (threadIdx.x % 128 == 0) {        // one per warpgroup
+                                        wsp::mbar_arrive(&empty_bar[s]);
+    tma.load A[s] <- a[m0, k * 64]    wsp::tma_load_2d(smem_A + s * 16384, &a, &full_bar[s], k * 64, m0);
+    wgmma.mma acc, A[s], B[s]         {  // wgmma: acc[64, 256] (+)= A[s] x B[s], 4 x m64n256k16
+                                        const uint64_t desc_a = wsp::make_smem_desc(...); ...
+
+The `wgmma.mma_async` wrappers themselves are generated per shape (`wgmma.py`) and collected in
+`Emitter.wgmma` for the file's preamble.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+from wsched.lowering import ir
+
+from .emit_context import ELECT, KERNEL, EmitError, Emitter, describe
+from .emit_tiles import FULL
+from .wgmma import VALID_N, wgmma_function
+
+# --- mbarriers and CTA / named barriers -------------------------------------------------------------
+
+
+def emit_mbarrier_init(em: Emitter, s: ir.MbarrierInit) -> None:
+    slots = _barrier_slots(em, s.barrier)
+    em.guarded(em.one_thread(), f"for (int i = 0; i < {slots}; ++i) "
+                                f"wsp::mbar_init(&{s.barrier}_bar[i], {s.arrivals});")
+
+
+def emit_mbarrier_inval(em: Emitter, s: ir.MbarrierInval) -> None:
+    slots = _barrier_slots(em, s.barrier)
+    em.guarded(em.one_thread(), f"for (int i = 0; i < {slots}; ++i) "
+                                f"wsp::mbar_inval(&{s.barrier}_bar[i]);")
+
+
+def _barrier_slots(em: Emitter, name: str) -> int:
+    for b in em.kernel.barriers:
+        if b.name == name:
+            return b.slots
+    raise EmitError(f"barrier {name!r} is not declared (have {[b.name for b in em.kernel.barriers]})")
+
+
+def emit_fence_mbarrier_init(em: Emitter, s: ir.FenceMbarrierInit) -> None:
+    em.guarded(em.one_thread(), "wsp::fence_mbarrier_init();")
+
+
+def emit_mbarrier_arrive(em: Emitter, s: ir.MbarrierArrive) -> None:
+    em.guarded(em.one_thread(), f"wsp::mbar_arrive({em.bar_ref(s.bar)});")
+
+
+def emit_mbarrier_arrive_expect_tx(em: Emitter, s: ir.MbarrierArriveExpectTx) -> None:
+    em.guarded(em.one_thread(),
+               f"wsp::mbar_arrive_expect_tx({em.bar_ref(s.bar)}, {em.expr(s.bytes)});")
+
+
+def emit_mbarrier_wait(em: Emitter, s: ir.MbarrierWait) -> None:
+    em.line(f"wsp::mbar_wait({em.bar_ref(s.bar)}, {em.expr(s.phase)});")
+
+
+def emit_fence_proxy_async(em: Emitter, s: ir.FenceProxyAsync) -> None:
+    em.line("wsp::fence_proxy_async();")
+
+
+def emit_syncthreads(em: Emitter, s: ir.SyncThreads) -> None:
+    em.require(s, level=(KERNEL,), what="is a whole-CTA barrier and must be at kernel level "
+                                        "(use bar.sync inside roles)")
+    em.line("__syncthreads();")
+
+
+def emit_named_barrier_sync(em: Emitter, s: ir.NamedBarrierSync) -> None:
+    em.line(f"wsp::named_barrier_sync({em.expr(s.id)}, {s.threads});")
+
+
+def emit_named_barrier_arrive(em: Emitter, s: ir.NamedBarrierArrive) -> None:
+    em.line(f"wsp::named_barrier_arrive({em.expr(s.id)}, {s.threads});")
+
+
+# --- TMA ---------------------------------------------------------------------------------------------
+
+
+def _require_elected(em: Emitter, s: ir.Stmt) -> None:
+    em.require(s, level=(ELECT,), what="must be inside elect_one (TMA is issued, committed and "
+                                       "waited on by one thread)")
+
+
+def _check_box(s: ir.Stmt, p: ir.TensorMapParam, decl: ir.SmemDecl, sub: tuple[int, ...]) -> None:
+    box_bytes = math.prod(p.box) * ir.DTYPE_BYTES[p.dtype]
+    sub_bytes = math.prod(sub) * ir.DTYPE_BYTES[decl.dtype]
+    if box_bytes != sub_bytes or p.dtype != decl.dtype:
+        raise EmitError(f"{describe(s)}: the box of {p.name} ({p.dtype}{list(p.box)}, {box_bytes} "
+                        f"bytes) does not fill the smem sub-array {decl.dtype}{list(sub)} "
+                        f"({sub_bytes} bytes)")
+
+
+def _tma_operands(em: Emitter, s: ir.TmaLoad | ir.TmaStore, ref: ir.SmemRef) -> tuple[str, str, str]:
+    """(smem pointer, &tensor map, coordinates innermost first) of a TMA copy."""
+    _require_elected(em, s)
+    p = em.tensormap_param(s.tensor, s, s.coords)
+    ptr, decl, sub = em.smem_ref(ref)
+    _check_box(s, p, decl, sub)
+    # IR coordinates are outermost first; the hardware (and wsp::tma_*) take innermost first.
+    return ptr, f"&{em.c(s.tensor)}", em.coords_text(tuple(reversed(s.coords)))
+
+
+def emit_tma_load(em: Emitter, s: ir.TmaLoad) -> None:
+    dst, tensor_map, coords = _tma_operands(em, s, s.dst)
+    em.line(f"wsp::tma_load_{len(s.coords)}d({dst}, {tensor_map}, {em.bar_ref(s.bar)}, {coords});")
+
+
+def emit_tma_store(em: Emitter, s: ir.TmaStore) -> None:
+    src, tensor_map, coords = _tma_operands(em, s, s.src)
+    em.line(f"wsp::tma_store_{len(s.coords)}d({tensor_map}, {src}, {coords});")
+
+
+def emit_tma_commit(em: Emitter, s: ir.TmaCommit) -> None:
+    _require_elected(em, s)
+    em.line("wsp::tma_store_commit();")
+
+
+def emit_tma_wait(em: Emitter, s: ir.TmaWait) -> None:
+    _require_elected(em, s)
+    em.line(f"wsp::tma_store_wait{'_read' if s.read else ''}<{s.pending}>();")
+
+
+# --- wgmma -------------------------------------------------------------------------------------------
+
+
+def wgmma_register_operands(body: tuple[ir.Stmt, ...]) -> list[str]:
+    """The register tiles wgmma reads or writes in `body` (accumulators, register A operands):
+    what `wgmma.fence` / `wgmma.wait` pin in place."""
+    names: list[str] = []
+    for st in ir.walk(body):
+        if isinstance(st, ir.Wgmma):
+            for n in (st.acc, st.a if isinstance(st.a, str) else None):
+                if n is not None and n not in names:
+                    names.append(n)
+    return names
+
+
+def _fence_operands(em: Emitter) -> None:
+    for name in em.role.fenced:
+        t = em.role.tiles.get(name)
+        if t is None:
+            continue  # not declared yet: the wgmma using it reports that
+        if t.packed:
+            em.line(f"wsp::fence_packed({t.name});")
+        else:
+            em.line(f"wsp::warpgroup_fence_array({t.name});")
+
+
+def emit_wgmma_fence(em: Emitter, s: ir.WgmmaFence) -> None:
+    em.require_warpgroup(s)
+    # As CUTLASS: pin the fragments wgmma reads/writes to this point, then wgmma.fence.
+    _fence_operands(em)
+    em.line("wsp::wgmma_fence();")
+
+
+def emit_wgmma_commit(em: Emitter, s: ir.WgmmaCommit) -> None:
+    em.require_warpgroup(s)
+    em.line("wsp::wgmma_commit();")
+
+
+def emit_wgmma_wait(em: Emitter, s: ir.WgmmaWait) -> None:
+    em.require_warpgroup(s)
+    em.line(f"wsp::wgmma_wait<{s.pending}>();")
+    # Accumulator reads after this wait must not be hoisted above it.
+    _fence_operands(em)
+
+
+_SWIZZLE_SPAN = 128  # the only operand layout implemented: 128-byte swizzle, 64 x 16-bit per row
+
+
+def _k_major_operand(em: Emitter, s: ir.Wgmma, ref: ir.SmemRef, rows: int | None,
+                     what: str) -> tuple[str, int, Callable[[int], int]]:
+    """(start pointer text, K, byte offset of k16 step ks) of a K-major operand: sub-array
+    [rows, K] (K * bytes <= 128) or column chunks (K / 64, rows, 64)."""
+    ptr, decl, sub = em.smem_ref(ref)
+    _check_operand_swizzle(s, decl, what)
+    if len(sub) == 2:
+        r, k = sub
+        w = k
+    elif len(sub) == 3:
+        chunks, r, w = sub
+        k = chunks * w
+    else:
+        raise EmitError(f"{describe(s)}: {what} sub-array {list(sub)} is not [rows, K] or (chunks, rows, 64)")
+    nbytes = ir.DTYPE_BYTES[decl.dtype]
+    if w * nbytes > _SWIZZLE_SPAN or (len(sub) == 3 and w * nbytes != _SWIZZLE_SPAN):
+        raise EmitError(f"{describe(s)}: {what} rows of {w} {decl.dtype} exceed the 128-byte swizzle span")
+    if rows is not None and r != rows:
+        raise EmitError(f"{describe(s)}: {what} sub-array {list(sub)} has {r} rows, expected {rows}")
+    if k % 16:
+        raise EmitError(f"{describe(s)}: K = {k} is not a multiple of 16")
+
+    def step(ks: int) -> int:
+        col = 16 * ks
+        return (col // w) * r * _SWIZZLE_SPAN + (col % w) * nbytes
+
+    return ptr, k, step
+
+
+def _check_operand_swizzle(s: ir.Wgmma, decl: ir.SmemDecl, what: str) -> None:
+    if decl.swizzle != 128 or decl.dtype not in ("bf16", "f16"):
+        raise EmitError(f"{describe(s)}: {what} buffer {decl.name} is {decl.dtype} swizzle({decl.swizzle}); "
+                        "wgmma operands are implemented for bf16/f16 with swizzle(128) only")
+
+
+def emit_wgmma(em: Emitter, s: ir.Wgmma) -> None:
+    em.require_warpgroup(s)
+    acc = em.tile(s.acc, s)
+    if acc.kind != FULL or acc.dtype != "f32" or acc.cols not in VALID_N:
+        raise EmitError(f"{describe(s)}: the accumulator must be an f32[64, N] tile with N a "
+                        f"multiple of 8 in [8, 256]; {acc.name} is {acc.dtype}[{acc.rows}, {acc.cols}]")
+    n = acc.cols
+    b_ptr, b_decl, b_sub = em.smem_ref(s.b)
+    _check_operand_swizzle(s, b_decl, "B")
+    dtype = b_decl.dtype
+
+    lines: list[str] = []
+    if s.b_major == "k":
+        b_ptr, k_b, b_step = _k_major_operand(em, s, s.b, n, "B")
+        b_desc = f"wsp::make_smem_desc({b_ptr}, 128, 16, 1024)"
+        b_note = "B K-major [N, K]: rows of 128 bytes, SBO = 1024 (8-row group), LBO unused (1)"
+    elif s.b_major == "n":
+        sub = b_sub if len(b_sub) == 3 else (1,) + tuple(b_sub)
+        if len(sub) != 3 or sub[2] * ir.DTYPE_BYTES[dtype] != _SWIZZLE_SPAN or sub[0] * sub[2] != n:
+            raise EmitError(f"{describe(s)}: N-major B must be a (N/64, K, 64) sub-array with "
+                            f"N = {n}; got {list(b_sub)}")
+        k_b = sub[1]
+        chunk_bytes = k_b * _SWIZZLE_SPAN
+
+        def b_step(ks: int) -> int:
+            return 16 * ks * _SWIZZLE_SPAN
+
+        # MN-major, 128B swizzle (PTX ISA "Shared Memory Matrix Layout" / strides table; CUTLASS
+        # make_gmma_desc<Major::MN>, canonical B128 layout ((8,n),(8,k)):((1,LBO),(8,SBO)) in
+        # 16-byte units): LBO = stride between 64-element N chunks, SBO = stride between
+        # 8-row K groups. Here chunks are K rows x 128 bytes apart and 8 rows are 1024 bytes.
+        b_desc = f"wsp::make_smem_desc({b_ptr}, 128, {chunk_bytes}, 1024)"
+        b_note = (f"B N-major (N/64, K, 64): LBO = {chunk_bytes} (next 64-column chunk), "
+                  "SBO = 1024 (next 8 k-rows)")
+    else:
+        raise EmitError(f"{describe(s)}: b_major must be 'k' or 'n', not {s.b_major!r}")
+
+    if isinstance(s.a, ir.SmemRef):
+        if s.a_major != "k":
+            raise EmitError(f"{describe(s)}: only K-major A in shared memory is implemented")
+        a_ptr, k, a_step = _k_major_operand(em, s, s.a, 64, "A")
+        if em.smem_decl(s.a.buffer).dtype != dtype:
+            raise EmitError(f"{describe(s)}: A and B have different dtypes")
+        name, text = wgmma_function(n, dtype, "smem", s.b_major == "n")
+        lines.append(f"const uint64_t desc_a = wsp::make_smem_desc({a_ptr}, 128, 16, 1024);")
+    else:
+        a_tile = em.tile(s.a, s)
+        if a_tile.kind != FULL or not a_tile.packed or a_tile.dtype != dtype or s.a_major != "k":
+            raise EmitError(f"{describe(s)}: a register A operand must be a K-major {dtype}[64, K] "
+                            f"tile; {a_tile.name} is {a_tile.dtype}[{a_tile.rows}, {a_tile.cols}]")
+        k = a_tile.cols
+        name, text = wgmma_function(n, dtype, "regs", s.b_major == "n")
+    if k != k_b:
+        raise EmitError(f"{describe(s)}: A has K = {k} but B has K = {k_b}")
+    em.wgmma.setdefault(name, text)
+    lines.append(f"const uint64_t desc_b = {b_desc};  // {b_note}")
+
+    for ks in range(k // 16):
+        scale = em.expr(s.accumulate) if ks == 0 else "1"
+        if isinstance(s.a, ir.SmemRef):
+            a_arg = "desc_a" if ks == 0 else f"wsp::smem_desc_add(desc_a, {a_step(ks)})"
+        else:
+            a_arg = ", ".join(f"wsp::bit_cast<uint32_t>({a_tile.name}[{4 * ks + r}])" for r in range(4))
+        b_arg = "desc_b" if ks == 0 else f"wsp::smem_desc_add(desc_b, {b_step(ks)})"
+        lines.append(f"{name}({acc.name}, {a_arg}, {b_arg}, {scale});")
+
+    a_text = s.a if isinstance(s.a, str) else em.ref_text(s.a)
+    b_text = em.ref_text(s.b)
+    with em.block(f"{{  // wgmma: {acc.name}[64, {n}] (+)= {a_text} x {b_text}, "
+                  f"{k // 16} x m64n{n}k16"):
+        for ln in lines:
+            em.line(ln)

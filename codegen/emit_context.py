@@ -1,0 +1,421 @@
+"""The emitter's state while one kernel is spelled: text, scopes, names, expressions, references.
+
+Every emit function (`emit.py`, `emit_async.py`, `emit_tiles.py`, `emit_tile_memory.py`) takes
+an `Emitter` and appends lines to it:
+
+    em.line("wsp::fence_proxy_async();")                  # one statement at the current depth
+    em.guarded(em.one_thread(), "wsp::mbar_arrive(...);")  # run by one thread of the group
+    with em.block("for (...) {"): ...                      # nested block and name scope
+    em.expr(ir.BinOp("+", Var("k"), IntConst(1)))          # "k + 1" in C++ precedence
+
+It also knows where the emitter stands in the execution model (`level`: kernel, role or
+elect_one) so that an emit function can say why a statement is misplaced, and the C++ spelling
+of every IR name (`c`): IR names that clash with C++ keywords or the emitter's own locals take a
+trailing underscore.
+"""
+
+from __future__ import annotations
+
+import math
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Iterator
+
+from wsched.lowering import ir
+
+if TYPE_CHECKING:
+    from .emit_tiles import Tile
+
+
+class EmitError(ValueError):
+    """The IR cannot be spelled in CUDA as it stands (names the statement and what is wrong)."""
+
+
+# C++ spellings of IR element types.
+CTYPE = {"bf16": "__nv_bfloat16", "f16": "__half", "f32": "float", "i32": "int"}
+
+# C++ names an IR name must not take: the emitter's own locals and helpers, CUDA builtins and
+# C++ keywords. An IR name that would is spelled with a trailing underscore (`_cpp_names`).
+_RESERVED = frozenset("""
+    smem wsp_smem_raw wg_index fi fj fr row col row0 col0 row_ok row_addr v ptr i
+    desc_a desc_b ceil_div min max fminf fmaxf expf exp2f logf tanhf erff make_float2 memcpy
+    wsp threadIdx blockIdx gridDim blockDim warpSize INFINITY NAN uint8_t uint16_t uint32_t
+    uint64_t uintptr_t float2 uint2 CUtensorMap
+    alignas alignof and asm auto bool break case catch char class const constexpr continue
+    default delete do double else enum explicit extern false float for friend goto if inline
+    int long namespace new not operator or private protected public register return short
+    signed sizeof static struct switch template this throw true try typedef typename union
+    unsigned using virtual void volatile while xor
+""".split())
+
+# Where a statement executes (see `emit.py`): all threads, one role's warpgroups, one elected thread.
+KERNEL, ROLE, ELECT = "kernel", "role", "elect_one"
+
+# C++ precedence (higher binds tighter); the IR's own table differs (`&` binds tighter than
+# `==` there), so parentheses are decided on the tree with these.
+_CPP_PREC = {"||": 4, "&&": 5, "|": 6, "^": 7, "&": 8, "==": 9, "!=": 9,
+             "<": 10, "<=": 10, ">": 10, ">=": 10, "<<": 11, ">>": 11,
+             "+": 12, "-": 12, "*": 13, "/": 13, "%": 13}
+_ATOM = 20
+_BITWISE = {"|", "^", "&", "<<", ">>"}
+_BOOLEAN = {"==", "!=", "<", "<=", ">", ">=", "&&", "||"}
+
+
+def _float_literal(v: float) -> str:
+    if math.isnan(v):
+        return "NAN"
+    if math.isinf(v):
+        return "INFINITY" if v > 0 else "-INFINITY"
+    text = repr(float(v))
+    if "e" not in text and "." not in text:
+        text += ".0"
+    return text + "f"
+
+
+def paren(text: str, prec: int, need: int) -> str:
+    """`text` (of C++ precedence `prec`) parenthesised where an operator of precedence `need` needs it."""
+    return f"({text})" if prec < need else text
+
+
+class _Scope:
+    """Declared names and their C++ scalar type ("int" or "float"), innermost scope last."""
+
+    def __init__(self):
+        self.frames: list[dict[str, str]] = [{}]
+
+    def declare(self, name: str, ctype: str) -> None:
+        self.frames[-1][name] = ctype
+
+    def lookup(self, name: str) -> str | None:
+        for frame in reversed(self.frames):
+            if name in frame:
+                return frame[name]
+        return None
+
+    @contextmanager
+    def nested(self) -> Iterator[None]:
+        self.frames.append({})
+        try:
+            yield
+        finally:
+            self.frames.pop()
+
+
+@dataclass
+class RoleInfo:
+    role: ir.Role
+    first_wg: int
+    tiles: dict[str, Tile] = field(default_factory=dict)
+    fenced: list[str] = field(default_factory=list)  # accumulators / register A operands
+
+
+class Emitter:
+    def __init__(self, kernel: ir.Kernel):
+        self.kernel = kernel
+        self.lines: list[str] = []
+        self.depth = 1
+        self.scope = _Scope()
+        self.level = KERNEL
+        self.role: RoleInfo | None = None
+        self.next_wg = 0
+        self.open_guard: str | None = None
+        self.role_chain_open = False
+        self.host = False  # expressions of the host-side grid (num_sms allowed)
+        self.wgmma: dict[str, str] = {}  # generated wgmma wrappers by name, in first-use order
+        self.smem_offsets, self.barrier_offsets = _layout(kernel)
+        self.names = _cpp_names(kernel)
+        self.uses_builtin = {b: any(names_in(kernel.body, b)) for b in ("cta_id", "num_ctas")}
+
+    def c(self, name: str) -> str:
+        """The C++ spelling of an IR-declared name."""
+        return self.names.get(name, name)
+
+    # -- text ------------------------------------------------------------------------------------
+    def line(self, text: str = "") -> None:
+        self.close_guard()
+        self.raw(text)
+
+    def raw(self, text: str) -> None:
+        """`text` at the current depth, without closing an open one-thread guard."""
+        self.lines.append(("  " * self.depth + text) if text else "")
+
+    @contextmanager
+    def block(self, head: str, tail: str = "}") -> Iterator[None]:
+        """`head {` ... `}` with one more level of indentation and a nested name scope."""
+        self.line(head)
+        self.depth += 1
+        try:
+            with self.scope.nested():
+                yield
+            self.close_guard()
+        finally:
+            self.depth -= 1
+        self.raw(tail)
+
+    def guarded(self, cond: str | None, text: str) -> None:
+        """`text` run by one thread: consecutive statements under the same guard share it."""
+        if cond is None:
+            self.line(text)
+            return
+        if self.open_guard != cond:
+            self.close_guard()
+            self.raw(f"if ({cond}) {{")
+            self.depth += 1
+            self.open_guard = cond
+        self.raw(text)
+
+    def close_guard(self) -> None:
+        if self.open_guard is not None:
+            self.open_guard = None
+            self.depth -= 1
+            self.raw("}")
+
+    def one_thread(self) -> str | None:
+        """The guard that makes one thread of the current executing group run a statement."""
+        return {KERNEL: "threadIdx.x == 0", ROLE: "threadIdx.x % 128 == 0", ELECT: None}[self.level]
+
+    # -- placement rules ---------------------------------------------------------------------------
+    def require(self, s: ir.Stmt, *, level: tuple[str, ...], what: str) -> None:
+        if self.level not in level:
+            where = {KERNEL: "at kernel level", ROLE: "in a role outside elect_one",
+                     ELECT: "inside elect_one"}[self.level]
+            raise EmitError(f"{describe(s)} {what}; it is {where}")
+
+    def require_warpgroup(self, s: ir.Stmt) -> None:
+        self.require(s, level=(ROLE,), what="is warpgroup-collective (.sync.aligned) and must be in a "
+                                            "role outside elect_one")
+
+    # -- expressions -------------------------------------------------------------------------------
+    def expr(self, e: ir.Expr) -> str:
+        return self.expr_prec(e)[0]
+
+    def expr_type(self, e: ir.Expr) -> str:
+        return self.expr_prec(e)[2]
+
+    def float_expr(self, e: ir.Expr) -> str:
+        text, _, ctype = self.expr_prec(e)
+        return text if ctype == "float" else f"static_cast<float>({text})"
+
+    def expr_prec(self, e: ir.Expr) -> tuple[str, int, str]:
+        """(C++ text, C++ precedence, "int" | "float")."""
+        if isinstance(e, ir.IntConst):
+            return str(e.value), (_ATOM if e.value >= 0 else 14), "int"
+        if isinstance(e, ir.FloatConst):
+            text = _float_literal(e.value)
+            return text, (14 if text.startswith("-") else _ATOM), "float"
+        if isinstance(e, ir.Var):
+            return self._var(e.name), _ATOM, self.scope.lookup(e.name) or "int"
+        if isinstance(e, ir.BinOp):
+            return self._binop(e)
+        if isinstance(e, ir.Call):
+            return self._call(e)
+        raise EmitError(f"no CUDA spelling for expression {e!r}")
+
+    def coords_text(self, coords: tuple[ir.Expr, ...]) -> str:
+        return ", ".join(self.expr(c) for c in coords)
+
+    def _var(self, name: str) -> str:
+        """Builtins and declared scalars keep their IR names in C++ (setup declares cta_id and
+        num_ctas, each role branch wg)."""
+        declared = self.scope.lookup(name)
+        if declared == "tensor":
+            raise EmitError(f"expression uses the tensor {name!r} as a scalar")
+        if name == "num_sms" and not self.host:
+            raise EmitError("num_sms is a host-side builtin (grid expressions only); "
+                            "device code must use num_ctas")
+        if name == "wg" and self.role is None:
+            raise EmitError("the builtin wg is defined only inside a role")
+        if declared is None and name not in ir.BUILTINS:
+            raise EmitError(f"expression uses {name!r}, which is neither a parameter, a builtin "
+                            "nor a let/var/loop variable in scope")
+        return name if declared is None else self.c(name)
+
+    def _binop(self, e: ir.BinOp) -> tuple[str, int, str]:
+        if e.op not in _CPP_PREC:
+            raise EmitError(f"unknown binary operator {e.op!r} in {e!r}")
+        prec = _CPP_PREC[e.op]
+        lhs, lprec, ltype = self.expr_prec(e.lhs)
+        rhs, rprec, rtype = self.expr_prec(e.rhs)
+        ctype = "int" if e.op in _BOOLEAN or ltype == rtype == "int" else "float"
+        if e.op in ("%",) + tuple(_BITWISE) and ctype == "float":
+            raise EmitError(f"operator {e.op!r} needs integer operands: {e!r}")
+
+        def wrap(text: str, child_prec: int, child: ir.Expr, right: bool) -> str:
+            needs = child_prec < prec or (right and child_prec == prec and child_prec != _ATOM)
+            # readability: say what a bitwise operator applies to (`(it / 3) & 1`)
+            if isinstance(child, ir.BinOp) and child.op != e.op and (
+                    e.op in _BITWISE or child.op in _BITWISE):
+                needs = True
+            if child_prec == 14 and e.op in ("-", "+"):
+                needs = True  # a - (-1)
+            return f"({text})" if needs else text
+
+        text = f"{wrap(lhs, lprec, e.lhs, False)} {e.op} {wrap(rhs, rprec, e.rhs, True)}"
+        return text, prec, ctype
+
+    def _call(self, e: ir.Call) -> tuple[str, int, str]:
+        if ir.CALLS.get(e.func) != len(e.args):
+            raise EmitError(f"unknown call {e.func}/{len(e.args)} in {e!r}; known: {ir.CALLS}")
+        args = [self.expr_prec(a) for a in e.args]
+        if e.func == "select":
+            (c, cp, _), (a, ap, at), (b, bp, bt) = args
+            ctype = "int" if at == bt == "int" else "float"
+            return f"{paren(c, cp, 4)} ? {paren(a, ap, 4)} : {paren(b, bp, 4)}", 3, ctype
+        texts = ", ".join(a[0] for a in args)
+        if e.func == "ceil_div":
+            if any(a[2] != "int" for a in args):
+                raise EmitError(f"ceil_div needs integer operands: {e!r}")
+            # device code calls wsp::ceil_div (scalar.cuh); the host grid is a formula in a comment
+            return f"{'' if self.host else 'wsp::'}ceil_div({texts})", _ATOM, "int"
+        if all(a[2] == "int" for a in args):
+            return f"{e.func}({texts})", _ATOM, "int"
+        return f"f{e.func}f({texts})", _ATOM, "float"
+
+    # -- references --------------------------------------------------------------------------------
+    def smem_ref(self, ref: ir.SmemRef) -> tuple[str, ir.SmemDecl, tuple[int, ...]]:
+        """(`smem_X + byte offset` text, declaration, sub-array shape)."""
+        decl = self.smem_decl(ref.buffer)
+        if len(ref.index) > len(decl.shape):
+            raise EmitError(f"smem reference {ref.buffer}[{len(ref.index)} indices] has more "
+                            f"indices than {ref.buffer}'s {len(decl.shape)} dims")
+        sub = ir.smem_subshape(decl, ref)
+        terms = []
+        for d, idx in enumerate(ref.index):
+            stride = ir.DTYPE_BYTES[decl.dtype] * math.prod(decl.shape[d + 1:])
+            if isinstance(idx, ir.IntConst):
+                terms.append(idx.value * stride)
+            else:
+                text, prec, _ = self.expr_prec(idx)
+                terms.append(f"{paren(text, prec, 13)} * {stride}")
+        const = sum(t for t in terms if isinstance(t, int))
+        parts = [t for t in terms if isinstance(t, str)] + ([str(const)] if const else [])
+        return " + ".join([f"smem_{ref.buffer}"] + parts), decl, sub
+
+    def ref_text(self, ref: ir.SmemRef) -> str:
+        """`buffer[index, ...]` as the IR writes it, for comments."""
+        return f"{ref.buffer}[{self.coords_text(ref.index)}]" if ref.index else ref.buffer
+
+    def smem_decl(self, name: str) -> ir.SmemDecl:
+        try:
+            return self.kernel.smem_decl(name)
+        except KeyError:
+            raise EmitError(f"shared buffer {name!r} is not declared (have "
+                            f"{[s.name for s in self.kernel.smem]})") from None
+
+    def bar_ref(self, ref: ir.BarRef) -> str:
+        if ref.barrier not in self.barrier_offsets:
+            raise EmitError(f"barrier {ref.barrier!r} is not declared (have "
+                            f"{list(self.barrier_offsets)})")
+        return f"&{ref.barrier}_bar[{self.expr(ref.index)}]"
+
+    def tile(self, name: str, s: ir.Stmt) -> Tile:
+        if self.role is None or name not in self.role.tiles:
+            raise EmitError(f"{describe(s)}: register tile {name!r} is not declared in this role")
+        return self.role.tiles[name]
+
+    def global_param(self, name: str, s: ir.Stmt) -> ir.GlobalParam:
+        p = _param(self.kernel, name, s)
+        if not isinstance(p, ir.GlobalParam):
+            raise EmitError(f"{describe(s)}: {name!r} is a {type(p).__name__}, not a global tensor")
+        return p
+
+    def tensormap_param(self, name: str, s: ir.Stmt, coords: tuple[ir.Expr, ...]) -> ir.TensorMapParam:
+        p = _param(self.kernel, name, s)
+        if not isinstance(p, ir.TensorMapParam):
+            raise EmitError(f"{describe(s)}: {name!r} is a {type(p).__name__}, not a tensor map")
+        if len(coords) != len(p.shape) or not 1 <= len(coords) <= 5:
+            raise EmitError(f"{describe(s)}: {len(coords)} coordinates for the rank-{len(p.shape)} "
+                            f"tensor map {name!r} (TMA takes 1 to 5)")
+        return p
+
+
+_KEYWORDS = {
+    ir.TmaLoad: "tma.load", ir.TmaStore: "tma.store", ir.TmaCommit: "tma.commit",
+    ir.TmaWait: "tma.wait", ir.Wgmma: "wgmma.mma", ir.WgmmaFence: "wgmma.fence",
+    ir.WgmmaCommit: "wgmma.commit", ir.WgmmaWait: "wgmma.wait", ir.Setmaxnreg: "setmaxnreg",
+    ir.SyncThreads: "syncthreads", ir.ElectOne: "elect_one", ir.Role: "role",
+    ir.TileLoadGlobal: "tile.load", ir.TileStoreGlobal: "tile.store",
+    ir.TileStoreSmem: "tile.store_smem", ir.TileReduce: "tile.reduce", ir.RegDecl: "reg",
+    ir.TileMask: "tile.mask",
+}
+
+
+def describe(s: ir.Stmt) -> str:
+    """`keyword` (the node's fields, blocks left out) for error messages."""
+    fields = ", ".join(f"{k}={v!r}" for k, v in vars(s).items()
+                       if not (isinstance(v, tuple) and any(isinstance(x, ir.STMT_TYPES) for x in v)))
+    text = f"{type(s).__name__}({fields})"
+    if len(text) > 240:
+        text = text[:237] + "..."
+    return f"`{_KEYWORDS.get(type(s), type(s).__name__)}` {text}"
+
+
+def _param(kernel: ir.Kernel, name: str, s: ir.Stmt) -> ir.Param:
+    try:
+        return kernel.param(name)
+    except KeyError:
+        raise EmitError(f"{describe(s)}: no kernel parameter named {name!r}") from None
+
+
+def names_in(body: tuple[ir.Stmt, ...], wanted: str) -> Iterator[bool]:
+    """True for every expression of `body` that reads `wanted` (used to skip unused builtins)."""
+    for s in ir.walk(body):
+        for value in vars(s).values():
+            for e in _exprs_of(value):
+                yield wanted in ir.expr_vars(e)
+
+
+def _exprs_of(value) -> Iterator[ir.Expr]:
+    if isinstance(value, (ir.IntConst, ir.FloatConst, ir.Var, ir.BinOp, ir.Call)):
+        yield value
+    elif isinstance(value, (ir.SmemRef, ir.BarRef)):
+        for v in vars(value).values():
+            yield from _exprs_of(v)
+    elif isinstance(value, tuple) and not any(isinstance(v, ir.STMT_TYPES) for v in value):
+        for v in value:
+            yield from _exprs_of(v)
+
+
+def _layout(kernel: ir.Kernel) -> tuple[dict[str, int], dict[str, int]]:
+    """Byte offsets from the 1024-aligned smem base, exactly as `ir.Kernel.smem_bytes` counts."""
+    offset, smem, bars = 0, {}, {}
+    for buf in kernel.smem:
+        offset = ir._align(offset, 1024)
+        smem[buf.name] = offset
+        offset += buf.nbytes
+    offset = ir._align(offset, 8)
+    for b in kernel.barriers:
+        bars[b.name] = offset
+        offset += 8 * b.slots
+    return smem, bars
+
+
+def _cpp_names(kernel: ir.Kernel) -> dict[str, str]:
+    """C++ spelling of every name the IR declares (parameters, lets, loop variables, register
+    tiles): the IR name itself, or with a trailing underscore where it would clash with a C++
+    keyword or a name the emitter uses (`v`, `ptr`, `min`, `smem_A`, `full_bar`, ...)."""
+    declared = [p.name for p in kernel.params]
+    for s in ir.walk(kernel.body):
+        if isinstance(s, (ir.Let, ir.RegDecl)):
+            declared.append(s.name)
+        elif isinstance(s, ir.For):
+            declared.append(s.var)
+    taken = set(_RESERVED) | set(ir.BUILTINS) | {f"smem_{b.name}" for b in kernel.smem}
+    taken |= {f"{b.name}_bar" for b in kernel.barriers}
+    prefixed = ("wgmma_", "wsp", "__")   # owned by the wgmma wrappers, wsp::, the compiler
+    for n in declared:
+        if not n.isidentifier():
+            raise EmitError(f"the IR name {n!r} is not a C identifier")
+    keep = {n for n in declared if n not in taken and not n.startswith(prefixed)}
+    taken |= keep   # names that need no change keep their spelling; the others move around them
+    names: dict[str, str] = {}
+    for n in dict.fromkeys(declared):
+        if n in keep:
+            names[n] = n
+            continue
+        cpp = f"v_{n}" if n.startswith(prefixed) else n
+        while cpp in taken:
+            cpp += "_"
+        taken.add(cpp)
+        names[n] = cpp
+    return names

@@ -1,0 +1,185 @@
+"""Register tiles to and from memory in CUDA: `tile.load`, `tile.store`, `tile.store_smem`.
+
+Global tile loads and stores are bounds-checked and branch-free per element: each row takes one
+64-bit row pointer plus constant column offsets and predicated accesses (`wsp::load_pair`,
+`wsp::store_split`, ... in `include/global_access.cuh`), choosing pair vs element accesses once
+per row:
+
+    tile.load bias_t <- bias[n0]      const int col0 = n0 + wsp::frag_col();
+                                      if (wsp::pairs_aligned(ptr, N)) { ... bias_t[fj] =
+                                        wsp::load_pair(ptr + 8 * fj, row_ok && col0 + 8 * fj < N); }
+                                      else { ... wsp::load_split(...) }
+
+Shared-memory tile stores write one pair per `st.shared`, xor-ing each 128B-swizzled address
+where it is stored (`wsp::swizzle128` in `include/shared_access.cuh`): ptxas hoisted 64
+precomputed swizzled offsets out of the tile loop and spilled.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from wsched.lowering import ir
+
+from .emit_context import CTYPE, EmitError, Emitter, describe, paren
+from .emit_tiles import (
+    COL, CPAIR, FROM_FLOAT, FULL, PACK, ROW, SCALAR, TO_FLOAT, Tile, assignments, fragment_loop,
+)
+
+
+@dataclass(frozen=True)
+class _Addressing:
+    """Where a tile's fragment lies in a row-major global tensor (C++ texts)."""
+
+    row0: str | None   # first row of this thread's fragment (None: a 1-D tensor)
+    col0: str          # first column of this thread's fragment
+    checks: tuple[str, ...]  # row (and leading coordinates) inside the tensor, reading `row`
+    base: str          # element offset of (row, col0), reading `row`
+    cols: str          # the tensor's innermost extent
+
+
+def _global_addressing(em: Emitter, s: ir.Stmt, p: ir.GlobalParam, t: Tile,
+                       coords: tuple[ir.Expr, ...]) -> _Addressing:
+    rank = len(p.shape)
+    if len(coords) != rank:
+        raise EmitError(f"{describe(s)}: {len(coords)} coordinates for {p.name}, a rank-{rank} tensor")
+    if rank == 1 and t.rows != 1:
+        raise EmitError(f"{describe(s)}: a [{t.rows}, {t.cols}] tile does not fit the 1-D tensor {p.name}")
+    dims = [paren(text, prec, 13) for text, prec, _ in (em.expr_prec(d) for d in p.shape)]
+
+    def at(coord: ir.Expr, frag: str | None) -> str:
+        text, prec, _ = em.expr_prec(coord)
+        return f"{paren(text, prec, 12)} + {frag}" if frag else text
+
+    checks, offsets = [], []
+    for d in range(rank - 2):  # leading coordinates select one [rows, cols] matrix
+        text, prec, _ = em.expr_prec(coords[d])
+        offsets.append(f"static_cast<long long>({text}) * {' * '.join(dims[d + 1:])}")
+        checks.append(f"{paren(text, prec, 10)} < {dims[d]}")
+    row0 = None
+    if rank >= 2:
+        row0 = at(coords[-2], "wsp::frag_row()" if t.kind in (FULL, COL) else None)
+        checks.insert(0, f"row < {dims[-2]}")
+        offsets.append(f"static_cast<long long>(row) * {dims[-1]}")
+    col0 = at(coords[-1], "wsp::frag_col()" if t.kind in (FULL, ROW) else None)
+    return _Addressing(row0, col0, tuple(checks), " + ".join(offsets + ["col0"]), dims[-1])
+
+
+def _global_loop(em: Emitter, t: Tile, a: _Addressing, p: ir.GlobalParam, writes: bool,
+                 access: Callable[[str, str], str]) -> None:
+    """Fragment loop of a tile load/store: rows outside (`row_ok`, and `ptr` = this thread's
+    first element of the row: one 64-bit address per row, constant offsets per column),
+    columns inside. `access(kind, ok)` spells the access of one fragment position at
+    `ptr + 8 * fj`: kind "pair" (one 32/64-bit access, predicate `ok`), "split" (two element
+    accesses, predicates `ok0, ok1`) or "one" (a column tile's element)."""
+    if a.row0 is not None:
+        em.line(f"const int row0 = {a.row0};")
+    em.line(f"const int col0 = {a.col0};")
+    with fragment_loop(em, COL if t.kind in (FULL, COL) else SCALAR, 1):
+        if a.row0 is not None:
+            em.line("const int row = row0 + 8 * fi;" if t.kind in (FULL, COL) else "const int row = row0;")
+        em.line(f"const bool row_ok = {' && '.join(a.checks) or 'true'};")
+        em.line(f"{'' if writes else 'const '}{CTYPE[p.dtype]}* const ptr = {em.c(p.name)} + {a.base};")
+        if t.kind not in (FULL, ROW):
+            em.line(access("one", f"row_ok && col0 < {a.cols}"))
+            return
+        col = "col0 + 8 * fj"
+        oks = f"row_ok && {col} < {a.cols}, row_ok && {col} + 1 < {a.cols}"
+        # One branch per row, not per element: both sides are straight-line predicated code
+        # (three predicated accesses per pair in one path would need three load destinations).
+        em.line(f"if (wsp::pairs_aligned(ptr, {a.cols})) {{")
+        em.depth += 1
+        with fragment_loop(em, ROW, t.cols):
+            em.line(access("pair", f"row_ok && {col} < {a.cols}"))
+        em.depth -= 1
+        em.line("} else {  // unaligned row or odd row length: element by element")
+        em.depth += 1
+        with fragment_loop(em, ROW, t.cols):
+            em.line(access("split", oks))
+        em.depth -= 1
+        em.line("}")
+
+
+def emit_tile_load_global(em: Emitter, s: ir.TileLoadGlobal) -> None:
+    em.require_warpgroup(s)
+    t = em.tile(s.dst, s)
+    p = em.global_param(s.tensor, s)
+
+    def access(kind: str, ok: str) -> str:
+        if kind == "one":
+            load = f"wsp::load_one(ptr, {ok})"
+            if t.dtype == p.dtype:
+                return f"{t.index(0)} = {load};"
+            return assignments(t, [TO_FLOAT[p.dtype].format(load)])[0]
+        return _pair_assign(t, p, f"wsp::load_{kind}(ptr + 8 * fj, {ok})")
+
+    with em.block(f"{{  // tile.load {t.name} <- {p.name}[{em.coords_text(s.coords)}], zero outside"):
+        _global_loop(em, t, _global_addressing(em, s, p, t, s.coords), p, False, access)
+
+
+def _pair_assign(t: Tile, p: ir.GlobalParam, load: str) -> str:
+    """`t at (fj, fi) = the loaded pair`, converting element-wise when the dtypes differ."""
+    if t.packed and t.dtype == p.dtype:
+        return f"{t.index()} = {load};"
+    if not t.packed and t.dtype == p.dtype == "f32":
+        return f"{{ const float2 v = {load}; {t.index(0)} = v.x; {t.index(1)} = v.y; }}"
+    values = [TO_FLOAT[p.dtype].format(f"v.{xy}") for xy in "xy"]
+    return f"{{ const {CPAIR[p.dtype]} v = {load}; {' '.join(assignments(t, values))} }}"
+
+
+def emit_tile_store_global(em: Emitter, s: ir.TileStoreGlobal) -> None:
+    em.require_warpgroup(s)
+    t = em.tile(s.src, s)
+    p = em.global_param(s.tensor, s)
+    value = t.index() if t.packed and t.dtype == p.dtype else PACK[p.dtype].format(t.read(0), t.read(1))
+
+    def access(kind: str, ok: str) -> str:
+        if kind == "one":
+            one = t.index(0) if t.dtype == p.dtype else FROM_FLOAT[p.dtype].format(t.read(0))
+            return f"if ({ok}) *ptr = {one};"
+        return f"wsp::store_{kind}(ptr + 8 * fj, {ok}, {value});"
+
+    # Row (column) tiles are replicated over the threads sharing columns (rows): one copy stores.
+    owner = {ROW: "threadIdx.x % 128 < 4", COL: "threadIdx.x % 4 == 0",
+             SCALAR: "threadIdx.x % 128 == 0"}.get(t.kind)
+    head = f"if ({owner}) {{" if owner else "{"
+    with em.block(f"{head}  // tile.store {p.name}[{em.coords_text(s.coords)}] <- {t.name}, "
+                  "bounds-checked"):
+        _global_loop(em, t, _global_addressing(em, s, p, t, s.coords), p, True, access)
+
+
+def emit_tile_store_smem(em: Emitter, s: ir.TileStoreSmem) -> None:
+    em.require_warpgroup(s)
+    t = em.tile(s.src, s)
+    ptr, decl, sub = em.smem_ref(s.dst)
+    if t.kind != FULL:
+        raise EmitError(f"{describe(s)}: only [64, N] tiles are stored to shared memory")
+    rows, cols = ir.tile_shape_of_subarray(sub)
+    if (rows, cols) != (t.rows, t.cols):
+        raise EmitError(f"{describe(s)}: tile {t.name} [{t.rows}, {t.cols}] does not match the "
+                        f"smem sub-array {list(sub)} ([{rows}, {cols}])")
+    b = ir.DTYPE_BYTES[decl.dtype]
+    value = t.index() if t.packed and t.dtype == decl.dtype else \
+        PACK[decl.dtype].format(t.read(0), t.read(1))
+    bits = "uint32_t" if b == 2 else "uint2"
+    with em.block(f"{{  // tile.store_smem {em.ref_text(s.dst)} <- {t.name}: one st.shared per "
+                  "pair (stmatrix is a later optimisation)"):
+        # The pair (fj, fi) sits at row frag_row() + 8 fi, column frag_col() + 8 fj: in chunk
+        # fj / (W/8) (R rows of 128 bytes), byte (frag_col() + 8 (fj % (W/8))) * b of its row.
+        if decl.swizzle == 128 and b in (2, 4) and sub[-1] * b == 128:
+            per_chunk = sub[-1] // 8
+            em.line(f"const uint32_t row_addr = wsp::smem_u32({ptr}) + wsp::frag_row() * 128 + "
+                    f"wsp::frag_col() * {b};")
+            offset = f"1024 * fi + {rows * 128} * (fj / {per_chunk}) + {8 * b} * (fj % {per_chunk})"
+            address = f"wsp::swizzle128(row_addr + {offset})"
+        elif decl.swizzle == 0 and len(sub) == 2:
+            em.line(f"const uint32_t row_addr = wsp::smem_u32({ptr}) + "
+                    f"(wsp::frag_row() * {cols} + wsp::frag_col()) * {b};")
+            address = f"row_addr + {8 * cols * b} * fi + {8 * b} * fj"
+        else:
+            raise EmitError(f"{describe(s)}: tile stores into swizzle({decl.swizzle}) "
+                            f"{decl.dtype} buffers of shape {list(sub)} are not implemented "
+                            "(128-byte-swizzled rows of 16/32-bit elements, or unswizzled 2-D)")
+        with fragment_loop(em, FULL, t.cols):
+            em.line(f"wsp::st_shared({address}, wsp::bit_cast<{bits}>({value}));")

@@ -1,0 +1,293 @@
+"""Register tiles in CUDA: the fragment layout, declarations and the computing tile ops.
+
+A register tile is spread over the 128 threads of a warpgroup in the wgmma accumulator layout
+(see `include/fragment.cuh`): thread t (warp w = t / 32, lane l, g = l / 4, q = l % 4) holds
+element d[4j + 2i + c] of a [64, N] tile at row 16w + g + 8i, column 8j + 2q + c. f32 tiles are
+`float[N/2]`; 16-bit tiles are packed pairs (the c = 0, 1 elements) `__nv_bfloat162[N/4]` /
+`__half2[N/4]`. A row tile [1, N] holds columns 8j + 2q + c (pairs when 16-bit), a column tile
+[64, 1] rows g + 8i, a scalar tile one value.
+
+Each op is spelled as a fully unrolled loop over this thread's fragment positions (fj, fi):
+
+    reg acc: f32[64, 256]            float acc[128];
+    tile.add acc, acc, bias_t        #pragma unroll / for (fj ...) #pragma unroll / for (fi ...)
+    tile.gelu acc, acc                 acc[4 * fj + 2 * fi + 0] = acc[...] + __bfloat162float(bias_t[fj].x);
+                                       acc[4 * fj + 2 * fi + 0] = wsp::gelu(acc[...]); ...
+
+Consecutive elementwise ops over one fragment space share one loop (`emit_elementwise_run`).
+Loads and stores of tiles are in `emit_tile_memory.py`.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Callable, Iterator, Union
+
+from wsched.lowering import ir
+
+from .emit_context import CTYPE, ROLE, EmitError, Emitter, describe, paren
+
+# Fragment kinds: [64, N], [1, N], [64, 1] and [1, 1] tiles.
+FULL, ROW, COL, SCALAR = "full", "row", "col", "scalar"
+
+CPAIR = {"bf16": "__nv_bfloat162", "f16": "__half2", "f32": "float2"}
+TO_FLOAT = {"bf16": "__bfloat162float({})", "f16": "__half2float({})", "f32": "{}"}
+FROM_FLOAT = {"bf16": "__float2bfloat16_rn({})", "f16": "__float2half_rn({})", "f32": "{}"}
+PACK = {"bf16": "__floats2bfloat162_rn({}, {})", "f16": "__floats2half2_rn({}, {})",
+        "f32": "make_float2({}, {})"}
+
+_UNARY = {
+    "neg": "-{}", "exp": "expf({})", "exp2": "exp2f({})", "log": "logf({})",
+    "relu": "fmaxf({}, 0.0f)", "gelu": "wsp::gelu({})", "silu": "wsp::silu({})",
+    "sigmoid": "wsp::sigmoid({})", "tanh": "tanhf({})", "cast": "{}",
+}
+_BINARY = {
+    "add": "{} + {}", "sub": "{} - {}", "mul": "{} * {}", "div": "{} / {}",
+    "maximum": "fmaxf({}, {})", "minimum": "fminf({}, {})",
+}
+
+
+@dataclass(frozen=True)
+class Tile:
+    name: str
+    dtype: str
+    rows: int
+    cols: int
+
+    @property
+    def kind(self) -> str:
+        if self.rows == 64 and self.cols > 1:
+            return FULL
+        if self.rows == 1 and self.cols > 1:
+            return ROW
+        if self.rows == 64 and self.cols == 1:
+            return COL
+        return SCALAR
+
+    @property
+    def packed(self) -> bool:
+        """16-bit full and row tiles store the c = 0, 1 elements as one packed pair."""
+        return self.dtype in ("bf16", "f16") and self.kind in (FULL, ROW)
+
+    @property
+    def length(self) -> int:
+        per_thread = {FULL: self.cols // 2, ROW: self.cols // 4, COL: 2, SCALAR: 1}[self.kind]
+        return per_thread // 2 if self.packed else per_thread
+
+    def declaration(self) -> str:
+        ctype = CPAIR[self.dtype] if self.packed else CTYPE[self.dtype]
+        return f"{ctype} {self.name}[{self.length}];"
+
+    def index(self, c: int | None = None) -> str:
+        """The C++ element (c given) or packed pair (c None) at fragment position (fj, fi)."""
+        if self.kind == FULL:
+            if self.packed:
+                base = f"{self.name}[2 * fj + fi]"
+            else:
+                return f"{self.name}[4 * fj + 2 * fi + {c}]"
+        elif self.kind == ROW:
+            if self.packed:
+                base = f"{self.name}[fj]"
+            else:
+                return f"{self.name}[2 * fj + {c}]"
+        elif self.kind == COL:
+            return f"{self.name}[fi]"
+        else:
+            return f"{self.name}[0]"
+        return base if c is None else f"{base}.{'xy'[c]}"
+
+    def read(self, c: int) -> str:
+        """Element c of fragment position (fj, fi) as a float expression."""
+        return TO_FLOAT[self.dtype].format(self.index(c))
+
+
+def _tile_from_decl(d: ir.RegDecl, cpp_name: str) -> Tile:
+    shape = tuple(d.shape)
+    while len(shape) > 2 and shape[0] == 1:  # extra leading dims of extent 1
+        shape = shape[1:]
+    if len(shape) == 1:
+        shape = (1,) + shape
+    if len(shape) != 2:
+        raise EmitError(f"reg {d.name}: {d.dtype}{list(d.shape)} is not a 2-D register tile")
+    rows, cols = shape
+    if d.dtype == "i32":
+        raise EmitError(f"reg {d.name}: i32 register tiles have no CUDA spelling yet")
+    if rows not in (1, 64) or (cols > 1 and cols % 8):
+        raise EmitError(f"reg {d.name}: {d.dtype}{list(d.shape)} does not fit the warpgroup "
+                        "fragment layout (rows 64 or 1, columns 1 or a multiple of 8)")
+    return Tile(cpp_name, d.dtype, rows, cols)
+
+
+def emit_reg_decl(em: Emitter, s: ir.RegDecl) -> None:
+    em.require(s, level=(ROLE,), what="declares a per-warpgroup register tile and must be in a role")
+    t = _tile_from_decl(s, em.c(s.name))
+    if s.name in em.role.tiles:
+        raise EmitError(f"reg {s.name} is declared twice in role {em.role.role.name}")
+    em.role.tiles[s.name] = t
+    layout = {FULL: "wgmma fragment", ROW: "row fragment", COL: "column fragment",
+              SCALAR: "per-thread scalar"}[t.kind]
+    packed = ", packed pairs" if t.packed else ""
+    em.line(f"{t.declaration():<32}// {s.name}: {s.dtype}{list(s.shape)}, {layout}{packed}")
+
+
+@contextmanager
+def fragment_loop(em: Emitter, kind: str, cols: int) -> Iterator[None]:
+    """Loop over this thread's fragment positions (fj, fi) of a tile of the given kind; every
+    index is a compile-time constant once unrolled."""
+    loops = {FULL: [("fj", cols // 8), ("fi", 2)], ROW: [("fj", cols // 8)],
+             COL: [("fi", 2)], SCALAR: []}[kind]
+    opened = 0
+    try:
+        for var, n in loops:
+            em.line("#pragma unroll")
+            em.line(f"for (int {var} = 0; {var} < {n}; ++{var}) {{")
+            em.depth += 1
+            opened += 1
+        yield
+    finally:
+        for _ in range(opened):
+            em.close_guard()
+            em.depth -= 1
+            em.raw("}")
+
+
+def _elems(kind: str) -> tuple[int, ...]:
+    return (0, 1) if kind in (FULL, ROW) else (0,)
+
+
+def assignments(dst: Tile, values: list[str]) -> list[str]:
+    """Statements writing float values (one per element c of the fragment position) into dst."""
+    if dst.packed:
+        return [f"{dst.index()} = {PACK[dst.dtype].format(*values)};"]
+    return [f"{dst.index(c)} = {FROM_FLOAT[dst.dtype].format(v)};" for c, v in enumerate(values)]
+
+
+def _operand(em: Emitter, s: ir.Stmt, dst: Tile, op: Union[str, ir.Expr]) -> Callable[[int], str]:
+    """Element c of an operand at dst's fragment position, as a float expression."""
+    if not isinstance(op, str):
+        text = em.float_expr(op)
+        return lambda c: text
+    t = em.tile(op, s)
+    ok = {
+        FULL: {FULL, ROW, COL, SCALAR}, ROW: {ROW, SCALAR}, COL: {COL, SCALAR},
+        SCALAR: {SCALAR},
+    }[dst.kind]
+    same_cols = t.kind in (COL, SCALAR) or t.cols == dst.cols
+    if t.kind not in ok or not same_cols or (t.kind in (FULL, COL) and t.rows != dst.rows):
+        raise EmitError(f"{describe(s)}: {t.name} [{t.rows}, {t.cols}] does not broadcast to "
+                        f"{dst.name} [{dst.rows}, {dst.cols}]")
+    return t.read
+
+
+# Elementwise tile ops: each spells the statements of ONE fragment position (fj, fi);
+# consecutive ones over the same fragment space share one unrolled loop (`_emit_elementwise`).
+# That is the same computation in the same per-element order (every element of a fused op
+# reads only the same position of same-shaped operands, and broadcast operands are never
+# written in the run), and it keeps each value in registers from one op to the next instead
+# of sweeping the whole tile once per op.
+
+
+def _tile_fill_lines(em: Emitter, s: ir.TileFill) -> tuple[Tile, list[str], str]:
+    dst = em.tile(s.dst, s)
+    value = em.float_expr(s.value)
+    return dst, assignments(dst, [value for _ in _elems(dst.kind)]), f"tile.fill {s.dst}, {em.expr(s.value)}"
+
+
+def _tile_unary_lines(em: Emitter, s: ir.TileUnary) -> tuple[Tile, list[str], str]:
+    if s.op not in _UNARY:
+        raise EmitError(f"{describe(s)}: unknown unary tile op {s.op!r}; known: {sorted(_UNARY)}")
+    dst = em.tile(s.dst, s)
+    src = _operand(em, s, dst, s.src)
+    lines = assignments(dst, [_UNARY[s.op].format(src(c)) for c in _elems(dst.kind)])
+    return dst, lines, f"tile.{s.op} {s.dst}, {s.src}"
+
+
+def _tile_binary_lines(em: Emitter, s: ir.TileBinary) -> tuple[Tile, list[str], str]:
+    if s.op not in _BINARY:
+        raise EmitError(f"{describe(s)}: unknown binary tile op {s.op!r}; known: {sorted(_BINARY)}")
+    dst = em.tile(s.dst, s)
+    lhs, rhs = _operand(em, s, dst, s.lhs), _operand(em, s, dst, s.rhs)
+    lines = assignments(dst, [_BINARY[s.op].format(lhs(c), rhs(c)) for c in _elems(dst.kind)])
+    operands = ", ".join(o if isinstance(o, str) else em.expr(o) for o in (s.lhs, s.rhs))
+    return dst, lines, f"tile.{s.op} {s.dst}, {operands}"
+
+
+ELEMENTWISE = {ir.TileFill: _tile_fill_lines, ir.TileUnary: _tile_unary_lines,
+               ir.TileBinary: _tile_binary_lines}
+
+
+def emit_elementwise_run(em: Emitter, body: tuple[ir.Stmt, ...], i: int) -> int:
+    """Emit body[i] and the elementwise ops after it over the same fragment space (the same
+    destination kind and width) as one loop; return how many statements that took."""
+    first = em.tile(body[i].dst, body[i])
+    n = 1
+    while i + n < len(body) and type(body[i + n]) in ELEMENTWISE:
+        t = em.role.tiles.get(body[i + n].dst) if em.role else None
+        if t is None or (t.kind, t.cols) != (first.kind, first.cols):
+            break
+        n += 1
+    emit_elementwise(em, *body[i:i + n])
+    return n
+
+
+def emit_elementwise(em: Emitter, *run: ir.Stmt) -> None:
+    """`tile.fill` / `tile.<unary>` / `tile.<binary>`, one statement or a fused run."""
+    for s in run:
+        em.require_warpgroup(s)
+    parts = [ELEMENTWISE[type(s)](em, s) for s in run]
+    dst = parts[0][0]
+    em.line("// " + "; ".join(text for _, _, text in parts))
+    with fragment_loop(em, dst.kind, dst.cols):
+        for _, lines, _ in parts:
+            for ln in lines:
+                em.line(ln)
+
+
+def emit_tile_reduce(em: Emitter, s: ir.TileReduce) -> None:
+    em.require_warpgroup(s)
+    src, dst = em.tile(s.src, s), em.tile(s.dst, s)
+    if s.op not in ir.REDUCE_OPS:
+        raise EmitError(f"{describe(s)}: unknown reduction {s.op!r}")
+    if s.axis != 1 or src.kind != FULL or dst.kind != COL:
+        raise EmitError(f"{describe(s)}: only axis(1) of a [64, N] tile into a [64, 1] tile is "
+                        "implemented (a reduction over rows would cross warps)")
+    init, combine = ("-INFINITY", "fmaxf(fr, {})") if s.op == "max" else ("0.0f", "fr + {}")
+    # The 4 threads of a quad (lanes 4g .. 4g+3) hold the columns of the same two rows.
+    with fragment_loop(em, COL, 1):
+        em.line(f"float fr = {init};")
+        with fragment_loop(em, ROW, src.cols):
+            for c in (0, 1):
+                em.line(f"fr = {combine.format(src.read(c))};")
+        for lane_mask in (1, 2):
+            em.line(f"fr = {combine.format(f'__shfl_xor_sync(0xffffffff, fr, {lane_mask})')};")
+        for ln in assignments(dst, ["fr"]):
+            em.line(ln)
+
+
+def emit_tile_mask(em: Emitter, s: ir.TileMask) -> None:
+    em.require_warpgroup(s)
+    t = em.tile(s.dst, s)
+    if t.kind != FULL:
+        raise EmitError(f"{describe(s)}: tile.mask needs a [64, N] tile; {t.name} is "
+                        f"[{t.rows}, {t.cols}]")
+    limit = em.expr(s.limit)
+    text = f"tile.mask {s.dst}, rows({em.expr(s.row0)}), cols({em.expr(s.col0)}), limit({limit})"
+    if s.causal is not None:
+        text += f" causal({em.expr(s.causal)})"
+    with em.block(f"{{  // {text}"):
+        # element (r, c) of the tile is at (row0 + r, col0 + c) of the score matrix
+        em.line(f"const int row0 = {paren(*em.expr_prec(s.row0)[:2], 12)} + wsp::frag_row();")
+        em.line(f"const int col0 = {paren(*em.expr_prec(s.col0)[:2], 12)} + wsp::frag_col();")
+        causal = None if s.causal is None else paren(*em.expr_prec(s.causal)[:2], 12)
+        limit = paren(*em.expr_prec(s.limit)[:2], 10)
+        with fragment_loop(em, FULL, t.cols):
+            em.line("const int row = row0 + 8 * fi;")
+            em.line("const int col = col0 + 8 * fj;")
+            values = []
+            for c in (0, 1):
+                col = f"col + {c}" if c else "col"
+                cond = f"{col} >= {limit}" + (f" || {col} > row + {causal}" if causal else "")
+                values.append(f"({cond}) ? -INFINITY : {t.read(c)}")
+            for ln in assignments(t, values):
+                em.line(ln)

@@ -1,0 +1,27 @@
+// wsched device helpers: the register-tile fragment layout (the wgmma accumulator layout).
+// Thread t of a warpgroup (warp w = t / 32, lane l) holds element d[4j + 2i + c] of a [64, N]
+// tile at row frag_row() + 8i, column frag_col() + 8j + c; 16-bit tiles hold the c = 0, 1
+// elements as one packed pair. The generated kernels loop over (j, i) with these as the origin.
+#pragma once
+
+#include "common.cuh"
+
+namespace wsp {
+
+// (no PTX) row of this thread's first fragment element: 16 * warp + lane / 4
+WSP_DEVICE int frag_row() { return 16 * ((threadIdx.x % 128) / 32) + (threadIdx.x % 32) / 4; }
+
+// (no PTX) column of this thread's first fragment element: 2 * (lane % 4)
+WSP_DEVICE int frag_col() { return 2 * (threadIdx.x % 4); }
+
+// (no instruction) empty asm on every packed 16-bit pair of a fragment (a register wgmma A
+// operand), so the compiler cannot move its reads/writes across wgmma issue/wait
+// (wsp::warpgroup_fence_array does the same for float fragments)
+template <typename T2, int N>
+WSP_DEVICE void fence_packed(T2 (&d)[N]) {
+  static_assert(sizeof(T2) == 4, "packed 16-bit pairs");
+#pragma unroll
+  for (int i = 0; i < N; ++i) asm volatile("" : "+r"(*reinterpret_cast<uint32_t*>(&d[i])) :: "memory");
+}
+
+}  // namespace wsp
