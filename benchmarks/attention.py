@@ -62,6 +62,7 @@ def main(argv=None):
         flops = 4 * B * H * S * S * D * (0.5 if causal else 1.0)
         row = [f"B{B} H{H}{'/' + str(HK) if gqa else ''} S{S} D{D}{' causal' if causal else ''}"]
         t_ours = median_ms(ours, iters=args.iters)
+        t_call = median_ms(lambda: k(*ours_in, out=out), iters=args.iters)   # whole Python call
         row.append(flops / t_ours / 1e9)
         err = None
         for backend in (SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION):
@@ -74,9 +75,11 @@ def main(argv=None):
                 print(f"  {backend.name}: {str(e).splitlines()[0][:100]}")
                 row.append(float("nan"))
         row.append(err)
+        row.append((t_call - t_ours) * 1e3)
         rows.append(row)
         print(f"{row[0]:>28}  wsched {row[1]:6.1f}  cuDNN {row[2]:6.1f}  flash {row[3]:6.1f} TFLOP/s  "
-              f"vs cuDNN {row[1] / row[2]:.2f}  vs flash {row[1] / row[3]:.2f}  rel.err {err:.1e}", flush=True)
+              f"vs cuDNN {row[1] / row[2]:.2f}  vs flash {row[1] / row[3]:.2f}  rel.err {err:.1e}  "
+              f"call overhead {row[5]:.0f} us", flush=True)
         for overrides in extra.get(D, []):
             variant = ws.compile(f, **overrides)
             rows.append(time_variant(variant, f, B, H, HK, S, D, causal, gqa, args.iters, overrides))
