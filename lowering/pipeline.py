@@ -15,7 +15,8 @@ from wsched import knobs
 
 from . import ir
 from .context import LoweringContext
-from .passes import build_loops, circular_buffer, epilogue, insert_barriers, lower_mma, lower_tma, reg_realloc
+from .passes import (build_loops, circular_buffer, epilogue, insert_barriers, lower_mma, lower_tma,
+                     overlap_softmax, reg_realloc)
 from .verify import verify
 
 # (name, pass, whether the load/compute contract holds after it: the release point is only
@@ -31,6 +32,9 @@ PIPELINE = (
     ("lower_tma", lower_tma.run, False),
     # wgmma fence/commit/wait, and move the consumer release behind the wait that frees it.
     ("lower_mma", lower_mma.run, True),
+    # Attention with mma_inflight=1: delay P V by one block so the softmax overlaps it; it
+    # reorders the complete wgmma protocol lower_mma wrote.
+    ("overlap_softmax", overlap_softmax.run, True),
     # After the k loop is final: the fused epilogue and the output stores.
     ("epilogue", epilogue.run, True),
     # Last: it must see every role's final body to check the register budget.

@@ -96,6 +96,29 @@ def test_bottom_right_causal_and_fully_masked_rows(S, T):
     assert rel(lse[..., hidden:], rlse[..., hidden:]) < 1e-3
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_without_softmax_overlap(causal):
+    """mma_inflight=0: every wgmma waited for at once (the schedule before overlap_softmax)."""
+    f = make_attention(64, causal=causal, lse=True)
+    sched = ws.schedule_for(f, mma_inflight=0)
+    kernel = ws.lower(f, sched)
+    assert "wgmma.wait 1" not in print_kernel(kernel) and "overlap_softmax" in kernel.ir_after
+    assert kernel.ir_after["overlap_softmax"] == kernel.ir_after["lower_mma"]
+    ck = ws.CompiledKernel(f, sched, ws.partition(f, sched), kernel, cuda_source="")
+    inputs = attention_inputs(1, 2, 200, 333, 64, seed=5)
+    o, lse = ck.simulate(*inputs, num_sms=3)
+    ro, rlse = f.reference(*inputs)
+    assert rel(o, ro) < 1e-2 and rel(lse, rlse) < 1e-3
+
+
+def test_softmax_overlaps_the_previous_blocks_pv():
+    text = print_kernel(ws.lower(make_attention(128)))
+    loop = text[text.index("role consumer"):]
+    assert loop.index("wgmma.mma s_acc") < loop.index("wgmma.mma o_acc, p, V[prev_s]") < loop.index("wgmma.wait 1")
+    assert loop.index("wgmma.wait 1") < loop.index("tile.exp2 s_acc") < loop.index("wgmma.wait 0")
+    assert "wgmma.mma o_acc, p, V[last_s]" in loop   # the last block's P V after the loop
+
+
 def test_several_interleavings():
     f = make_attention(64, causal=True, lse=True)
     inputs = attention_inputs(1, 1, 260, 260, 64, seed=1)

@@ -143,8 +143,9 @@ class Schedule:
             if self.epilogue != "direct":
                 p.append("attention stores O and LSE with epilogue='direct' (tma_store is not "
                          "implemented for attention yet)")
-            if self.mma_inflight != 0:
-                p.append("attention waits for each wgmma (mma_inflight=0): the softmax reads S at once")
+            if self.mma_inflight not in (0, 1):
+                p.append(f"mma_inflight is {self.mma_inflight}; attention takes 0 (each wgmma waited "
+                         f"for) or 1 (P V of one block overlaps the softmax of the next)")
         elif bk % WGMMA_K:
             p.append(f"BK={bk} is not a multiple of {WGMMA_K} (the wgmma k extent); "
                      f"use {max(WGMMA_K, bk // WGMMA_K * WGMMA_K)}")
@@ -215,10 +216,11 @@ def default_schedule(kind: str = "matmul", **overrides) -> Schedule:
 
 def _default_attention(overrides: dict) -> Schedule:
     """FlashAttention-3-like shape: 128 query rows (2 consumer warpgroups x 64), 128 keys per
-    block (64 for head dim 256, to keep O and S in registers), 2 K/V stages, 24/240 registers."""
+    block (64 for head dim 256, to keep O and S in registers), 2 K/V stages, 24/240 registers,
+    and the P V product of one block overlapping the softmax of the next (mma_inflight=1)."""
     head_dim = overrides.pop("head_dim", None) or overrides.get("tile", (0, 0, 128))[2]
     base = dict(kind="attention", tile=(128, 64 if head_dim == 256 else 128, head_dim), stages=2,
                 consumer_warpgroups=2, producer_registers=24, consumer_registers=240,
-                epilogue="direct", mma_inflight=0)
+                epilogue="direct", mma_inflight=1)
     base.update(overrides)
     return Schedule(**base)

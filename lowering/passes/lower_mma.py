@@ -39,8 +39,10 @@ C = ir.IntConst
 
 def run(kernel: ir.Kernel, ctx: LoweringContext) -> ir.Kernel:
     stages = ctx.schedule.stages
-    inflight = ctx.schedule.mma_inflight
     matmul = ctx.kind == "matmul"
+    # Attention's overlap is a reordering of the complete protocol (overlap_softmax): here every
+    # attention wgmma is waited for at once.
+    inflight = ctx.schedule.mma_inflight if matmul else 0
     empty = ctx.channel.empty
 
     def k_body(loop: ir.For) -> ir.For:
