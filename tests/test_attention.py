@@ -36,7 +36,7 @@ def test_partition_finds_q_k_v_scale_and_mask():
     assert (p.q.id, p.k.id, p.v.id) == ("q", "k", "v")
     assert p.causal and p.lse is not None and abs(p.scale - 128 ** -0.5) < 1e-12
     assert [(c.name, c.level, c.stages, c.bytes_per_stage) for c in p.channels] == [
-        ("q", "tile", 1, 128 * 128 * 2), ("k", "k", 2, 128 * 128 * 2), ("v", "k", 2, 128 * 128 * 2)]
+        ("q", "tile", 1, 128 * 128 * 2), ("k", "k", 3, 128 * 128 * 2), ("v", "k", 3, 128 * 128 * 2)]
     assert p.dims == {"batch0": ("q", 0), "batch1": ("q", 1), "S": ("q", 2), "T": ("k", 2)}
 
 
