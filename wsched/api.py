@@ -60,6 +60,7 @@ class CompiledKernel:
     timings: dict = field(default_factory=dict)  # seconds spent in lower / emit / build
     build: object = None                         # codegen.build.BuildResult once built
     _maps: dict = field(default_factory=dict, repr=False)   # encoded TMA maps by tensor layout
+    _plans: dict = field(default_factory=dict, repr=False)  # launch plans by argument layouts
 
     @property
     def ir(self) -> str:
@@ -131,10 +132,10 @@ class CompiledKernel:
         self.timings["build"] = time.perf_counter() - t0
         return self.build
 
-    def launch_args(self, tensors, out: dict[str, torch.Tensor] | None = None):
-        """(grid, launch arguments, outputs) for one call, every argument checked."""
+    def _plan(self, tensors, out) -> "_LaunchPlan":
+        """Everything about a call that depends only on the tensors' shapes, strides, dtypes
+        and devices: binding, the argument checks, output shapes, kernel views and the grid."""
         from .codegen.launch import check_tensor, sm_count
-        from .codegen.tma import tensor_map_for
         from .lowering import ir
         from .lowering.evaluate import evaluate
 
@@ -142,32 +143,69 @@ class CompiledKernel:
         device = next((t.device for t in inputs.values() if t.is_cuda), None) or torch.device(
             "cuda", torch.cuda.current_device())
         outs = out if out is not None else self._outputs(sizes, device)
-        tensors_by_name = self._kernel_views({**inputs, **outs}, scalars)
-        args = []
+        views = self._kernel_views({**inputs, **outs}, scalars)
+        params = []
         for p in self.kernel.params:
             if isinstance(p, ir.TensorMapParam):   # TMA: 16-byte aligned base and rows
-                t = tensors_by_name[p.name]
-                check_tensor(p.name, t, device=device)
-                # A map encodes only address, shape, strides, box and swizzle: reuse it for the
-                # same tensor layout instead of re-encoding it on every call.
-                key = (p.name, t.data_ptr(), tuple(t.shape), t.stride(), t.dtype, t.device)
-                if key not in self._maps:
-                    if len(self._maps) >= 256:
-                        self._maps.clear()
-                    self._maps[key] = tensor_map_for(t, p.box, p.swizzle, p.name)
-                args.append(("tensor_map", self._maps[key]))
+                check_tensor(p.name, views[p.name], device=device)
+                params.append(("tensor_map", p))
             elif isinstance(p, ir.GlobalParam):    # plain loads/stores: row-major, any alignment
-                t = tensors_by_name[p.name]
+                t = views[p.name]
                 check_tensor(p.name, t, device=device, alignment=False)
                 if not t.is_contiguous():
                     raise ValueError(f"argument '{p.name}' (shape {tuple(t.shape)}, strides {t.stride()}) "
                                      f"is not contiguous; the kernel reads it row-major — pass "
                                      f"{p.name}.contiguous()")
-                args.append(("ptr", t.data_ptr()))
+                params.append(("ptr", p))
             else:
-                args.append((p.dtype, scalars[p.name]))
-        grid = evaluate(self.kernel.grid, {**scalars, "num_sms": sm_count(device)})
-        return max(1, grid), args, outs
+                params.append((p.dtype, scalars[p.name]))
+        view_shapes = {name: tuple(t.shape) for name, t in views.items()
+                       if name in inputs or name in outs}
+        out_specs = [(name, tuple(t.shape), t.dtype) for name, t in outs.items()]
+        grid = max(1, evaluate(self.kernel.grid, {**scalars, "num_sms": sm_count(device)}))
+        return _LaunchPlan(list(inputs), params, out_specs, view_shapes, grid, device)
+
+    def launch_args(self, tensors, out: dict[str, torch.Tensor] | None = None):
+        """(grid, launch arguments, outputs) for one call, every argument checked. The checks
+        that depend only on layouts run once per layout (a cached plan); the base address of
+        each TMA tensor is checked on every call."""
+        from .codegen.tma import tensor_map_for
+
+        key = tuple((tuple(t.shape), t.stride(), t.dtype, t.device) if isinstance(t, torch.Tensor) else None
+                    for t in tensors)
+        if out is not None:
+            key += tuple((n, tuple(t.shape), t.stride(), t.dtype, t.device) for n, t in out.items())
+        plan = self._plans.get(key) if None not in key else None
+        if plan is None:
+            plan = self._plan(tensors, out)
+            if None not in key:
+                self._plans[key] = plan
+        outs = out if out is not None else {
+            name: torch.empty(shape, dtype=dtype, device=plan.device) for name, shape, dtype in plan.outputs}
+        by_name = dict(zip(plan.inputs, tensors))
+        by_name.update(outs)
+        args = []
+        for kind, p in plan.params:
+            if kind == "tensor_map":
+                t = by_name[p.name]
+                if t.data_ptr() % 16:
+                    raise ValueError(f"argument '{p.name}' has data_ptr {t.data_ptr():#x}, "
+                                     f"{t.data_ptr() % 16} bytes past a 16-byte boundary; TMA needs a "
+                                     f"16-byte aligned base address — pass a .contiguous() copy")
+                # A map encodes only address, shape, strides, box and swizzle: encode it once
+                # per tensor layout.
+                map_key = (p.name, t.data_ptr(), key)
+                if map_key not in self._maps:
+                    if len(self._maps) >= 256:
+                        self._maps.clear()
+                    view = t.view(plan.views[p.name]) if tuple(t.shape) != plan.views[p.name] else t
+                    self._maps[map_key] = tensor_map_for(view, p.box, p.swizzle, p.name)
+                args.append(("tensor_map", self._maps[map_key]))
+            elif kind == "ptr":
+                args.append(("ptr", by_name[p.name].data_ptr()))
+            else:
+                args.append((kind, p))
+        return plan.grid, args, outs
 
     def __call__(self, *tensors, out: dict[str, torch.Tensor] | None = None):
         grid, args, outs = self.launch_args(tensors, out)
@@ -186,6 +224,18 @@ class CompiledKernel:
         simulate(self.kernel, {**self._kernel_views({**inputs, **outs}, scalars), **scalars},
                  num_sms=num_sms, seed=seed)
         return self._result(outs)
+
+
+@dataclass(frozen=True)
+class _LaunchPlan:
+    """A call's layout-dependent facts, computed once per argument layout (see _plan)."""
+
+    inputs: list            # kernel parameter names of the inputs, in call order
+    params: list            # per kernel param: ("tensor_map", p) | ("ptr", p) | (dtype, value)
+    outputs: list           # (name, shape, torch dtype) of outputs to allocate
+    views: dict             # name -> the shape the kernel reads the tensor as
+    grid: int
+    device: object
 
 
 def compile(fusion, schedule: Schedule | None = None, *, build: bool | None = None, **overrides) -> CompiledKernel:  # noqa: A001

@@ -1,0 +1,25 @@
+"""Attention with and without the LSE output: kernel time (pre-bound launch) and full-call time."""
+
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+import wsched as ws  # noqa: E402
+from attention_fusions import make_attention  # noqa: E402
+from timing import median_ms  # noqa: E402
+
+B, H, S, D = 4, 16, 4096, 128
+q, k, v = (torch.randn(B, H, S, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+flops = 4 * B * H * S * S * D / 2
+for lse in (False, True):
+    f = make_attention(D, causal=True, lse=lse)
+    ck = ws.compile(f)
+    out = ck._outputs(f.bind(q, k, v), "cuda")
+    grid, args, _ = ck.launch_args((q, k, v), out=out)
+    t_kernel = median_ms(lambda: ck._loaded.launch(grid, args), iters=30)
+    t_call = median_ms(lambda: ck(q, k, v), iters=30)
+    print(f"lse={lse}: kernel {flops / t_kernel / 1e9:.0f} TFLOP/s, full call {flops / t_call / 1e9:.0f} TFLOP/s "
+          f"({(t_call - t_kernel) * 1e3:.0f} us host)  {ck.resources}")
