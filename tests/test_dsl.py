@@ -1,23 +1,18 @@
 """The fusion DSL builds the DAG it should: nodes, shapes, dtypes, attrs, order and printout."""
 
-import os
 
 import networkx as nx
 import pytest
 import torch
 
+import source_lines
 import wsched as ws
 from wsched.dtypes import DTYPES, promote
 from wsched.fusion import Fusion, Node
 
 
 def line_of(marker: str) -> str:
-    """"test_dsl.py:LINE" of the line in this file that ends with the comment `# <marker>`."""
-    with open(__file__) as source:
-        for number, line in enumerate(source, 1):
-            if line.rstrip().endswith(f"# {marker}"):
-                return f"{os.path.basename(__file__)}:{number}"
-    raise AssertionError(f"no line marked {marker}")
+    return source_lines.line_of(__file__, marker)
 
 
 @ws.fusion  # mlp-def

@@ -1,6 +1,5 @@
 """Every FusionError names the op, the shapes or dtypes involved and the user's source line."""
 
-import os
 import pickle
 import re
 
@@ -8,17 +7,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import source_lines
 import wsched as ws
 from wsched import FusionError
 
 
 def line_of(marker: str) -> str:
-    """"test_fusion_errors.py:LINE" of the line in this file ending with `# <marker>`."""
-    with open(__file__) as source:
-        for number, line in enumerate(source, 1):
-            if line.rstrip().endswith(f"# {marker}"):
-                return f"{os.path.basename(__file__)}:{number}"
-    raise AssertionError(f"no line marked {marker}")
+    return source_lines.line_of(__file__, marker)
 
 
 def raises(message: str, marker: str):
