@@ -54,6 +54,8 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
 
+from wsched import knobs
+
 __all__ = [
     "BuildError",
     "BuildResult",
@@ -235,7 +237,7 @@ class BuildResult:
 @lru_cache(maxsize=None)
 def nvcc_path() -> str:
     """``$WSCHED_NVCC``, else ``nvcc`` on PATH, else /usr/local/cuda/bin/nvcc (cached)."""
-    env = os.environ.get("WSCHED_NVCC")
+    env = knobs.nvcc()
     if env:
         return env
     found = shutil.which("nvcc")
@@ -295,8 +297,7 @@ def _headers_digest() -> str:
 
 
 def default_cache_dir() -> Path:
-    env = os.environ.get("WSCHED_CACHE_DIR")
-    return Path(env) if env else Path.home() / ".cache" / "wsched"
+    return knobs.cache_dir()
 
 
 def cache_key(source: str, flags: tuple[str, ...] = NVCC_FLAGS, extra_key: str = "") -> str:

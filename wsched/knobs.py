@@ -23,6 +23,11 @@ def print_ir_after() -> frozenset[str]:
     return frozenset(p.strip() for p in os.environ.get("WSCHED_PRINT_IR", "").split(",") if p.strip())
 
 
+def nvcc() -> str | None:
+    """WSCHED_NVCC: the nvcc to build with (default: nvcc on PATH, then /usr/local/cuda/bin)."""
+    return os.environ.get("WSCHED_NVCC") or None
+
+
 def cache_dir() -> Path:
     """WSCHED_CACHE_DIR: where compiled kernels are cached (default ~/.cache/wsched)."""
     return Path(os.environ.get("WSCHED_CACHE_DIR", Path.home() / ".cache" / "wsched"))
