@@ -343,6 +343,12 @@ BUILDS = {
     "matmul_direct_epilogue": lambda: emit(matmul, epilogue="direct"),
     "softmax_pv": lambda: emit_kernel(SOFTMAX_PV),
     "attention_d128_causal_lse": lambda: emit_kernel(ws.lower(make_attention(128, causal=True, lse=True))),
+    "attention_d64": lambda: emit_kernel(ws.lower(make_attention(64))),
+    "attention_d256_causal": lambda: emit_kernel(ws.lower(make_attention(256, causal=True))),
+    "attention_d128_gqa_bottom_right_lse": lambda: emit_kernel(ws.lower(
+        make_attention(128, causal="bottom_right", lse=True, gqa=True))),
+    "attention_d64_f16_no_overlap": lambda: emit_kernel(ws.lower(
+        make_attention(64, dtype=ws.f16), mma_inflight=0)),
 }
 
 
