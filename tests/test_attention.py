@@ -119,6 +119,12 @@ def test_softmax_overlaps_the_previous_blocks_pv():
     assert "wgmma.mma o_acc, p, V[last_s]" in loop   # the last block's P V after the loop
 
 
+def test_gqa_with_bottom_right_causal_and_lse():
+    f = make_attention(64, causal="bottom_right", lse=True, gqa=True)
+    inputs = attention_inputs(1, 4, 90, 200, 64, seed=11, gqa_groups=2)
+    simulate_and_check(f, inputs)
+
+
 def test_several_interleavings():
     f = make_attention(64, causal=True, lse=True)
     inputs = attention_inputs(1, 1, 260, 260, 64, seed=1)
