@@ -1,0 +1,341 @@
+"""The simulator's asynchronous-proxy handlers (mixed into `simulate_machine.Machine`): smem
+references and the happens-before race checks on their cells, TMA loads and stores with their
+bulk groups and waits, and wgmma with its commit groups (the math lands at `wgmma.wait`)."""
+
+from __future__ import annotations
+
+import math
+
+from . import ir
+from .simulate import ProtocolError, RaceError
+from .simulate_expr import loops_text
+from .simulate_state import (TORCH_DTYPES, Co, Ctx, MBarrier, Node, Read, TmaLoadOp, TmaStoreOp, WgmmaOp,
+                             Write, box_to_subarray, is_chunked_box, read_box, tile_of)
+
+
+class AsyncHandlers:
+    """smem, TMA and wgmma; uses `Machine`'s `_int`, `_park`, `wake`, `report`, `buffers`,
+    `cell_depth`, `tensors`, `async_ops`, `BarrierHandlers`' `_barrier` / `_complete_phase` and
+    `TileHandlers`' `_reg`."""
+
+    # shared memory references and race checks
+    def _smem(self, co: Co, node: Node, ref: ir.SmemRef, idx_closures):
+        """(decl, sub-array view, cells, label) of a SmemRef."""
+        decl = self.buffers[ref.buffer]
+        env = co.env
+        idx = tuple(self._int(co, node, f(env), "smem index") for f in idx_closures)
+        for i, (v, n) in enumerate(zip(idx, decl.shape)):
+            if not 0 <= v < n:
+                raise ProtocolError(f"smem index {v} out of range for dim {i} of {ref.buffer}: "
+                                    f"{decl.dtype}{list(decl.shape)}: {co.where(node)}")
+        label = f"{ref.buffer}[{', '.join(map(str, idx))}]" if idx else ref.buffer
+        depth = self.cell_depth[ref.buffer]
+        lin = 0
+        for v, n in zip(idx, decl.shape):
+            lin = lin * n + v
+        per = math.prod(decl.shape[len(idx):depth])
+        cells = co.cta.cells[ref.buffer][lin * per:(lin + 1) * per]
+        return decl, co.cta.smem[ref.buffer][idx], cells, label
+
+    def _check_async_read(self, co: Co, node: Node, cells, label: str, reader: str) -> None:
+        """An async-proxy read (wgmma / TMA store) needs the last write known complete."""
+        vc = co.vc
+        for cell in cells:
+            w = cell.write
+            if w is None:
+                raise RaceError(f"read of slot {label} before any write to it (did the reader wait on the right "
+                                f"barrier and phase?): reader {co.where(node)}")
+            if w.kind == "tma":
+                if not w.landed:
+                    raise RaceError(f"read of slot {label} before its TMA load completed (did the reader wait on "
+                                    f"the right barrier and phase?): reader {co.where(node)}; pending writer {w.ctx}")
+                if vc.get(w.bar, 0) <= w.phase:
+                    raise RaceError(
+                        f"read of slot {label} not synchronized with its TMA load: the load completes phase "
+                        f"{w.phase} (parity {w.phase & 1}) of {w.bar.label}, which the reader has not waited "
+                        f"for: reader {co.where(node)}; writer {w.ctx}")
+            else:
+                if w.co is not co and vc.get(w.co, 0) < w.epoch:
+                    raise RaceError(f"read of slot {label} not ordered after its tile.store_smem (no barrier "
+                                    f"between writer and reader): reader {co.where(node)}; writer {w.ctx}")
+                if w.fence_epoch is None or vc.get(w.co, 0) < w.fence_epoch:
+                    raise RaceError(f"missing fence.proxy.async: {reader} reads slot {label} written by "
+                                    f"tile.store_smem with no fence.proxy.async by that warpgroup after the "
+                                    f"write (and before the barrier the reader waited on): reader "
+                                    f"{co.where(node)}; writer {w.ctx}")
+
+    def _check_write(self, co: Co, node: Node, cells, label: str, writer: str) -> None:
+        """A write needs the previous write landed and every read since then ended, both known."""
+        vc = co.vc
+        for cell in cells:
+            w = cell.write
+            if w is not None:
+                if w.kind == "tma" and not w.landed:
+                    raise RaceError(f"{writer} into slot {label} while an earlier TMA load into it is still in "
+                                    f"flight: writer {co.where(node)}; earlier load {w.ctx}")
+                unordered = (vc.get(w.bar, 0) <= w.phase) if w.kind == "tma" else \
+                    (w.co is not co and vc.get(w.co, 0) < w.epoch)
+                if unordered:
+                    raise RaceError(f"{writer} into slot {label} is not ordered after the previous write to it: "
+                                    f"writer {co.where(node)}; previous {w.ctx}")
+            for r in cell.reads:
+                what = "wgmma" if r.kind == "wgmma" else "TMA store"
+                wait = "wgmma.wait" if r.kind == "wgmma" else "tma.wait.read"
+                if r.pending:
+                    raise RaceError(f"{writer} overwrites slot {label} while a {what} may still be reading it "
+                                    f"(the slot was released before {wait} covered the read): writer "
+                                    f"{co.where(node)}; reader {r.ctx}")
+                if r.co is not co and vc.get(r.co, 0) < r.end:
+                    raise RaceError(f"{writer} overwrites slot {label} before the reader's {wait} is ordered "
+                                    f"before it (the reader released the slot before its {wait}): writer "
+                                    f"{co.where(node)}; reader {r.ctx}")
+
+    # TMA
+    def _tensormap(self, co, node, name: str):
+        entry = self.tensors.get(name)
+        if entry is None or not isinstance(entry[0], ir.TensorMapParam):
+            raise ProtocolError(f"{name!r} is not a tensormap parameter: {co.where(node)}")
+        return entry
+
+    def _coords(self, co, node, closures, rank: int, what: str) -> tuple[int, ...]:
+        coords = tuple(self._int(co, node, f(co.env), "coordinate") for f in closures)
+        if len(coords) != rank:
+            raise ProtocolError(f"{what} has rank {rank} but {len(coords)} coordinates: {co.where(node)}")
+        return coords
+
+    def _check_box(self, co, node, param, decl, sub_shape, label: str) -> bool:
+        if decl.dtype != param.dtype:
+            raise ProtocolError(f"tensormap {param.name} is {param.dtype} but smem {label} is {decl.dtype}: "
+                                f"{co.where(node)}")
+        if decl.swizzle != param.swizzle:
+            raise ProtocolError(f"tensormap {param.name} has swizzle({param.swizzle}) but smem {decl.name} has "
+                                f"swizzle({decl.swizzle}): {co.where(node)}")
+        if math.prod(param.box) != math.prod(sub_shape):
+            raise ProtocolError(f"box {list(param.box)} of {param.name} ({math.prod(param.box)} elements) does not "
+                                f"fill smem {label} of shape {list(sub_shape)} ({math.prod(sub_shape)} elements): "
+                                f"{co.where(node)}")
+        return is_chunked_box(param.box, sub_shape)
+
+    def _h_TmaLoad(self, co, node):
+        s = node.stmt
+        dst_idx, coord_fns, bar_idx = node.ex
+        param, tensor = self._tensormap(co, node, s.tensor)
+        coords = self._coords(co, node, coord_fns, len(param.box), f"tensormap {param.name}")
+        decl, view, cells, label = self._smem(co, node, s.dst, dst_idx)
+        chunked = self._check_box(co, node, param, decl, view.shape, label)
+        bar = self._barrier(co, node, s.bar.barrier, bar_idx(co.env))
+        nbytes = math.prod(param.box) * ir.DTYPE_BYTES[param.dtype]
+        self._check_tx(co, node, bar, nbytes)
+        self._check_write(co, node, cells, label, "TMA load")
+        ctx = Ctx(co, node)
+        write = Write("tma", co, ctx)
+        write.bar = bar
+        for cell in cells:
+            cell.write = write
+            cell.reads = []
+        op = TmaLoadOp()
+        op.cta, op.bar, op.phase, op.view, op.write, op.ctx = co.cta, bar, bar.completed, view, write, ctx
+        tdt = TORCH_DTYPES[param.dtype]
+        op.data = box_to_subarray(read_box(tensor, coords, param.box, tdt), tuple(view.shape), chunked)
+        op.bytes = nbytes
+        bar.issued += op.bytes
+        bar.inflight += 1
+        co.cta.loads_inflight += 1
+        self.async_ops.append(op)
+        self.report.tma_loads += 1
+        self.report.tma_bytes_loaded += op.bytes
+
+    def _check_tx(self, co: Co, node: Node, bar: MBarrier, nbytes: int) -> None:
+        """A load belongs to the phase its issuer announced with arrive_expect_tx; its bytes must
+        fit what that phase expects (checked at issue, so the verdict does not depend on when
+        the earlier loads happen to land)."""
+        phase = bar.expect_phase.get(co)
+        if phase is None:
+            return  # bytes announced by another thread: checked when the load lands
+        if phase != bar.completed:
+            expected, issued = bar.history.get(phase, (0, 0))
+            raise ProtocolError(f"expect_tx mismatch on {bar.label} (CTA {bar.cta_id}): expected {expected} bytes, "
+                                f"TMA delivered {issued + nbytes} (the phase completed with the bytes announced "
+                                f"before this load was issued): {co.where(node)}")
+        if bar.issued + nbytes > bar.expected:
+            raise ProtocolError(f"expect_tx mismatch on {bar.label} (CTA {bar.cta_id}): expected {bar.expected} "
+                                f"bytes, TMA delivered {bar.issued + nbytes}: {co.where(node)}")
+
+    def land_tma_load(self, op: TmaLoadOp) -> None:
+        bar = op.bar
+        bar.inflight -= 1
+        op.cta.loads_inflight -= 1
+        if bar.completed != op.phase:
+            expected, issued = bar.history.get(op.phase, (bar.expected, bar.issued))
+            raise ProtocolError(f"expect_tx mismatch on {bar.label} (CTA {bar.cta_id}): expected {expected} bytes, "
+                                f"TMA delivered {issued} (the phase completed before this load landed): {op.ctx}")
+        op.view.copy_(op.data)
+        op.write.landed = True
+        op.write.phase = op.phase
+        bar.tx -= op.bytes
+        if bar.tx < 0:
+            raise ProtocolError(f"expect_tx mismatch on {bar.label} (CTA {bar.cta_id}): expected {bar.expected} "
+                                f"bytes, TMA delivered {bar.issued} (more bytes than announced by "
+                                f"mbarrier.arrive_expect_tx before the loads): {op.ctx}")
+        if bar.pending <= 0 and bar.tx == 0:
+            self._complete_phase(bar)
+
+    def _h_TmaStore(self, co, node):
+        s = node.stmt
+        src_idx, coord_fns = node.ex
+        param, tensor = self._tensormap(co, node, s.tensor)
+        coords = self._coords(co, node, coord_fns, len(param.box), f"tensormap {param.name}")
+        decl, view, cells, label = self._smem(co, node, s.src, src_idx)
+        chunked = self._check_box(co, node, param, decl, view.shape, label)
+        self._check_async_read(co, node, cells, label, "TMA store")
+        ctx = Ctx(co, node)
+        op = TmaStoreOp()
+        op.co, op.view, op.chunked, op.box, op.tensor, op.coords = co, view, chunked, tuple(param.box), tensor, coords
+        op.param_dtype = TORCH_DTYPES[param.dtype]
+        op.data, op.read_done, op.done, op.reads_ended = None, False, False, False
+        op.reads = []
+        for cell in cells:
+            read = Read("tma_store", co, ctx)
+            cell.reads.append(read)
+            op.reads.append(read)
+        co.bulk_open.append(op)
+        self.async_ops.append(op)
+        self.report.tma_stores += 1
+        self.report.tma_bytes_stored += math.prod(param.box) * ir.DTYPE_BYTES[param.dtype]
+
+    def _h_TmaCommit(self, co, node):
+        co.bulk_groups.append(co.bulk_open)
+        co.bulk_open = []
+
+    def _h_TmaWait(self, co, node):
+        s = node.stmt
+        if self._bulk_ready(co, s.pending, s.read):
+            self._bulk_finish(co, s.pending, s.read)
+            return None
+        return self._wait_bulk(co, s.pending, s.read)
+
+    @staticmethod
+    def _older_groups(co: Co, pending: int) -> list:
+        groups = co.bulk_groups
+        return groups[:max(len(groups) - pending, 0)]
+
+    def _bulk_ready(self, co: Co, pending: int, read: bool) -> bool:
+        for group in self._older_groups(co, pending):
+            for op in group:
+                if not (op.read_done if read else op.done):
+                    return False
+        return True
+
+    def _bulk_finish(self, co: Co, pending: int, read: bool) -> None:
+        epoch = co.vc[co]
+        for group in self._older_groups(co, pending):
+            for op in group:
+                if not op.reads_ended:
+                    op.reads_ended = True
+                    for r in op.reads:
+                        r.pending = False
+                        r.end = epoch
+        co.bulk_groups = [g for g in co.bulk_groups if not all(op.done and op.reads_ended for op in g)]
+
+    def _wait_bulk(self, co, pending: int, read: bool):
+        env, loops = co.env, tuple(co.loops)
+        kind = "tma.wait.read" if read else "tma.wait"
+
+        def describe():
+            return f"{kind} {pending} — {len(co.bulk_groups)} bulk group(s) committed{loops_text(loops, env)}"
+        while not self._bulk_ready(co, pending, read):
+            self._park(co, co.bulk_waiters, describe)
+            yield
+        self._bulk_finish(co, pending, read)
+        yield
+
+    # wgmma
+    def _h_WgmmaFence(self, co, node):
+        co.touched.clear()
+
+    def _h_Wgmma(self, co, node):
+        s = node.stmt
+        a_idx, b_idx, accumulate_fn = node.ex
+        acc = self._reg(co, node, s.acc)
+        if acc.dtype != "f32" or len(acc.shape) != 2 or acc.shape[0] != 64:
+            raise ProtocolError(f"wgmma accumulator {s.acc} must be f32[64, N], is {acc.dtype}{list(acc.shape)}: "
+                                f"{co.where(node)}")
+        op = WgmmaOp()
+        op.reads = []
+        ctx = Ctx(co, node)
+        reads = []  # (cells, label) to check and record
+        if isinstance(s.a, str):
+            a = self._reg(co, node, s.a)
+            if s.a_major != "k":
+                raise ProtocolError(f"register A operand must be major k: {co.where(node)}")
+            a_dtype, a_shape = a.dtype, a.shape
+            op.a_name, op.a_reg, op.a_view, op.a_trans = s.a, a, None, False
+            fenced = (s.acc, s.a)
+        else:
+            decl, view, cells, label = self._smem(co, node, s.a, a_idx)
+            a_dtype, tile = decl.dtype, ir.tile_shape_of_subarray(tuple(view.shape))
+            op.a_name, op.a_reg, op.a_view, op.a_trans = None, None, view, s.a_major == "n"
+            a_shape = tile[::-1] if op.a_trans else tile
+            reads.append((cells, label))
+            fenced = (s.acc,)
+        bdecl, bview, bcells, blabel = self._smem(co, node, s.b, b_idx)
+        reads.append((bcells, blabel))
+        btile = ir.tile_shape_of_subarray(tuple(bview.shape))
+        if s.a_major not in ("k", "n") or s.b_major not in ("k", "n"):
+            raise ProtocolError(f"wgmma majors must be k or n: {co.where(node)}")
+        op.b_view, op.b_trans = bview, s.b_major == "k"
+        k, n = btile[::-1] if op.b_trans else btile
+        if (a_dtype != bdecl.dtype or a_dtype not in ("bf16", "f16") or len(a_shape) != 2
+                or a_shape[0] != 64 or a_shape[1] != k or acc.shape[1] != n or n % 8 or not 8 <= n <= 256
+                or k % 16):
+            raise ProtocolError(
+                f"wgmma shapes: acc {list(acc.shape)} = A {a_dtype}{list(a_shape)} @ B {bdecl.dtype}[{k}, {n}] "
+                f"(from {blabel} {list(bview.shape)}, major {s.b_major}) needs 16-bit A and B of one dtype, "
+                f"M = 64, K a multiple of 16, N a multiple of 8 in [8, 256]: {co.where(node)}")
+        for name in fenced:
+            if name in co.touched:
+                raise ProtocolError(f"missing wgmma.fence: register tile {name} was accessed by a tile op "
+                                    f"since the last wgmma.fence: {co.where(node)}")
+        accumulate = node.ex[2](co.env)
+        op.acc, op.accumulate = s.acc, bool(accumulate)
+        for cells, label in reads:
+            self._check_async_read(co, node, cells, label, "wgmma")
+            for cell in cells:
+                read = Read("wgmma", co, ctx)
+                cell.reads.append(read)
+                op.reads.append(read)
+        co.wg_open.append(op)
+        co.acc_pending[s.acc] = co.acc_pending.get(s.acc, 0) + 1
+        if op.a_reg is not None:
+            co.a_pending[s.a] = co.a_pending.get(s.a, 0) + 1
+        self.report.wgmmas += 1
+
+    def _h_WgmmaCommit(self, co, node):
+        co.wg_groups.append(co.wg_open)
+        co.wg_open = []
+
+    def _h_WgmmaWait(self, co, node):
+        groups = co.wg_groups
+        while len(groups) > node.stmt.pending:
+            self._complete_wgmma_group(co, groups.popleft())
+
+    def _complete_wgmma_group(self, co: Co, group: list) -> None:
+        epoch = co.vc[co]
+        for op in group:
+            acc = co.regs[op.acc]
+            a = op.a_reg.value if op.a_reg is not None else tile_of(op.a_view).float()
+            if op.a_trans:
+                a = a.T
+            b = tile_of(op.b_view).float()
+            if op.b_trans:
+                b = b.T
+            product = a @ b
+            acc.value = acc.value + product if op.accumulate else product
+            for r in op.reads:
+                r.pending = False
+                r.end = epoch
+            for pending, name in ((co.acc_pending, op.acc), (co.a_pending, op.a_name)):
+                if name:
+                    pending[name] -= 1
+                    if not pending[name]:
+                        del pending[name]

@@ -1,0 +1,300 @@
+"""The simulator's machine: CTAs launched in waves of `num_sms`, one coroutine (generator) per
+warpgroup, the seeded scheduler that steps coroutines and asynchronous operations, deadlock and
+livelock reports, statement execution and the control-flow handlers. The handlers of the other
+statements come from one mixin per concern (`simulate_prepare`, `simulate_sync`,
+`simulate_async`, `simulate_tiles`); a node's handler is the method `_h_<Stmt class name>`."""
+
+from __future__ import annotations
+
+import math
+import random
+from collections import deque
+from typing import Callable, Iterator
+
+import torch
+
+from . import ir
+from .simulate import DeadlockError, ProtocolError, SimReport, SimulationError
+from .simulate_async import AsyncHandlers
+from .simulate_expr import ExprError, Undefined, compile_expr, expr_text, stmt_text
+from .simulate_prepare import KernelPreparation
+from .simulate_state import TORCH_DTYPES, Cell, Co, Cta, Node
+from .simulate_sync import BarrierHandlers
+from .simulate_tiles import TileHandlers
+
+
+class _ReturnSignal(Exception):
+    pass
+
+
+class Machine(KernelPreparation, BarrierHandlers, AsyncHandlers, TileHandlers):
+    """One simulation: the prepared kernel, the resident CTAs and their coroutines, the pending
+    asynchronous operations, and the report."""
+
+    def __init__(self, kernel: ir.Kernel, args: dict, num_sms: int, seed: int, max_steps: int):
+        self.kernel = kernel
+        self.num_sms = num_sms
+        self.max_steps = max_steps
+        self.rng = random.Random(seed)
+        self.report = SimReport()
+        self.runnable: list[Co] = []
+        self.async_ops: list = []
+        self._bind_args(args)
+        genv = dict(self.scalars, num_sms=num_sms)
+        try:
+            grid = compile_expr(kernel.grid)(genv)
+        except Undefined as u:
+            raise SimulationError(f"grid {expr_text(kernel.grid)}: undefined name {u.name!r}") from None
+        if type(grid) is not int or grid < 1:
+            raise SimulationError(f"grid {expr_text(kernel.grid)} = {grid!r}: need a positive integer")
+        self.grid = grid
+        self.report.num_ctas = grid
+        self.warpgroups = kernel.threads // 128
+        self.role_start: dict[int, int] = {}
+        start = 0
+        for role in kernel.roles():
+            self.role_start[id(role)] = start
+            start += role.warpgroups
+        self.mutable = {s.name for s in ir.walk(kernel.body) if isinstance(s, ir.Let) and s.mutable}
+        self.buffers = {d.name: d for d in kernel.smem}
+        self.barrier_decls = {b.name: b for b in kernel.barriers}
+        self.cell_depth = {d.name: 0 for d in kernel.smem}
+        self.body = self._compile_block(kernel.body, in_role=False, in_elect=False)
+
+    # -- CTAs and the scheduler --------------------------------------------------------------
+    def _launch(self, cta_id: int) -> Cta:
+        cta = Cta()
+        cta.cta_id = cta_id
+        cta.smem, cta.cells = {}, {}
+        for d in self.kernel.smem:
+            tdt = TORCH_DTYPES[d.dtype]
+            # Never-written smem reads as NaN so a wrong box mapping shows in the numbers.
+            cta.smem[d.name] = torch.full(d.shape, math.nan, dtype=tdt) if tdt.is_floating_point \
+                else torch.zeros(d.shape, dtype=tdt)
+            cta.cells[d.name] = [Cell() for _ in range(math.prod(d.shape[:self.cell_depth[d.name]]))]
+        cta.bars = {b.name: [None] * b.slots for b in self.kernel.barriers}
+        cta.named = {}
+        cta.sync_gen = None
+        cta.loads_inflight = 0
+        cta.cos = []
+        for gid in range(self.warpgroups):
+            env = dict(self.scalars)
+            env["cta_id"] = cta_id
+            env["num_ctas"] = self.grid
+            co = Co(cta, gid, env)
+            co.gen = self._main(co)
+            cta.cos.append(co)
+            self.runnable.append(co)
+        cta.live = len(cta.cos)
+        return cta
+
+    def run(self) -> SimReport:
+        waiting = deque(range(self.grid))
+        self.resident: list[Cta] = []
+        while waiting and len(self.resident) < self.num_sms:
+            self.resident.append(self._launch(waiting.popleft()))
+        self.waiting = waiting
+        runnable, async_ops = self.runnable, self.async_ops
+        rand = self.rng.random
+        steps, max_steps = 0, self.max_steps
+        while True:
+            nr = len(runnable)
+            n = nr + len(async_ops)
+            if n == 0:
+                if self.resident or self.waiting:
+                    raise DeadlockError(self._deadlock_text(steps))
+                break
+            steps += 1
+            if steps > max_steps:
+                self.report.steps = steps - 1
+                raise DeadlockError(self._livelock_text(max_steps))
+            r = int(rand() * n)
+            if r < nr:
+                co = runnable[r]
+                try:
+                    next(co.gen)
+                except StopIteration:
+                    last = runnable.pop()
+                    if r < len(runnable):
+                        runnable[r] = last
+                    self._finish(co)
+                    continue
+                if co.parked:
+                    last = runnable.pop()
+                    if r < len(runnable):
+                        runnable[r] = last
+            else:
+                i = r - nr
+                if async_ops[i].advance(self):
+                    last = async_ops.pop()
+                    if i < len(async_ops):
+                        async_ops[i] = last
+        self.report.steps = steps
+        return self.report
+
+    def wake(self, waiters: list) -> None:
+        for co in waiters:
+            if co.parked:
+                co.parked = False
+                self.runnable.append(co)
+        waiters.clear()
+
+    @staticmethod
+    def _park(co: Co, waiters: list, describe: Callable[[], str]) -> None:
+        co.parked = True
+        co.block = describe
+        waiters.append(co)
+
+    def _main(self, co: Co) -> Iterator[None]:
+        try:
+            yield from self._exec(co, self.body)
+        except _ReturnSignal:
+            pass
+        self._check_no_pending_wgmma(co, "ended")
+
+    def _finish(self, co: Co) -> None:
+        co.done = True
+        unwaited = [r for g in co.bulk_groups + [co.bulk_open] for op in g for r in op.reads if r.pending]
+        if unwaited:
+            raise ProtocolError(f"CTA {co.cta.cta_id} {co.label} exited while {len(unwaited)} smem region(s) "
+                                f"may still be read by its TMA stores (missing tma.wait.read 0 / tma.wait 0 "
+                                f"before the end): first store {unwaited[0].ctx}")
+        cta = co.cta
+        cta.live -= 1
+        gen = cta.sync_gen
+        if gen is not None and gen.count and gen.count >= cta.live:
+            self._release_syncthreads(cta)
+        if cta.live == 0:
+            if cta.loads_inflight:
+                raise ProtocolError(f"CTA {cta.cta_id} exited with {cta.loads_inflight} TMA load(s) still in "
+                                    f"flight into its shared memory")
+            self.resident.remove(cta)
+            if self.waiting:
+                self.resident.append(self._launch(self.waiting.popleft()))
+
+    def _check_no_pending_wgmma(self, co: Co, how: str) -> None:
+        if co.wg_open or co.wg_groups:
+            n_open = len(co.wg_open)
+            raise ProtocolError(
+                f"CTA {co.cta.cta_id} {co.label} {how} with {len(co.wg_groups)} wgmma group(s) still in flight"
+                f"{f' and {n_open} wgmma.mma never committed' if n_open else ''} "
+                f"(missing wgmma.commit / wgmma.wait 0 before the end of the role)")
+
+    # -- messages ----------------------------------------------------------------------------
+    def _blocked_lines(self) -> list[str]:
+        lines = []
+        for cta in self.resident:
+            for co in cta.cos:
+                if co.done:
+                    continue
+                if co.parked:
+                    lines.append(f"CTA {cta.cta_id} {co.label}: {co.block()}")
+                else:
+                    lines.append(f"{co.where()} (runnable)")
+        return lines
+
+    def _deadlock_text(self, steps: int) -> str:
+        head = (f"deadlock after {steps} steps: no warpgroup can run and no TMA operation is in flight"
+                + (f" ({len(self.waiting)} CTA(s) not started)" if self.waiting else "") + "; blocked:")
+        return "\n  ".join([head] + self._blocked_lines())
+
+    def _livelock_text(self, max_steps: int) -> str:
+        head = f"no progress / livelock: stopped after max_steps={max_steps} steps; warpgroups:"
+        return "\n  ".join([head] + self._blocked_lines())
+
+    # -- statement execution -----------------------------------------------------------------
+    def _exec(self, co: Co, block: tuple[Node, ...]) -> Iterator[None]:
+        for node in block:
+            if node.leader_only and co.gid:
+                continue
+            co.node = node
+            try:
+                r = node.fn(co, node)
+            except Undefined as u:
+                raise self._undefined(co, node, u.name) from None
+            except ExprError as x:
+                raise ProtocolError(f"{x} in {co.where(node)}") from None
+            if r is None:
+                yield
+            else:
+                yield from r
+
+    def _undefined(self, co: Co, node: Node, name: str) -> ProtocolError:
+        hint = ""
+        if name == "num_sms":
+            hint = " (num_sms is host side: usable in the grid expression only; use num_ctas in the body)"
+        elif name == "wg":
+            hint = " (wg is bound only inside a role)"
+        return ProtocolError(f"undefined name {name!r} in CTA {co.cta.cta_id} {co.label}: "
+                             f"{stmt_text(node.stmt)}{hint}")
+
+    def _int(self, co: Co, node: Node, value, what: str) -> int:
+        if type(value) is not int:
+            raise ProtocolError(f"{what} must be an integer, got {value!r} in {co.where(node)}")
+        return value
+
+    # control flow and bindings
+    def _h_Let(self, co, node):
+        co.env[node.stmt.name] = node.ex(co.env)
+
+    def _h_Assign(self, co, node):
+        name = node.stmt.name
+        if name not in co.env:
+            raise Undefined(name)
+        if name not in self.mutable:
+            raise ProtocolError(f"set of {name!r}, which is not declared with `var`: {co.where(node)}")
+        co.env[name] = node.ex(co.env)
+
+    def _h_For(self, co, node):
+        env = co.env
+        start, stop, step = (self._int(co, node, f(env), "loop bound") for f in node.ex)
+        if step == 0:
+            raise ProtocolError(f"loop step is 0: {co.where(node)}")
+        return self._for_loop(co, node, range(start, stop, step))
+
+    def _for_loop(self, co, node, iterations):
+        env, var, block, run = co.env, node.stmt.var, node.block, self._exec
+        co.loops.append(var)
+        for i in iterations:
+            env[var] = i
+            yield from run(co, block)
+        co.loops.pop()
+
+    def _h_If(self, co, node):
+        return self._exec(co, node.block if node.ex(co.env) else node.orelse)
+
+    def _h_Role(self, co, node):
+        start, role = node.info, node.stmt
+        if not start <= co.gid < start + role.warpgroups:
+            return ()
+        return self._role(co, node, co.gid - start)
+
+    def _role(self, co, node, wg):
+        role = node.stmt
+        co.role, co.label = role.name, f"{role.name} wg{wg}"
+        co.env["wg"] = wg
+        yield from self._exec(co, node.block)
+        self._check_no_pending_wgmma(co, f"finished role {role.name}")
+        del co.env["wg"]
+        co.role, co.label = None, f"wg{co.gid}"
+
+    def _h_ElectOne(self, co, node):
+        return self._elect(co, node)
+
+    def _elect(self, co, node):
+        co.in_elect += 1
+        yield from self._exec(co, node.block)
+        co.in_elect -= 1
+
+    def _h_Return(self, co, node):
+        raise _ReturnSignal()
+
+    def _h_Setmaxnreg(self, co, node):
+        s = node.stmt
+        if s.action not in ("inc", "dec") or s.registers % 8 or not 24 <= s.registers <= 256:
+            raise ProtocolError(f"setmaxnreg needs inc/dec and a multiple of 8 in [24, 256]: {co.where(node)}")
+        if co.role is not None:
+            role = next(r for r in self.kernel.roles() if r.name == co.role)
+            if role.registers != s.registers:
+                raise ProtocolError(f"{stmt_text(s)} in role {role.name} declared registers({role.registers}): "
+                                    f"{co.where(node)}")

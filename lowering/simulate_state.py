@@ -1,0 +1,291 @@
+"""The simulator's run-time state: statements prepared as nodes, coroutines (one per
+warpgroup) with their vector clocks, CTAs, mbarriers and barrier rounds, smem cells with their
+last write and reads, pending TMA / wgmma operations, register tiles, and the mapping between
+TMA boxes, smem sub-arrays and tiles."""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import TYPE_CHECKING
+
+import torch
+
+from . import ir
+from .simulate_expr import loops_text, stmt_text
+
+if TYPE_CHECKING:
+    from .simulate_machine import Machine
+
+TORCH_DTYPES = {"bf16": torch.bfloat16, "f16": torch.float16, "f32": torch.float32, "i32": torch.int32}
+
+
+class Node:
+    """A statement prepared for execution: its handler, compiled expressions, nested blocks."""
+
+    __slots__ = ("stmt", "fn", "ex", "block", "orelse", "leader_only", "info")
+
+    def __init__(self, stmt):
+        self.stmt = stmt
+        self.fn = None
+        self.ex = None
+        self.block = ()
+        self.orelse = ()
+        self.leader_only = False
+        self.info = None
+
+
+class Ctx:
+    """Who did something, frozen at that moment (for messages about it later)."""
+
+    __slots__ = ("cta_id", "label", "stmt", "env", "loops")
+
+    def __init__(self, co: "Co", node: Node):
+        self.cta_id = co.cta.cta_id
+        self.label = co.label
+        self.stmt = node.stmt
+        self.env = dict(co.env)
+        self.loops = tuple(co.loops)
+
+    def __str__(self) -> str:
+        return f"CTA {self.cta_id} {self.label}: {stmt_text(self.stmt, self.env)}{loops_text(self.loops, self.env)}"
+
+
+class Reg:
+    __slots__ = ("dtype", "shape", "value")
+
+    def __init__(self, dtype: str, shape: tuple[int, ...]):
+        self.dtype = dtype
+        self.shape = shape
+        self.value = torch.zeros(shape)
+
+
+class Write:
+    """The last write of a smem cell: a TMA load (async proxy) or a tile.store_smem."""
+
+    __slots__ = ("kind", "co", "epoch", "ctx", "landed", "bar", "phase", "fence_epoch")
+
+    def __init__(self, kind: str, co: "Co", ctx: Ctx):
+        self.kind = kind
+        self.co = co
+        self.epoch = co.vc[co]
+        self.ctx = ctx
+        self.landed = False
+        self.bar = None
+        self.phase = -1
+        self.fence_epoch = None
+
+
+class Read:
+    """An async read of a smem cell (wgmma or TMA store); it ends at the covering wait."""
+
+    __slots__ = ("kind", "co", "ctx", "pending", "end")
+
+    def __init__(self, kind: str, co: "Co", ctx: Ctx):
+        self.kind = kind
+        self.co = co
+        self.ctx = ctx
+        self.pending = True
+        self.end = 0
+
+
+class Cell:
+    __slots__ = ("write", "reads")
+
+    def __init__(self):
+        self.write = None
+        self.reads = []
+
+
+class MBarrier:
+    """One mbarrier slot of one CTA."""
+
+    __slots__ = ("label", "cta_id", "arrivals", "pending", "tx", "parity", "completed", "expected",
+                 "issued", "history", "arrive_know", "know", "waiters", "init_co", "init_epoch",
+                 "inflight", "expect_phase")
+
+    def __init__(self, label: str, cta_id: int, arrivals: int, init_co: "Co"):
+        self.label = label
+        self.cta_id = cta_id
+        self.arrivals = arrivals
+        self.pending = arrivals
+        self.tx = 0
+        self.parity = 0
+        self.completed = 0      # phases completed so far
+        self.expected = 0       # expect_tx bytes announced in the current phase
+        self.issued = 0         # bytes of TMA loads issued against the current phase
+        self.history = {}       # completed phase -> (expected, issued)
+        self.arrive_know = {}   # clocks published by this phase's arrivals
+        self.know = {}          # clocks published by all completed phases
+        self.waiters = []
+        self.init_co = init_co
+        self.init_epoch = init_co.vc[init_co]
+        self.inflight = 0
+        self.expect_phase = {}  # coroutine -> phase of its last arrive_expect_tx here
+
+    def state(self) -> str:
+        text = (f"barrier at phase parity {self.parity}, {self.pending} of {self.arrivals} arrivals "
+                f"pending, tx {self.tx}")
+        if self.tx:
+            text += f" (expected {self.expected} bytes, TMA delivered {self.expected - self.tx})"
+        return text
+
+
+class BarrierGeneration:
+    """One round of a named barrier or of syncthreads."""
+
+    __slots__ = ("threads", "count", "know", "waiters", "done")
+
+    def __init__(self, threads: int | None):
+        self.threads = threads
+        self.count = 0
+        self.know = {}
+        self.waiters = []
+        self.done = False
+
+
+class TmaLoadOp:
+    __slots__ = ("cta", "bar", "phase", "bytes", "data", "view", "write", "ctx")
+
+    def advance(self, m: "Machine") -> bool:
+        m.land_tma_load(self)
+        return True
+
+
+class TmaStoreOp:
+    __slots__ = ("co", "view", "chunked", "box", "tensor", "coords", "param_dtype", "data",
+                 "read_done", "done", "reads", "reads_ended")
+
+    def advance(self, m: "Machine") -> bool:
+        if not self.read_done:
+            self.data = subarray_to_box(self.view, self.box, self.chunked)
+            self.read_done = True
+        else:
+            write_box(self.tensor, self.coords, self.data, self.param_dtype)
+            self.done = True
+        m.wake(self.co.bulk_waiters)
+        return self.done
+
+
+class WgmmaOp:
+    __slots__ = ("acc", "a_name", "a_reg", "a_view", "a_trans", "b_view", "b_trans", "accumulate", "reads")
+
+
+class Co:
+    """One warpgroup of one CTA: a coroutine with its own env and register tiles."""
+
+    __slots__ = ("cta", "gid", "role", "label", "env", "regs", "vc", "loops", "gen", "parked", "block",
+                 "in_elect", "wg_open", "wg_groups", "acc_pending", "a_pending", "touched",
+                 "bulk_open", "bulk_groups", "bulk_waiters", "unfenced", "node", "done")
+
+    def __init__(self, cta: "Cta", gid: int, env: dict):
+        self.cta = cta
+        self.gid = gid
+        self.role = None
+        self.label = f"wg{gid}"
+        self.env = env
+        self.regs = {}
+        self.vc = {self: 1}
+        self.loops = []
+        self.gen = None
+        self.parked = False
+        self.block = None
+        self.in_elect = 0
+        self.wg_open = []
+        self.wg_groups = deque()
+        self.acc_pending = {}
+        self.a_pending = {}
+        self.touched = set()
+        self.bulk_open = []
+        self.bulk_groups = []
+        self.bulk_waiters = []
+        self.unfenced = []
+        self.node = None
+        self.done = False
+
+    def where(self, node: Node | None = None) -> str:
+        node = node or self.node
+        text = stmt_text(node.stmt, self.env) if node is not None else "(start)"
+        return f"CTA {self.cta.cta_id} {self.label}: {text}{loops_text(self.loops, self.env)}"
+
+    def release(self, know: dict) -> None:
+        """Publish this coroutine's clock into `know`; later events get a new epoch."""
+        vc = self.vc
+        for key, value in vc.items():
+            if know.get(key, 0) < value:
+                know[key] = value
+        vc[self] += 1
+
+    def acquire(self, know: dict) -> None:
+        vc = self.vc
+        for key, value in know.items():
+            if vc.get(key, 0) < value:
+                vc[key] = value
+
+
+class Cta:
+    __slots__ = ("cta_id", "smem", "cells", "bars", "named", "sync_gen", "live", "cos", "loads_inflight")
+
+
+# ---------------------------------------------------------------------------------------------
+# Boxes, sub-arrays and tiles
+# ---------------------------------------------------------------------------------------------
+
+
+def _box_shape_2d(box: tuple[int, ...]) -> tuple[int, ...]:
+    shape = tuple(box)
+    while len(shape) > 2 and shape[0] == 1:
+        shape = shape[1:]
+    return shape
+
+
+def is_chunked_box(box: tuple[int, ...], sub_shape: tuple[int, ...]) -> bool:
+    """Does the box fill a (chunks, R, W) sub-array as its [R, chunks*W] tile?"""
+    return (len(sub_shape) == 3 and sub_shape[0] > 1
+            and _box_shape_2d(box) == ir.tile_shape_of_subarray(sub_shape))
+
+
+def box_to_subarray(data: torch.Tensor, sub_shape: tuple[int, ...], chunked: bool) -> torch.Tensor:
+    if chunked:
+        chunks, rows, width = sub_shape
+        return data.reshape(rows, chunks, width).transpose(0, 1)
+    return data.reshape(sub_shape)
+
+
+def subarray_to_box(view: torch.Tensor, box: tuple[int, ...], chunked: bool) -> torch.Tensor:
+    if chunked:
+        return view.transpose(0, 1).reshape(box).clone()
+    return view.reshape(box).clone()
+
+
+def tile_of(view: torch.Tensor) -> torch.Tensor:
+    """The [rows, cols] tile a smem sub-array holds (column chunks concatenated)."""
+    if view.dim() == 2:
+        return view
+    chunks, rows, width = view.shape
+    return view.permute(1, 0, 2).reshape(rows, chunks * width)
+
+
+def _region(coords, extents, shape):
+    """(tensor slices, box slices) of the part of a box at `coords` inside `shape`, or None."""
+    src, dst = [], []
+    for c, b, n in zip(coords, extents, shape):
+        lo, hi = max(c, 0), min(c + b, n)
+        if hi <= lo:
+            return None
+        src.append(slice(lo, hi))
+        dst.append(slice(lo - c, hi - c))
+    return tuple(src), tuple(dst)
+
+
+def read_box(tensor: torch.Tensor, coords, extents, dtype: torch.dtype) -> torch.Tensor:
+    out = torch.zeros(tuple(extents), dtype=dtype)
+    region = _region(coords, extents, tensor.shape)
+    if region is not None:
+        out[region[1]] = tensor[region[0]].to(dtype)
+    return out
+
+
+def write_box(tensor: torch.Tensor, coords, data: torch.Tensor, param_dtype: torch.dtype) -> None:
+    region = _region(coords, data.shape, tensor.shape)
+    if region is not None:
+        tensor[region[0]] = data[region[1]].to(param_dtype).to(tensor.dtype)

@@ -1,0 +1,191 @@
+"""The simulator's synchronisation handlers (mixed into `simulate_machine.Machine`): mbarrier
+init / inval / arrive / arrive_expect_tx / wait with phases and tx-counts, the mbarrier and
+proxy fences, named barriers (bar.sync / bar.arrive) and syncthreads. Every release publishes
+the coroutine's vector clock and every passing wait acquires it, for the race checks."""
+
+from __future__ import annotations
+
+from .simulate import ProtocolError
+from .simulate_expr import loops_text
+from .simulate_state import BarrierGeneration, Co, Cta, MBarrier, Node
+
+
+class BarrierHandlers:
+    """mbarriers, fences, named barriers and syncthreads; uses `Machine`'s `_int`, `_park`,
+    `wake`, `report` and `kernel`."""
+
+    # mbarriers
+    def _barrier(self, co: Co, node: Node, name: str, index) -> MBarrier:
+        slots = co.cta.bars.get(name)
+        if slots is None:
+            raise ProtocolError(f"barrier {name!r} is not declared: {co.where(node)}")
+        index = self._int(co, node, index, "barrier index")
+        if not 0 <= index < len(slots):
+            raise ProtocolError(f"barrier index {name}[{index}] out of range (barrier {name}[{len(slots)}]): "
+                                f"{co.where(node)}")
+        bar = slots[index]
+        if bar is None:
+            raise ProtocolError(f"mbarrier {name}[{index}] used before mbarrier.init: {co.where(node)}")
+        if co.vc.get(bar.init_co, 0) < bar.init_epoch:
+            raise ProtocolError(f"mbarrier {name}[{index}] used before its mbarrier.init is visible to this "
+                                f"warpgroup (missing syncthreads after mbarrier.init?): {co.where(node)}")
+        return bar
+
+    def _h_MbarrierInit(self, co, node):
+        s = node.stmt
+        slots = co.cta.bars.get(s.barrier)
+        if slots is None:
+            raise ProtocolError(f"barrier {s.barrier!r} is not declared: {co.where(node)}")
+        if not 1 <= s.arrivals < 2 ** 20:
+            raise ProtocolError(f"mbarrier arrival count must be in [1, 2^20): {co.where(node)}")
+        for i, old in enumerate(slots):
+            if old is not None:
+                raise ProtocolError(f"mbarrier.init on {s.barrier}[{i}], which is already initialised "
+                                    f"(missing mbarrier.inval?): {co.where(node)}")
+            slots[i] = MBarrier(f"{s.barrier}[{i}]", co.cta.cta_id, s.arrivals, co)
+
+    def _h_MbarrierInval(self, co, node):
+        slots = co.cta.bars.get(node.stmt.barrier)
+        if slots is None:
+            raise ProtocolError(f"barrier {node.stmt.barrier!r} is not declared: {co.where(node)}")
+        for i, bar in enumerate(slots):
+            if bar is not None and (bar.waiters or bar.inflight):
+                raise ProtocolError(f"mbarrier.inval of {bar.label} while it has waiters or TMA loads in "
+                                    f"flight: {co.where(node)}")
+            slots[i] = None
+
+    def _arrive(self, co: Co, bar: MBarrier) -> None:
+        co.release(bar.arrive_know)
+        bar.pending -= 1
+        if bar.pending <= 0 and bar.tx == 0:
+            self._complete_phase(bar)
+
+    def _complete_phase(self, bar: MBarrier) -> None:
+        while bar.pending <= 0 and bar.tx == 0:
+            carry = -bar.pending  # arrivals beyond this phase count toward the next one
+            bar.history[bar.completed] = (bar.expected, bar.issued)
+            bar.history.pop(bar.completed - 8, None)
+            bar.completed += 1
+            bar.parity ^= 1
+            know = bar.know
+            for key, value in bar.arrive_know.items():
+                if know.get(key, 0) < value:
+                    know[key] = value
+            know[bar] = bar.completed
+            bar.arrive_know = {}
+            bar.pending = bar.arrivals - carry
+            bar.expected = bar.issued = 0
+            self.report.barrier_phases += 1
+            self.wake(bar.waiters)
+            if carry == 0:
+                break
+
+    def _h_MbarrierArrive(self, co, node):
+        self._arrive(co, self._barrier(co, node, node.stmt.bar.barrier, node.ex[0](co.env)))
+
+    def _h_MbarrierArriveExpectTx(self, co, node):
+        bar = self._barrier(co, node, node.stmt.bar.barrier, node.ex[0](co.env))
+        nbytes = self._int(co, node, node.ex[1](co.env), "expect_tx bytes")
+        if nbytes < 0 or bar.tx + nbytes >= 2 ** 20:
+            raise ProtocolError(f"expect_tx of {nbytes} bytes takes {bar.label}'s tx-count out of "
+                                f"[0, 2^20): {co.where(node)}")
+        bar.tx += nbytes
+        bar.expected += nbytes
+        bar.expect_phase[co] = bar.completed
+        self._arrive(co, bar)
+
+    def _h_MbarrierWait(self, co, node):
+        env = co.env
+        bar = self._barrier(co, node, node.stmt.bar.barrier, node.ex[0](env))
+        parity = node.ex[1](env)
+        if parity not in (0, 1) or type(parity) is not int:
+            raise ProtocolError(f"mbarrier.wait phase must be 0 or 1, got {parity!r}: {co.where(node)}")
+        if bar.parity != parity:
+            co.acquire(bar.know)
+            return None
+        return self._wait_mbarrier(co, node, bar, parity)
+
+    def _wait_mbarrier(self, co, node, bar, parity):
+        env, loops = co.env, tuple(co.loops)
+
+        def describe():
+            return (f"mbarrier.wait {bar.label} phase({parity}) — {bar.state()}{loops_text(loops, env)}")
+        while bar.parity == parity:
+            self._park(co, bar.waiters, describe)
+            yield
+        co.acquire(bar.know)
+        yield
+
+    def _h_FenceMbarrierInit(self, co, node):
+        return None
+
+    def _h_FenceProxyAsync(self, co, node):
+        epoch = co.vc[co]
+        for write in co.unfenced:
+            write.fence_epoch = epoch
+        co.unfenced.clear()
+
+    # named barriers and syncthreads
+    def _h_NamedBarrierSync(self, co, node):
+        return self._named_barrier(co, node, wait=True)
+
+    def _h_NamedBarrierArrive(self, co, node):
+        return self._named_barrier(co, node, wait=False)
+
+    def _named_barrier(self, co, node, wait: bool):
+        s = node.stmt
+        bid = self._int(co, node, node.ex(co.env), "named barrier id")
+        if not 1 <= bid < 16:
+            raise ProtocolError(f"named barrier id {bid} must be in [1, 16) (0 is syncthreads): {co.where(node)}")
+        if s.threads % 128 or not 128 <= s.threads <= self.kernel.threads:
+            raise ProtocolError(f"named barrier over {s.threads} threads: needs a multiple of 128 (whole "
+                                f"warpgroups) and at most the CTA's {self.kernel.threads}: {co.where(node)}")
+        gen = co.cta.named.get(bid)
+        if gen is None:
+            gen = co.cta.named[bid] = BarrierGeneration(s.threads)
+        elif gen.threads != s.threads:
+            raise ProtocolError(f"named barrier {bid} used with {s.threads} threads while this round counts "
+                                f"{gen.threads}: {co.where(node)}")
+        co.release(gen.know)
+        gen.count += 1
+        if gen.count * 128 >= gen.threads:
+            gen.done = True
+            del co.cta.named[bid]
+            self.report.named_barrier_syncs += 1
+            self.wake(gen.waiters)
+        if not wait:
+            return None
+        if gen.done:
+            co.acquire(gen.know)
+            return None
+        return self._wait_generation(co, gen, lambda: (
+            f"bar.sync {bid}, {s.threads} — {gen.count} of {s.threads // 128} warpgroups arrived"))
+
+    def _wait_generation(self, co, gen, what):
+        env, loops = co.env, tuple(co.loops)
+        describe = lambda: what() + loops_text(loops, env)  # noqa: E731
+        while not gen.done:
+            self._park(co, gen.waiters, describe)
+            yield
+        co.acquire(gen.know)
+        yield
+
+    def _h_SyncThreads(self, co, node):
+        cta = co.cta
+        gen = cta.sync_gen
+        if gen is None:
+            gen = cta.sync_gen = BarrierGeneration(None)
+        co.release(gen.know)
+        gen.count += 1
+        if gen.count >= cta.live:
+            self._release_syncthreads(cta)
+            co.acquire(gen.know)
+            return None
+        return self._wait_generation(co, gen, lambda: (
+            f"syncthreads — {gen.count} of {cta.live} running warpgroups arrived"))
+
+    def _release_syncthreads(self, cta: Cta) -> None:
+        gen = cta.sync_gen
+        gen.done = True
+        cta.sync_gen = None
+        self.wake(gen.waiters)

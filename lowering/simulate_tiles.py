@@ -1,0 +1,175 @@
+"""The simulator's register-tile handlers (mixed into `simulate_machine.Machine`): declarations,
+fill / unary / binary / mask / reduce, plain global loads and stores, and `tile.store_smem`;
+values live in fp32 and are rounded to the tile's declared dtype at every write."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from . import ir
+from .simulate import ProtocolError, RaceError
+from .simulate_state import TORCH_DTYPES, Co, Ctx, Node, Reg, Write, read_box, write_box
+
+REG_ROUND = {"bf16": torch.bfloat16, "f16": torch.float16, "f32": None, "i32": torch.int32}
+
+
+def round_to_dtype(t: torch.Tensor, dtype: str) -> torch.Tensor:
+    """fp32 values rounded to `dtype` (the register tile's declared type), kept as fp32."""
+    target = REG_ROUND[dtype]
+    return t if target is None else t.to(target).float()
+
+
+UNARY_OPS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "neg": torch.neg, "exp": torch.exp, "exp2": torch.exp2, "log": torch.log, "relu": torch.relu,
+    "gelu": F.gelu, "silu": F.silu, "sigmoid": torch.sigmoid, "tanh": torch.tanh,
+    "cast": lambda t: t,
+}
+BINARY_OPS: dict[str, Callable] = {
+    "add": torch.add, "sub": torch.sub, "mul": torch.mul, "div": torch.div,
+    "maximum": torch.maximum, "minimum": torch.minimum,
+}
+
+
+class TileHandlers:
+    """Register tiles; uses `Machine`'s `_int`, `tensors`, `AsyncHandlers`' `_smem`, `_coords` and
+    `_check_write`."""
+
+    def _reg(self, co: Co, node: Node, name: str) -> Reg:
+        reg = co.regs.get(name)
+        if reg is None:
+            raise ProtocolError(f"register tile {name!r} is not declared: {co.where(node)}")
+        return reg
+
+    def _read_reg(self, co: Co, node: Node, name: str) -> Reg:
+        reg = self._reg(co, node, name)
+        if name in co.acc_pending:
+            raise RaceError(f"acc read while wgmma pending (missing wgmma.wait): {name} in {co.where(node)}")
+        co.touched.add(name)
+        return reg
+
+    def _write_reg(self, co: Co, node: Node, name: str, value: torch.Tensor) -> None:
+        reg = self._reg(co, node, name)
+        if name in co.acc_pending:
+            raise RaceError(f"acc read while wgmma pending (missing wgmma.wait): {name} written in "
+                            f"{co.where(node)}")
+        if name in co.a_pending:
+            raise RaceError(f"register A operand {name} written while a wgmma reading it is pending "
+                            f"(missing wgmma.wait): {co.where(node)}")
+        if tuple(value.shape) != reg.shape:
+            raise ProtocolError(f"result of shape {list(value.shape)} does not fit {name}: "
+                                f"{reg.dtype}{list(reg.shape)} in {co.where(node)}")
+        co.touched.add(name)
+        reg.value = round_to_dtype(value.float(), reg.dtype)
+
+    def _h_RegDecl(self, co, node):
+        s = node.stmt
+        if s.dtype not in REG_ROUND or not s.shape or any(d < 1 for d in s.shape):
+            raise ProtocolError(f"bad register tile declaration: {co.where(node)}")
+        if s.name in co.acc_pending or s.name in co.a_pending:
+            raise RaceError(f"acc read while wgmma pending (missing wgmma.wait): {s.name} re-declared in "
+                            f"{co.where(node)}")
+        co.regs[s.name] = Reg(s.dtype, tuple(s.shape))
+
+    def _h_TileFill(self, co, node):
+        reg = self._reg(co, node, node.stmt.dst)
+        value = node.ex(co.env)
+        self._write_reg(co, node, node.stmt.dst, torch.full(reg.shape, float(value)))
+
+    def _h_TileUnary(self, co, node):
+        s = node.stmt
+        src = self._read_reg(co, node, s.src)
+        self._write_reg(co, node, s.dst, UNARY_OPS[s.op](src.value))
+
+    def _h_TileBinary(self, co, node):
+        s = node.stmt
+        operands = []
+        for o, fn in zip((s.lhs, s.rhs), node.ex):
+            if fn is None:
+                operands.append(self._read_reg(co, node, o).value)
+            else:   # a scalar operand: a 0-d fp32 tensor broadcasts like a tile (torch.maximum
+                operands.append(torch.tensor(float(fn(co.env))))   # takes tensors only)
+        try:
+            result = BINARY_OPS[s.op](*operands)
+        except RuntimeError as e:
+            raise ProtocolError(f"operand shapes do not broadcast ({e}): {co.where(node)}") from None
+        if result.dim() == 0:
+            result = result.expand(self._reg(co, node, s.dst).shape)
+        self._write_reg(co, node, s.dst, result)
+
+    def _h_TileMask(self, co, node):
+        s = node.stmt
+        value = self._read_reg(co, node, s.dst).value
+        if value.dim() != 2:
+            raise ProtocolError(f"tile.mask needs a 2-D tile, {s.dst} has shape {list(value.shape)}: "
+                                f"{co.where(node)}")
+        row0, col0, limit = (int(f(co.env)) for f in node.ex[:3])
+        rows = torch.arange(value.shape[0]).unsqueeze(1) + row0
+        cols = torch.arange(value.shape[1]).unsqueeze(0) + col0
+        masked = (cols >= limit).expand(value.shape)
+        if node.ex[3] is not None:
+            masked = masked | (cols > rows + int(node.ex[3](co.env)))
+        self._write_reg(co, node, s.dst, value.masked_fill(masked, float("-inf")))
+
+    def _h_TileReduce(self, co, node):
+        s = node.stmt
+        src = self._read_reg(co, node, s.src).value
+        if not 0 <= s.axis < src.dim():
+            raise ProtocolError(f"axis {s.axis} out of range for a rank-{src.dim()} tile: {co.where(node)}")
+        result = src.sum(s.axis, keepdim=True) if s.op == "sum" else src.amax(s.axis, keepdim=True)
+        self._write_reg(co, node, s.dst, result)
+
+    def _global(self, co, node, name: str, tile_shape: tuple[int, ...]):
+        """(param, tensor, coords, extents) of a plain global access by a tile."""
+        entry = self.tensors.get(name)
+        if entry is None or not isinstance(entry[0], ir.GlobalParam):
+            raise ProtocolError(f"{name!r} is not a `global` parameter (tensormaps are reached with tma.*): "
+                                f"{co.where(node)}")
+        param, tensor = entry
+        rank = tensor.dim()
+        coords = self._coords(co, node, node.ex, rank, f"global {name}")
+        t = len(tile_shape)
+        if t >= rank:
+            if any(d != 1 for d in tile_shape[:t - rank]):
+                raise ProtocolError(f"tile {list(tile_shape)} has more dims than {name} (rank {rank}) and the "
+                                    f"extra leading dims are not 1: {co.where(node)}")
+            extents = tile_shape[t - rank:]
+        else:
+            extents = (1,) * (rank - t) + tuple(tile_shape)
+        return param, tensor, coords, extents
+
+    def _h_TileLoadGlobal(self, co, node):
+        s = node.stmt
+        reg = self._reg(co, node, s.dst)
+        param, tensor, coords, extents = self._global(co, node, s.tensor, reg.shape)
+        data = read_box(tensor, coords, extents, TORCH_DTYPES[param.dtype])
+        self._write_reg(co, node, s.dst, data.float().reshape(reg.shape))
+
+    def _h_TileStoreGlobal(self, co, node):
+        s = node.stmt
+        reg = self._read_reg(co, node, s.src)
+        param, tensor, coords, extents = self._global(co, node, s.tensor, reg.shape)
+        write_box(tensor, coords, reg.value.reshape(extents), TORCH_DTYPES[param.dtype])
+
+    def _h_TileStoreSmem(self, co, node):
+        s = node.stmt
+        reg = self._read_reg(co, node, s.src)
+        decl, view, cells, label = self._smem(co, node, s.dst, node.ex)
+        sub = tuple(view.shape)
+        tile = ir.tile_shape_of_subarray(sub) if len(sub) in (2, 3) else sub
+        if tuple(reg.shape) != tuple(tile):
+            raise ProtocolError(f"tile {s.src}: {list(reg.shape)} does not match smem {label} holding "
+                                f"{list(tile)}: {co.where(node)}")
+        self._check_write(co, node, cells, label, "tile.store_smem")
+        value = reg.value.to(TORCH_DTYPES[decl.dtype])
+        if len(sub) == 3:
+            chunks, rows, width = sub
+            value = value.reshape(rows, chunks, width).transpose(0, 1)
+        view.copy_(value)
+        write = Write("generic", co, Ctx(co, node))
+        for cell in cells:
+            cell.write = write
+            cell.reads = []
+        co.unfenced.append(write)
