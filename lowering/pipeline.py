@@ -16,7 +16,7 @@ from wsched import knobs
 from . import ir
 from .context import LoweringContext
 from .passes import (build_loops, circular_buffer, epilogue, insert_barriers, lower_mma, lower_tma,
-                     overlap_softmax, reg_realloc)
+                     overlap_softmax, pingpong, reg_realloc)
 from .verify import verify
 
 # (name, pass, whether the load/compute contract holds after it: the release point is only
@@ -35,6 +35,9 @@ PIPELINE = (
     # Attention with mma_inflight=1: delay P V by one block so the softmax overlaps it; it
     # reorders the complete wgmma protocol lower_mma wrote.
     ("overlap_softmax", overlap_softmax.run, True),
+    # Attention with mode="pingpong": token passing around the GEMM issue that overlap_softmax
+    # grouped together.
+    ("pingpong", pingpong.run, True),
     # After the k loop is final: the fused epilogue and the output stores.
     ("epilogue", epilogue.run, True),
     # Last: it must see every role's final body to check the register budget.

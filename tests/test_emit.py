@@ -347,6 +347,7 @@ BUILDS = {
     "attention_d256_causal": lambda: emit_kernel(ws.lower(make_attention(256, causal=True))),
     "attention_d128_gqa_bottom_right_lse": lambda: emit_kernel(ws.lower(
         make_attention(128, causal="bottom_right", lse=True, gqa=True))),
+    "attention_d128_pingpong": lambda: emit_kernel(ws.lower(make_attention(128, causal=True), mode="pingpong")),
     "attention_d64_f16_no_overlap": lambda: emit_kernel(ws.lower(
         make_attention(64, dtype=ws.f16), mma_inflight=0)),
 }

@@ -80,6 +80,16 @@ def test_bottom_right_causal_kv_cache(S, T):
     assert rel(lse[..., hidden:], rlse[..., hidden:]) < 1e-3
 
 
+@pytest.mark.parametrize("D", [64, 128])
+def test_pingpong_schedule(D):
+    f = make_attention(D, causal=True, lse=True)
+    k = ws.compile(f, mode="pingpong")
+    q, kk, v = attention_inputs(2, 4, 1000, 1000, D, device="cuda", seed=D)
+    o, lse = run(f, k, (q, kk, v))
+    assert rel(o, F.scaled_dot_product_attention(q, kk, v, is_causal=True)) < 1e-2
+    assert rel(lse, f.reference(q, kk, v)[1]) < 1e-3
+
+
 def test_fp16():
     f, k = compiled(64, causal=True, dtype=ws.f16)
     q, kk, v = attention_inputs(2, 4, 700, 700, 64, device="cuda", dtype=torch.float16)

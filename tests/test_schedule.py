@@ -47,7 +47,7 @@ def test_unknown_field_is_rejected():
     (dict(producer_registers=40, consumer_registers=240), "register budget exceeded: 128 x 40 + 256 x 240 = 66560 > 65536 "
                                    "per SM by 1024"),
     (dict(producer_registers=42, consumer_registers=232), "producer_registers=42 must be a multiple of 8 in [24, 256]"),
-    (dict(mode="pingpong"), "mode 'pingpong' is not implemented yet; use 'cooperative'"),
+    (dict(mode="pingpong"), "mode 'pingpong' is not implemented for matmul yet; use 'cooperative'"),
     (dict(epilogue="smem"), "epilogue 'smem' is not one of 'tma_store', 'direct'"),
     (dict(stages=1, mma_inflight=1), "mma_inflight=1 keeps one stage in use while the next is loaded"),
 ])
