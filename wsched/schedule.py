@@ -28,13 +28,17 @@ class Schedule:
     tile:               (BM, BN, BK) output rows, output columns and k extent per stage.
     stages:             circular-buffer depth of the operand channel.
     consumer_warpgroups: warpgroups that run wgmma and the epilogue; each owns BM/n rows.
-    mode:               "cooperative" (all consumers share one tile). "pingpong" is reserved.
+    mode:               "cooperative" (all consumers share one tile, interleaving freely), or
+                        "pingpong" (attention only: the two consumer warpgroups take turns
+                        issuing their GEMMs; matmul ping-pong is not implemented).
     producer_registers / consumer_registers: per-thread budgets set with setmaxnreg.
     raster:             "row" (consecutive tiles walk along N) or "column".
     swizzle_group:      tiles are visited in groups of this many rows (columns) for L2 reuse.
     epilogue:           "tma_store" (registers -> smem -> TMA) or "direct" (plain stores).
     mma_inflight:       wgmma groups kept in flight in the k loop before a stage is released
-                        (0: wait for each mma; 1: release the previous stage after wait 1).
+                        (0: wait for each mma; 1: release the previous stage after wait 1; for
+                        attention, 1 overlaps the softmax of one kv block with the previous
+                        block's P V).
     cluster:            CTA cluster shape (only (1, 1, 1) for now).
     """
 
