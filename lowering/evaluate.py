@@ -1,43 +1,27 @@
-"""Evaluate loop-IR expressions on the host (grid sizes, verifier sample points)."""
+"""Evaluate loop-IR expressions on the host (grid sizes, tensor views, verifier sample points)
+with the simulator's semantics, which are the reference semantics of the IR: one definition
+of what `/`, `%`, `ceil_div` and the rest mean."""
 
 from __future__ import annotations
 
-from . import ir
+from functools import lru_cache
 
-_BINARY = {
-    "+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b,
-    "/": lambda a, b: a // b if isinstance(a, int) and isinstance(b, int) else a / b,
-    "%": lambda a, b: a % b,
-    "&": lambda a, b: a & b, "|": lambda a, b: a | b, "^": lambda a, b: a ^ b,
-    "<<": lambda a, b: a << b, ">>": lambda a, b: a >> b,
-    "==": lambda a, b: int(a == b), "!=": lambda a, b: int(a != b),
-    "<": lambda a, b: int(a < b), "<=": lambda a, b: int(a <= b),
-    ">": lambda a, b: int(a > b), ">=": lambda a, b: int(a >= b),
-    "&&": lambda a, b: int(bool(a) and bool(b)), "||": lambda a, b: int(bool(a) or bool(b)),
-}
-_CALLS = {
-    "min": min, "max": max,
-    "ceil_div": lambda a, b: -(-a // b),
-    "select": lambda c, a, b: a if c else b,
-}
+from . import ir
+from .printer import print_expr
+from .simulate_expr import ExprError, Undefined, compile_expr
+
+_compiled = lru_cache(maxsize=4096)(compile_expr)   # frozen expressions hash structurally
 
 
 def evaluate(e: ir.Expr, env: dict[str, int | float]) -> int | float:
-    """The value of `e` with the names in `env`; KeyError names an unbound variable."""
-    if isinstance(e, ir.IntConst):
-        return e.value
-    if isinstance(e, ir.FloatConst):
-        return e.value
-    if isinstance(e, ir.Var):
-        try:
-            return env[e.name]
-        except KeyError:
-            raise KeyError(f"expression reads '{e.name}', which has no value here") from None
-    if isinstance(e, ir.BinOp):
-        return _BINARY[e.op](evaluate(e.lhs, env), evaluate(e.rhs, env))
-    if isinstance(e, ir.Call):
-        return _CALLS[e.func](*(evaluate(a, env) for a in e.args))
-    raise TypeError(f"not an expression: {e!r}")
+    """The value of `e` with the names in `env`. KeyError names an unbound variable; ValueError
+    says why an operation has no value (integer division by zero, a float in `&`, ...)."""
+    try:
+        return _compiled(e)(env)
+    except Undefined as missing:
+        raise KeyError(f"expression reads '{missing.name}', which has no value here") from None
+    except ExprError as error:
+        raise ValueError(f"{error} in {print_expr(e)}") from None
 
 
 __all__ = ["evaluate"]

@@ -401,7 +401,7 @@ class StructureCheck(TileChecks):
         for wg in wgs:
             try:
                 bid = evaluate(s.id, {} if wg is None else {"wg": wg})
-            except (KeyError, ZeroDivisionError, TypeError):
+            except (KeyError, ValueError):   # unbound name, or no value (evaluate's errors)
                 break
             if not 1 <= bid <= 15:
                 at = "" if wg is None else f" for wg = {wg}"

@@ -86,3 +86,15 @@ def test_edited_ir_parses_back():
         "registers(240)", "registers(232)")
     k = parse_kernel(text)
     assert [r.registers for r in k.roles()] == [24, 232]
+
+
+def test_host_evaluation_uses_the_simulators_semantics():
+    from wsched.lowering.evaluate import evaluate
+    from wsched.lowering.parser import parse_expr
+
+    assert evaluate(parse_expr("ceil_div(M, 128) * 2 + (7 % 3)"), {"M": 300}) == 7
+    assert evaluate(parse_expr("(it / 3) & 1"), {"it": 4}) == 1
+    with pytest.raises(KeyError, match="expression reads 'N', which has no value here"):
+        evaluate(parse_expr("N + 1"), {})
+    with pytest.raises(ValueError, match=r"integer division by zero in M / 0"):
+        evaluate(parse_expr("M / 0"), {"M": 3})
