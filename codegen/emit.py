@@ -100,14 +100,14 @@ def _emit_assign(em: Emitter, s: ir.Assign) -> None:
 
 
 def _emit_for(em: Emitter, s: ir.For) -> None:
-    if s.kind not in ("serial", "persistent", "unroll"):
-        raise EmitError(f"for {s.var}: unknown loop kind {s.kind!r} (serial | persistent | unroll)")
+    if s.iteration not in ("serial", "persistent", "unroll"):
+        raise EmitError(f"for {s.var}: unknown loop kind {s.iteration!r} (serial | persistent | unroll)")
     start, stop = em.expr(s.start), em.expr(s.stop)
     var = em.c(s.var)
     step = "++" + var if s.step == ir.IntConst(1) else f"{var} += {em.expr(s.step)}"
-    if s.kind == "unroll":
+    if s.iteration == "unroll":
         em.line("#pragma unroll")
-    note = "  // persistent: this CTA's tiles" if s.kind == "persistent" else ""
+    note = "  // persistent: this CTA's tiles" if s.iteration == "persistent" else ""
     with em.block(f"for (int {var} = {start}; {var} < {stop}; {step}) {{{note}"):
         em.scope.declare(s.var, "int")
         _emit_body(em, s.body)

@@ -263,14 +263,14 @@ class Assign:
 
 @dataclass(frozen=True)
 class For:
-    """`for k in serial(0, k_tiles, 1) { ... }`. kind: serial | persistent | unroll.
+    """`for k in serial(0, k_tiles, 1) { ... }`. iteration: serial | persistent | unroll.
     `persistent` marks the tile loop a CTA strides through (start cta_id, step num_ctas)."""
 
     var: str
     start: Expr
     stop: Expr
     step: Expr
-    kind: str
+    iteration: str
     body: tuple["Stmt", ...]
 
 

@@ -109,7 +109,7 @@ def _stmt_lines(s: ir.Stmt, indent: int) -> list[str]:
     pad = INDENT * indent
     match s:
         case ir.For():
-            header = (f"for {s.var} in {s.kind}({print_expr(s.start)}, {print_expr(s.stop)}, "
+            header = (f"for {s.var} in {s.iteration}({print_expr(s.start)}, {print_expr(s.stop)}, "
                       f"{print_expr(s.step)})")
             return _braced(header, s.body, indent)
         case ir.If():

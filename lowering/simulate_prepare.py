@@ -100,7 +100,7 @@ class KernelPreparation:
         if isinstance(s, (ir.Let, ir.Assign)):
             node.ex = c(s.value)
         elif isinstance(s, ir.For):
-            if s.kind not in ("serial", "persistent", "unroll"):
+            if s.iteration not in ("serial", "persistent", "unroll"):
                 raise ProtocolError(f"{stmt_text(s)}: loop kind must be serial, persistent or unroll")
             node.ex = (c(s.start), c(s.stop), c(s.step))
             node.block = self._compile_block(s.body, in_role, in_elect)

@@ -232,9 +232,9 @@ class ContractCheck:
                 p_bounds = [subst(e, p_lets) for e in (pf.start, pf.stop, pf.step)]
                 c_bounds = [subst(e, c_lets) for e in (cf.start, cf.stop, cf.step)]
                 same = ([subst(e, p_rename) for e in p_bounds] == [subst(e, c_rename) for e in c_bounds]
-                        and (pf.kind == "persistent") == (cf.kind == "persistent"))
+                        and (pf.iteration == "persistent") == (cf.iteration == "persistent"))
                 if not same:
-                    spell = lambda f, b: f"{f.kind}({', '.join(expr_text(e) for e in b)})"  # noqa: E731
+                    spell = lambda f, b: f"{f.iteration}({', '.join(expr_text(e) for e in b)})"  # noqa: E731
                     self.r.at(cpath, f"the consumer's for {cf.var} runs {spell(cf, c_bounds)} but the "
                                      f"producer's for {pf.var} (IR line {self.r.line(ppath)}) runs "
                                      f"{spell(pf, p_bounds)}; {_SAME_ORDER}")
@@ -326,7 +326,7 @@ class _Tracer:
                 start, stop, step = (self._eval(e, env) for e in (s.start, s.stop, s.step))
                 if step <= 0:
                     raise _Abort()
-                limit = self.PERSISTENT_TILES if s.kind == "persistent" else None
+                limit = self.PERSISTENT_TILES if s.iteration == "persistent" else None
                 for n, v in enumerate(range(start, stop, step)):
                     if limit is not None and n == limit:
                         break

@@ -298,8 +298,8 @@ class StructureCheck(TileChecks):
     def _For(self, s: ir.For, path, scope, ctx):
         for e in (s.start, s.stop, s.step):
             self._expr(e, path, scope, ctx)
-        if s.kind not in LOOP_KINDS:
-            self.r.at(path, f"loop kind `{s.kind}` is not one of {', '.join(LOOP_KINDS)}")
+        if s.iteration not in LOOP_KINDS:
+            self.r.at(path, f"loop kind `{s.iteration}` is not one of {', '.join(LOOP_KINDS)}")
         step = constant(s.step)
         if isinstance(step, (int, float)) and step <= 0:
             self.r.at(path, f"step {expr_text(s.step)}: a loop counts up; use a step >= 1")

@@ -82,7 +82,7 @@ def test_golden_kernels_use_every_param_kind_and_tile_op():
     operands = {type(o) for k in kernels for s in ir.walk(k.body) if isinstance(s, ir.TileBinary)
                 for o in (s.lhs, s.rhs)}
     assert str in operands and len(operands) > 1  # tile names and scalar(...) expressions
-    assert {s.kind for k in kernels for s in ir.walk(k.body) if isinstance(s, ir.For)} == \
+    assert {s.iteration for k in kernels for s in ir.walk(k.body) if isinstance(s, ir.For)} == \
         set(LOOP_KINDS)
 
 

@@ -1,0 +1,114 @@
+"""The Hopper (sm_90a) target: every hardware limit, shape rule, element-type and op table the
+compiler relies on, in one module.
+
+The schedule, the partition, the verifier, the simulator, the emitter and the launcher import
+these names; none of them writes a limit or a table of its own. Sources: the PTX ISA
+(wgmma, setmaxnreg, mbarrier, cp.async.bulk.tensor), the CUDA driver API
+(`cuTensorMapEncodeTiled`), and the sm_90 occupancy limits.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .dtypes import DTYPES, DType
+
+ARCH = "sm_90a"
+
+# --- one streaming multiprocessor / one CTA ----------------------------------------------------
+SMEM_LIMIT = 232448          # bytes of dynamic shared memory one CTA may use (227 KB)
+SMEM_ALIGN = 1024            # every buffer starts on this boundary (128-byte swizzle atoms need it)
+SMEM_BASE_SLACK = 1024       # bytes spent aligning the dynamic shared memory base itself
+BARRIER_BYTES = 8            # one mbarrier
+REGISTER_FILE = 65536        # 32-bit registers per SM
+MAX_THREADS = 1024           # threads per CTA
+WARP_THREADS = 32
+WARPGROUP_THREADS = 128      # four warps: the unit of wgmma, setmaxnreg and our roles
+NAMED_BARRIERS = 16          # bar.sync ids 0..15 (0 is __syncthreads)
+
+# --- setmaxnreg ----------------------------------------------------------------------------------
+SETMAXNREG_MIN = 24
+SETMAXNREG_MAX = 256
+SETMAXNREG_STEP = 8
+
+# --- wgmma ---------------------------------------------------------------------------------------
+WGMMA_M = 64                             # rows of one wgmma (one warpgroup)
+WGMMA_K = 16                             # k extent of one bf16/f16 wgmma
+WGMMA_N = tuple(range(8, 257, 8))        # the n extents wgmma.mma_async accepts
+WGMMA_OPERAND_DTYPES = ("bf16", "f16")   # A and B element types (accumulating in f32)
+WGMMA_ACCUMULATOR_DTYPE = "f32"
+
+# --- TMA (cp.async.bulk.tensor and cuTensorMapEncodeTiled, interleave NONE) ------------------------
+TMA_MAX_RANK = 5
+TMA_GLOBAL_ADDRESS_ALIGNMENT = 16        # bytes
+TMA_STRIDE_ALIGNMENT = 16                # bytes, global strides of dims 1..rank-1
+TMA_MAX_GLOBAL_DIM = 2**32
+TMA_MAX_STRIDE_BYTES = 2**40             # exclusive
+TMA_MAX_BOX_DIM = 256
+TMA_INNER_BOX_ALIGNMENT = 16             # bytes of the innermost box extent
+TMA_SWIZZLES = (0, 32, 64, 128)          # swizzle spans in bytes; the inner box row must fit in it
+SWIZZLE_ROW_BYTES = 128                  # the 128-byte swizzle the operand layouts use
+
+
+# --- element types -------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ElementType:
+    """What every stage of the compiler needs to know about one element type.
+
+    `cuda` is the C++ scalar type, `cuda_pair` the two-element vector type (None where the
+    emitter never packs), `to_float` / `from_float` / `pack` the C++ conversions (format strings),
+    `tma` the `CU_TENSOR_MAP_DATA_TYPE_*` member name (None: TMA maps are not built for it)."""
+
+    dtype: DType
+    cuda: str
+    cuda_pair: str | None
+    to_float: str | None
+    from_float: str | None
+    pack: str | None
+    tma: str | None
+
+    @property
+    def name(self) -> str:
+        return self.dtype.name
+
+    @property
+    def bytes(self) -> int:
+        return self.dtype.itemsize
+
+    @property
+    def torch(self) -> torch.dtype:
+        return self.dtype.torch_dtype
+
+
+_BY_NAME = {d.name: d for d in DTYPES}
+ELEMENT_TYPES: dict[str, ElementType] = {
+    "bf16": ElementType(_BY_NAME["bf16"], "__nv_bfloat16", "__nv_bfloat162", "__bfloat162float({})",
+                        "__float2bfloat16_rn({})", "__floats2bfloat162_rn({}, {})",
+                        "CU_TENSOR_MAP_DATA_TYPE_BFLOAT16"),
+    "f16": ElementType(_BY_NAME["f16"], "__half", "__half2", "__half2float({})", "__float2half_rn({})",
+                       "__floats2half2_rn({}, {})", "CU_TENSOR_MAP_DATA_TYPE_FLOAT16"),
+    "f32": ElementType(_BY_NAME["f32"], "float", "float2", "{}", "{}", "make_float2({}, {})",
+                       "CU_TENSOR_MAP_DATA_TYPE_FLOAT32"),
+    "i32": ElementType(_BY_NAME["i32"], "int", None, None, None, None, None),
+}
+DTYPE_NAMES = tuple(ELEMENT_TYPES)                                   # IR element types
+DTYPE_BYTES = {name: t.bytes for name, t in ELEMENT_TYPES.items()}
+TORCH_DTYPES = {name: t.torch for name, t in ELEMENT_TYPES.items()}
+FLOAT_DTYPES = tuple(n for n, t in ELEMENT_TYPES.items() if t.dtype.is_float)   # tensors a kernel stores
+TMA_DTYPES = tuple(n for n, t in ELEMENT_TYPES.items() if t.tma)
+DTYPE_OF_TORCH = {t.torch: name for name, t in ELEMENT_TYPES.items()}
+
+# --- ops a consumer warpgroup runs on register tiles ------------------------------------------------
+# Elementwise ops computed in fp32 and rounded to the destination tile's dtype: the DSL ops a
+# matmul epilogue fuses are exactly these, and the IR's tile.<op> spellings are their names.
+UNARY_OPS = ("neg", "exp", "exp2", "log", "relu", "gelu", "silu", "sigmoid", "tanh", "cast")
+BINARY_OPS = ("add", "sub", "mul", "div", "maximum", "minimum")
+ELEMENTWISE_OPS = UNARY_OPS + BINARY_OPS
+REDUCE_OPS = ("sum", "max")                 # row reductions of a register tile
+
+
+def smem_round(nbytes: int) -> int:
+    """`nbytes` rounded up to the shared-memory buffer alignment."""
+    return -(-nbytes // SMEM_ALIGN) * SMEM_ALIGN
