@@ -9,6 +9,7 @@ import source_lines
 import wsched as ws
 from wsched.dtypes import DTYPES, promote
 from wsched.fusion import Fusion, Node
+from wsched.target import BINARY_OPS, ELEMENTWISE_OPS, UNARY_OPS
 
 
 def line_of(marker: str) -> str:
@@ -154,7 +155,8 @@ def test_matmul_of_f32_probabilities_with_bf16_values():
 def test_binary_dtype_promotion(left, right, result):
     @ws.fusion
     def f(x: ws.Tensor[left, "N"], y: ws.Tensor[right, "N"]):
-        return ws.maximum(x, y), ws.minimum(x, y), x - y, x / y
+        return tuple(getattr(ws, op)(x, y) for op in BINARY_OPS)
+    assert len(f.outputs) == len(BINARY_OPS)
     assert {f.node(output).dtype for output in f.outputs} == {result}
 
 
@@ -179,8 +181,12 @@ def test_broadcasting_follows_numpy_over_symbols():
     assert [f.node(o).shape for o in f.outputs] == [("M", "N"), ("B", "M", "N")]
 
 
-@pytest.mark.parametrize("op", ["neg", "exp", "exp2", "log", "relu", "gelu", "silu", "sigmoid",
-                                "tanh"])
+def test_every_elementwise_op_of_the_target_is_a_ws_op():
+    for op in ELEMENTWISE_OPS:
+        assert getattr(ws, op).__name__ == op
+
+
+@pytest.mark.parametrize("op", [op for op in UNARY_OPS if op != "cast"])  # cast takes a dtype
 @pytest.mark.parametrize("dtype", [ws.bf16, ws.f16, ws.f32])
 def test_unary_ops_keep_shape_and_dtype(op, dtype):
     @ws.fusion

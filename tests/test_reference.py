@@ -10,6 +10,8 @@ import torch
 import torch.nn.functional as F
 
 import wsched as ws
+from wsched.reference import ELEMENTWISE_TORCH
+from wsched.target import ELEMENTWISE_OPS
 
 BF16_TOLERANCE = dict(atol=2e-2, rtol=2e-2)
 
@@ -76,6 +78,10 @@ def test_unary_ops(op, torch_op, dtype):
     out = f.reference(x)
     assert out.dtype == dtype
     assert torch.equal(out, torch_op(x.float()).to(dtype))
+
+
+def test_every_elementwise_op_of_the_target_has_a_torch_rule():
+    assert set(ELEMENTWISE_TORCH) == set(ELEMENTWISE_OPS)
 
 
 def test_binary_ops_with_scalars_on_either_side():

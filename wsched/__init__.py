@@ -2,11 +2,12 @@
 
 from .dtypes import DType, bf16, f16, f32, i32
 from .errors import FusionError
-from .fusion import (
-    Fusion, Node, Tensor, add, cast, causal_mask, div, exp, exp2, fusion, gelu, log, logsumexp,
-    matmul, maximum, minimum, mul, neg, relu, sigmoid, silu, softmax, sub, tanh,
+from .dsl import (
+    Tensor, add, cast, causal_mask, div, exp, exp2, gelu, log, logsumexp, matmul, maximum, minimum,
+    mul, neg, relu, sigmoid, silu, softmax, sub, tanh,
 )
-from .fusion import reduce_max as max, reduce_sum as sum  # noqa: A001 (ws.max, ws.sum, like torch)
+from .dsl import reduce_max as max, reduce_sum as sum  # noqa: A001 (ws.max, ws.sum, like torch)
+from .fusion import Fusion, Node, fusion
 
 # The pipeline: schedule, lower, compile (see wsched/api.py).
 from .api import CompiledKernel, compile, lower, schedule_for  # noqa: A004 (ws.compile, like torch.compile)

@@ -34,6 +34,15 @@ def user_location() -> str:
     return ""
 
 
+def type_name(value: object) -> str:
+    """How an error message names the type of a value that is not what was expected: `float`,
+    `wsched.fusion.Fusion` (builtins unqualified, everything else with its module)."""
+    cls = type(value)
+    if cls.__module__ == "builtins":
+        return cls.__qualname__
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
 class FusionError(ValueError):
     """A fusion definition or a call of it is wrong: shape, dtype, binding or unsupported op.
 

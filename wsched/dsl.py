@@ -1,0 +1,433 @@
+"""What a @ws.fusion function calls while it is traced: the proxy `ws.Tensor` and the DSL ops.
+
+A proxy holds no data, only a handle on one node of the DAG being recorded (`fusion.Trace`).
+Each op checks its operands' shapes and dtypes, then records one node through the trace:
+
+    ws.matmul(a, b)   # a: bf16[M, K], b: bf16[K, N]  ->  n0 = matmul(a, b) : f32[M, N]
+
+Shapes follow numpy broadcasting over symbolic dims: a dim is an int (concrete) or a str (a
+symbol, equal only to the same name), and a dim of 1 broadcasts. Mistakes raise `FusionError`
+naming the op, the shapes or dtypes, and the user's source line.
+"""
+
+from __future__ import annotations
+
+import numbers
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable, Sequence
+
+from .dtypes import DTYPES, DType, f32, promote
+from .errors import FusionError, type_name
+from .target import ELEMENTWISE_OPS, UNARY_OPS
+
+if TYPE_CHECKING:  # the trace and its nodes are built in fusion.py, which imports this module
+    from .fusion import Node, Trace
+
+Dim = int | str
+Shape = tuple[Dim, ...]
+
+# "ws.bf16, ws.f16, ws.f32, ws.i32": the dtypes an annotation or a cast may name.
+_DTYPE_CHOICES = ", ".join(repr(dtype) for dtype in DTYPES)
+
+
+def format_type(dtype: DType, shape: Sequence[Dim]) -> str:
+    """`bf16[M, K]`: how types appear in printouts and error messages."""
+    return f"{dtype.name}[{', '.join(str(dim) for dim in shape)}]"
+
+
+def _is_dim(dim: object) -> bool:
+    return (isinstance(dim, str) and dim.isidentifier()) or (
+        isinstance(dim, int) and not isinstance(dim, bool) and dim >= 1)
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """What the annotation `ws.Tensor[dtype, dims...]` evaluates to: one input's declared type."""
+
+    dtype: DType
+    shape: Shape
+
+    def __str__(self) -> str:
+        return format_type(self.dtype, self.shape)
+
+
+# --------------------------------------------------------------------------------------------
+# The proxy tensor
+# --------------------------------------------------------------------------------------------
+
+class Tensor:
+    """A symbolic tensor inside a @ws.fusion function: a handle on one node of the DAG being
+    traced. Operators and methods build nodes, like their torch namesakes.
+
+    `ws.Tensor[dtype, dims...]` is the annotation for fusion parameters: dims are symbol names
+    (str) or concrete sizes (int), e.g. `ws.Tensor[ws.bf16, "M", "K"]`.
+    """
+
+    __slots__ = ("_trace", "node")
+    __array_ufunc__ = None  # numpy scalars on the left defer to our reflected operators
+
+    def __init__(self, trace: Trace, node: Node):
+        self._trace = trace
+        self.node = node
+
+    def __class_getitem__(cls, params) -> TensorSpec:
+        dtype, *dims = params if isinstance(params, tuple) else (params,)
+        if not isinstance(dtype, DType):
+            raise FusionError("Tensor[...]", f"the first argument must be a ws dtype "
+                              f"({_DTYPE_CHOICES}), got {dtype!r}")
+        for dim in dims:
+            if not _is_dim(dim):
+                raise FusionError("Tensor[...]", "dims must be symbol names (str) or positive "
+                                  f"ints, got {dim!r}")
+        return TensorSpec(dtype, tuple(dims))
+
+    id = property(lambda self: self.node.id)
+    dtype = property(lambda self: self.node.dtype)
+    shape = property(lambda self: self.node.shape)
+    ndim = property(lambda self: len(self.node.shape))
+
+    def __repr__(self) -> str:
+        return f"<ws.Tensor {self.node.id}: {self.node.type_str}>"
+
+    def __add__(self, other): return add(self, other)
+    def __radd__(self, other): return add(other, self)
+    def __sub__(self, other): return sub(self, other)
+    def __rsub__(self, other): return sub(other, self)
+    def __mul__(self, other): return mul(self, other)
+    def __rmul__(self, other): return mul(other, self)
+    def __truediv__(self, other): return div(self, other)
+    def __rtruediv__(self, other): return div(other, self)
+    def __matmul__(self, other): return matmul(self, other)
+    def __rmatmul__(self, other): return matmul(other, self)
+    def __neg__(self): return neg(self)
+
+    def to(self, dtype: DType) -> Tensor:
+        return cast(self, dtype)
+
+    def expand(self, *sizes: Dim) -> Tensor:
+        return expand(self, *sizes)
+
+    def transpose(self, dim0: int, dim1: int) -> Tensor:
+        return transpose(self, dim0, dim1)
+
+    def sum(self, dim: int | None = None, keepdim: bool = False) -> Tensor:
+        return reduce_sum(self, dim, keepdim)
+
+    def max(self, dim: int | None = None, keepdim: bool = False) -> Tensor:
+        return reduce_max(self, dim, keepdim)
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        # torch calls this when a proxy reaches a torch function (torch.exp(x), t + x, ...).
+        # Proxies hold no data, so say which ws op to use instead of failing deep in torch.
+        proxies = [a for a in [*args, *(kwargs or {}).values()] if isinstance(a, Tensor)]
+        name = getattr(func, "__name__", repr(func)).strip("_")
+        described = f" ({_describe(proxies[0])})" if proxies else ""
+        instead = f"ws.{name}" if name in _WS_OP_NAMES else "ws ops"
+        raise FusionError(f"torch.{name}", f"torch functions cannot take ws tensors{described}; "
+                          f"use {instead} instead")
+
+
+def _unsupported_operator(op: str, spelling: str):
+    def raise_unsupported(self, *args):
+        raise FusionError(op, f"`{spelling}` is not supported on ws tensors ({_describe(self)})")
+    return raise_unsupported
+
+
+# Python operators the DAG has no node for. Defining them, rather than leaving Python's generic
+# TypeError, lets the error name the op and the user's line; __bool__ also catches data-dependent
+# control flow, which tracing cannot see.
+for _dunder, _op, _spelling in [
+    ("__pow__", "pow", "x ** y"), ("__rpow__", "pow", "x ** y"),
+    ("__mod__", "mod", "x % y"), ("__rmod__", "mod", "x % y"),
+    ("__floordiv__", "floordiv", "x // y"), ("__rfloordiv__", "floordiv", "x // y"),
+    ("__abs__", "abs", "abs(x)"), ("__pos__", "pos", "+x"), ("__invert__", "invert", "~x"),
+    ("__and__", "and", "x & y"), ("__or__", "or", "x | y"), ("__xor__", "xor", "x ^ y"),
+    ("__lt__", "lt", "x < y"), ("__le__", "le", "x <= y"), ("__gt__", "gt", "x > y"),
+    ("__ge__", "ge", "x >= y"), ("__eq__", "eq", "x == y"), ("__ne__", "ne", "x != y"),
+    ("__bool__", "bool", "bool(x) / if x"), ("__getitem__", "getitem", "x[...]"),
+    ("__iter__", "iter", "iteration over x"), ("__len__", "len", "len(x)"),
+    ("__float__", "float", "float(x)"), ("__int__", "int", "int(x)"),
+    ("__index__", "index", "x as an index"),
+]:
+    setattr(Tensor, _dunder, _unsupported_operator(_op, _spelling))
+Tensor.__hash__ = object.__hash__  # defining __eq__ would otherwise leave proxies unhashable
+
+# torch function names with a ws op of the same name (for the hint in __torch_function__).
+_WS_OP_NAMES = {*ELEMENTWISE_OPS, "matmul", "softmax", "logsumexp", "sum", "max", "expand",
+                "transpose"}
+
+
+def _describe(t: Tensor) -> str:
+    return f"{t.id} is {t.node.type_str}"
+
+
+def _operands(op: str, values: Sequence[object], allow_scalars: bool = True) -> list[Tensor]:
+    """The operands of `op` as proxies of one open trace; Python numbers become const nodes."""
+    proxies = [value for value in values if isinstance(value, Tensor)]
+    if not proxies:
+        raise FusionError(op, "expects a ws tensor operand, got "
+                          + ", ".join(type_name(value) for value in values))
+    trace = proxies[0]._trace
+    for proxy in proxies:
+        if proxy._trace is not trace:
+            raise FusionError(op, f"operands come from different fusions: {proxies[0].id} of "
+                              f"{trace.name}, {proxy.id} of {proxy._trace.name}")
+    if trace.closed:
+        raise FusionError(op, f"{proxies[0].id} of fusion {trace.name} is used after tracing "
+                          "ended; ws ops only work inside the @ws.fusion function")
+    result = []
+    for index, value in enumerate(values):
+        if isinstance(value, Tensor):
+            result.append(value)
+        elif (allow_scalars and isinstance(value, numbers.Real)
+              and not isinstance(value, bool)):
+            result.append(trace.add("const", (), f32, (), [("value", float(value))]))
+        else:
+            accepted = "ws tensors and Python numbers" if allow_scalars else "ws tensors"
+            raise FusionError(op, f"operand {index} has type {type_name(value)}; {op} takes "
+                              f"{accepted}")
+    return result
+
+
+# --------------------------------------------------------------------------------------------
+# Shape and dtype rules
+# --------------------------------------------------------------------------------------------
+
+def _broadcast_dims(a: Shape, b: Shape) -> tuple[Shape, tuple[Dim, Dim] | None]:
+    """numpy broadcasting of two symbolic shapes: (result, None), or ((), the conflicting pair
+    of dims, rightmost first)."""
+    result = []
+    for back in range(1, max(len(a), len(b)) + 1):
+        dim_a = a[-back] if back <= len(a) else 1
+        dim_b = b[-back] if back <= len(b) else 1
+        if dim_a == dim_b or dim_b == 1:
+            result.append(dim_a)
+        elif dim_a == 1:
+            result.append(dim_b)
+        else:
+            return (), (dim_a, dim_b)
+    return tuple(reversed(result)), None
+
+
+def _promote(op: str, a: Tensor, b: Tensor) -> DType:
+    dtype = promote(a.dtype, b.dtype)
+    if dtype is None:
+        raise FusionError(op, f"dtype mismatch: {_describe(a)}, {_describe(b)} "
+                          f"({a.dtype} vs {b.dtype})")
+    return dtype
+
+
+def _require_float(op: str, x: Tensor) -> None:
+    if not x.dtype.is_float:
+        raise FusionError(op, f"expects a floating-point tensor, but {_describe(x)}")
+
+
+def _normalize_dim(op: str, x: Tensor, dim: object) -> int:
+    """`dim` as a negative index (stable when batch dims are added in front)."""
+    if dim is None:
+        raise FusionError(op, f"needs a dim, only one dim is reduced at a time ({_describe(x)})")
+    if not isinstance(dim, int) or isinstance(dim, bool):
+        raise FusionError(op, f"dim must be an int, got {dim!r}")
+    if not -x.ndim <= dim < x.ndim:
+        raise FusionError(op, f"dim {dim} is out of range for {_describe(x)}")
+    return dim - x.ndim if dim >= 0 else dim
+
+
+# --------------------------------------------------------------------------------------------
+# Ops: each builds one node
+# --------------------------------------------------------------------------------------------
+
+def matmul(a: Tensor, b: Tensor) -> Tensor:
+    """[..., M, K] @ [..., K, N] -> f32[..., M, N]: the result is the fp32 accumulator; leading
+    (batch) dims broadcast. Operands are bf16 or f16 (not mixed); an f32 operand may meet either
+    (softmax probabilities times V in attention): the reference multiplies in fp32, a kernel
+    may round that operand to the 16-bit type to feed the tensor cores."""
+    a, b = _operands("matmul", (a, b), allow_scalars=False)
+    for operand in (a, b):
+        if operand.ndim < 2:
+            raise FusionError("matmul", f"operands need at least 2 dims, but {_describe(operand)}")
+        _require_float("matmul", operand)
+    _promote("matmul", a, b)
+    if a.shape[-1] != b.shape[-2]:
+        raise FusionError("matmul", f"inner dimensions differ: {_describe(a)}, {_describe(b)} "
+                          f"({a.shape[-1]} vs {b.shape[-2]})")
+    batch, conflict = _broadcast_dims(a.shape[:-2], b.shape[:-2])
+    if conflict:
+        raise FusionError("matmul", f"batch dimensions do not broadcast: {_describe(a)}, "
+                          f"{_describe(b)} ({conflict[0]} vs {conflict[1]})")
+    return a._trace.add("matmul", (a, b), f32, (*batch, a.shape[-2], b.shape[-1]))
+
+
+def _binary(op: str, lhs: Tensor | float, rhs: Tensor | float) -> Tensor:
+    a, b = _operands(op, (lhs, rhs))
+    shape, conflict = _broadcast_dims(a.shape, b.shape)
+    if conflict:
+        raise FusionError(op, f"shapes do not broadcast: {_describe(a)}, {_describe(b)} "
+                          f"({conflict[0]} vs {conflict[1]})")
+    # A Python number is weak, as in torch: it takes the tensor's dtype instead of promoting it.
+    if a.node.op == "const":
+        dtype = b.dtype
+    elif b.node.op == "const":
+        dtype = a.dtype
+    else:
+        dtype = _promote(op, a, b)
+    return a._trace.add(op, (a, b), dtype, shape)
+
+
+def _public_op(op: str, doc: str, function: Callable) -> Callable:
+    """`function` named and documented as the ws op `op` (so help(ws.exp) reads well)."""
+    function.__name__ = function.__qualname__ = op
+    function.__doc__ = doc
+    return function
+
+
+# The elementwise ops below are target.BINARY_OPS and target.UNARY_OPS (cast is `cast`, which
+# takes a dtype): the ops a kernel's consumer warpgroups compute on register tiles.
+
+def _binary_op(op: str, doc: str) -> Callable[[Tensor | float, Tensor | float], Tensor]:
+    return _public_op(op, doc + " Elementwise, numpy broadcasting; a Python number keeps the "
+                      "tensor's dtype.", lambda a, b: _binary(op, a, b))
+
+
+add = _binary_op("add", "a + b.")
+sub = _binary_op("sub", "a - b.")
+mul = _binary_op("mul", "a * b.")
+div = _binary_op("div", "a / b.")
+maximum = _binary_op("maximum", "The larger of a and b.")
+minimum = _binary_op("minimum", "The smaller of a and b.")
+
+# Unary ops that are exact on integers. Every other unary op of the target makes no sense on
+# integers (and the reference would silently truncate it), so it takes floats only.
+_INTEGER_UNARY_OPS = {"neg", "relu"}
+_FLOAT_ONLY = set(UNARY_OPS) - _INTEGER_UNARY_OPS
+
+
+def _unary(op: str, x: Tensor) -> Tensor:
+    (x,) = _operands(op, (x,), allow_scalars=False)
+    if op in _FLOAT_ONLY:
+        _require_float(op, x)
+    return x._trace.add(op, (x,), x.dtype, x.shape)
+
+
+def _unary_op(op: str, doc: str) -> Callable[[Tensor], Tensor]:
+    return _public_op(op, doc + " Elementwise; same dtype as x (the reference computes it in "
+                      "fp32).", lambda x: _unary(op, x))
+
+
+neg = _unary_op("neg", "-x.")
+exp = _unary_op("exp", "e ** x.")
+exp2 = _unary_op("exp2", "2 ** x.")
+log = _unary_op("log", "Natural logarithm.")
+relu = _unary_op("relu", "max(x, 0).")
+gelu = _unary_op("gelu", "Exact (erf) GELU, torch's default.")
+silu = _unary_op("silu", "x * sigmoid(x).")
+sigmoid = _unary_op("sigmoid", "1 / (1 + e ** -x).")
+tanh = _unary_op("tanh", "Hyperbolic tangent.")
+
+
+def cast(x: Tensor, dtype: DType) -> Tensor:
+    """x rounded to `dtype` (also `x.to(dtype)`); a cast to x's own dtype adds no node."""
+    (x,) = _operands("cast", (x,), allow_scalars=False)
+    if not isinstance(dtype, DType):
+        raise FusionError("cast", f"expected a ws dtype ({_DTYPE_CHOICES}), got {dtype!r}")
+    if dtype == x.dtype:
+        return x
+    return x._trace.add("cast", (x,), dtype, x.shape)
+
+
+def expand(x: Tensor, *sizes: Dim) -> Tensor:
+    """x broadcast to `sizes` (like torch's expand): new dims may be added in front, dims of
+    size 1 may grow, -1 keeps a dim. Also `x.expand(*sizes)`."""
+    (x,) = _operands("expand", (x,), allow_scalars=False)
+    if len(sizes) == 1 and isinstance(sizes[0], (tuple, list)):
+        sizes = tuple(sizes[0])
+    wanted = "[" + ", ".join(map(str, sizes)) + "]"
+    if len(sizes) < x.ndim:
+        raise FusionError("expand", f"cannot expand {_describe(x)} to fewer dims {wanted}")
+    new_dims = len(sizes) - x.ndim
+    shape = []
+    for index, size in enumerate(sizes):
+        old = x.shape[index - new_dims] if index >= new_dims else None
+        if size == -1 and old is not None:
+            shape.append(old)
+        elif not _is_dim(size):
+            raise FusionError("expand", f"size {size!r} of {wanted} is not a symbol name or a "
+                              "positive int")
+        elif isinstance(size, str) and size not in x._trace.symbols():
+            # Sizes come from binding the inputs; a symbol no input has could never be bound.
+            raise FusionError("expand", f"symbol {size} of {wanted} is not a dim of any input")
+        elif old is None or old == 1 or old == size:
+            shape.append(size)
+        else:
+            raise FusionError("expand", f"cannot expand {_describe(x)} to {wanted} "
+                              f"({old} vs {size})")
+    if tuple(shape) == x.shape:
+        return x
+    return x._trace.add("expand", (x,), x.dtype, shape)
+
+
+def transpose(x: Tensor, dim0: int, dim1: int) -> Tensor:
+    """A view of x with two dims swapped (also `x.transpose(dim0, dim1)`); attrs hold the two
+    dims as negative indices, smaller first."""
+    (x,) = _operands("transpose", (x,), allow_scalars=False)
+    dim0, dim1 = sorted((_normalize_dim("transpose", x, dim0),
+                         _normalize_dim("transpose", x, dim1)))
+    if dim0 == dim1:
+        return x
+    shape = list(x.shape)
+    shape[dim0], shape[dim1] = shape[dim1], shape[dim0]
+    return x._trace.add("transpose", (x,), x.dtype, shape, [("dim0", dim0), ("dim1", dim1)])
+
+
+def _reduce(op: str, x: Tensor, dim: int | None, keepdim: bool, float_only: bool = False,
+            ) -> Tensor:
+    (x,) = _operands(op, (x,), allow_scalars=False)
+    if float_only:
+        _require_float(op, x)
+    dim = _normalize_dim(op, x, dim)
+    if not isinstance(keepdim, bool):
+        raise FusionError(op, f"keepdim must be True or False, got {keepdim!r}")
+    axis = x.ndim + dim
+    shape = (*x.shape[:axis], *((1,) if keepdim else ()), *x.shape[axis + 1:])
+    return x._trace.add(op, (x,), x.dtype, shape, [("dim", dim), ("keepdim", keepdim)])
+
+
+def reduce_sum(x: Tensor, dim: int | None = None, keepdim: bool = False) -> Tensor:
+    """Sum over one dim (`ws.sum`, `x.sum(dim)`); same dtype as x, accumulated in fp32."""
+    return _reduce("sum", x, dim, keepdim)
+
+
+def reduce_max(x: Tensor, dim: int | None = None, keepdim: bool = False) -> Tensor:
+    """Maximum over one dim (`ws.max`, `x.max(dim)`): the values only, not torch's indices."""
+    return _reduce("max", x, dim, keepdim)
+
+
+def logsumexp(x: Tensor, dim: int = -1, keepdim: bool = False) -> Tensor:
+    """log(sum(exp(x))) over one dim, computed stably; same dtype as x."""
+    return _reduce("logsumexp", x, dim, keepdim, float_only=True)
+
+
+def softmax(x: Tensor, dim: int = -1) -> Tensor:
+    """exp(x) / sum(exp(x)) over one dim; same shape and dtype as x."""
+    (x,) = _operands("softmax", (x,), allow_scalars=False)
+    _require_float("softmax", x)
+    dim = _normalize_dim("softmax", x, dim)
+    return x._trace.add("softmax", (x,), x.dtype, x.shape, [("dim", dim)])
+
+
+CAUSAL_ALIGNS = ("top_left", "bottom_right")
+
+
+def causal_mask(x: Tensor, align: str = "top_left") -> Tensor:
+    """x with -inf where the key index j exceeds the query index i, over the last two dims
+    [..., Sq, Sk]. "top_left" keeps j <= i (torch SDPA's is_causal); "bottom_right" keeps
+    j <= i + Sk - Sq, so the last query sees every key (FlashAttention's rule for Sq != Sk)."""
+    (x,) = _operands("causal_mask", (x,), allow_scalars=False)
+    _require_float("causal_mask", x)
+    if x.ndim < 2:
+        raise FusionError("causal_mask", f"needs [..., queries, keys] dims, but {_describe(x)}")
+    if align not in CAUSAL_ALIGNS:
+        raise FusionError("causal_mask", f"align must be 'top_left' or 'bottom_right', "
+                          f"got {align!r}")
+    return x._trace.add("causal_mask", (x,), x.dtype, x.shape, [("align", align)])

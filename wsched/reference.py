@@ -1,0 +1,78 @@
+"""The torch reference semantics of a fusion: what `Fusion.reference` computes.
+
+Every node is evaluated in fp32 on fp32 operands and rounded to its declared dtype, so 16-bit
+intermediates round where a kernel's would. Every test, and the simulator, compares against it.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from .dtypes import f32
+from .errors import FusionError
+
+if TYPE_CHECKING:  # fusion.py calls `evaluate` from Fusion.reference
+    from .fusion import Fusion, Node
+
+# What each elementwise op means: target.ELEMENTWISE_OPS, each as its torch function. A cast
+# computes nothing: the rounding to the node's dtype, which every node gets, is the cast.
+ELEMENTWISE_TORCH: dict[str, Callable[..., torch.Tensor]] = {
+    "add": torch.add, "sub": torch.sub, "mul": torch.mul, "div": torch.div,
+    "maximum": torch.maximum, "minimum": torch.minimum,
+    "neg": torch.neg, "exp": torch.exp, "exp2": torch.exp2, "log": torch.log,
+    "relu": torch.relu, "gelu": F.gelu, "silu": F.silu, "sigmoid": torch.sigmoid,
+    "tanh": torch.tanh, "cast": lambda x: x,
+}
+
+
+def evaluate(fusion: Fusion, inputs: Sequence[torch.Tensor], sizes: dict[str, int],
+             ) -> torch.Tensor | tuple[torch.Tensor, ...]:
+    """The outputs of `fusion` on `inputs` (checked and bound to `sizes` by the caller), in
+    their declared dtypes: one tensor, or a tuple for several outputs."""
+    device = inputs[0].device if inputs else torch.device("cpu")
+    values: dict[str, torch.Tensor] = {}
+    with torch.no_grad():
+        for declared, value in zip(fusion.inputs, inputs):
+            values[declared.id] = value.float()
+        for node in fusion.nodes():
+            if node.op != "input":
+                result = _evaluate_node(node, [values[i] for i in node.inputs], sizes, device)
+                if node.dtype != f32:
+                    result = result.to(node.dtype.torch_dtype).float()
+                values[node.id] = result
+    outputs = tuple(values[o].to(fusion.node(o).dtype.torch_dtype) for o in fusion.outputs)
+    return outputs[0] if len(outputs) == 1 else outputs
+
+
+def _evaluate_node(node: Node, args: list[torch.Tensor], sizes: dict[str, int],
+                   device: torch.device) -> torch.Tensor:
+    """One node evaluated in fp32 on fp32 operands (rounding to node.dtype is the caller's)."""
+    op = node.op
+    if op in ELEMENTWISE_TORCH:
+        return ELEMENTWISE_TORCH[op](*args)
+    if op == "const":
+        return torch.tensor(node.attr("value"), dtype=torch.float32, device=device)
+    if op == "matmul":
+        return torch.matmul(*args)
+    if op == "expand":
+        return args[0].expand([sizes[dim] if isinstance(dim, str) else dim for dim in node.shape])
+    if op == "transpose":
+        return args[0].transpose(node.attr("dim0"), node.attr("dim1"))
+    if op == "sum":
+        return args[0].sum(node.attr("dim"), keepdim=node.attr("keepdim"))
+    if op == "max":
+        return args[0].amax(node.attr("dim"), keepdim=node.attr("keepdim"))
+    if op == "logsumexp":
+        return torch.logsumexp(args[0], node.attr("dim"), keepdim=node.attr("keepdim"))
+    if op == "softmax":
+        return torch.softmax(args[0], node.attr("dim"))
+    if op == "causal_mask":
+        queries, keys = args[0].shape[-2:]
+        offset = 0 if node.attr("align") == "top_left" else keys - queries
+        query = torch.arange(queries, device=device)[:, None]
+        key = torch.arange(keys, device=device)[None, :]
+        return args[0].masked_fill(key > query + offset, float("-inf"))
+    raise FusionError(op, f"the reference has no rule for node {node.id}", node.source)
