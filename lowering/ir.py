@@ -3,7 +3,7 @@
 Structural equality (`==`) is the contract of the text form: `parse(print(k)) == k`.
 Children are tuples, names are strings, expressions are `Expr` nodes; nothing is `Any`.
 
-Execution model (the simulator in `simulate.py` is the reference semantics of every node,
+Execution model (the simulator, `simulate/`, is the reference semantics of every node,
 and `codegen/emit.py` is its CUDA spelling):
 
 * A `Kernel` runs on a grid of CTAs. Statements at kernel level (outside a `Role`) are run by
@@ -30,8 +30,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Iterator, Union
 
-DTYPES = ("bf16", "f16", "f32", "i32")
-DTYPE_BYTES = {"bf16": 2, "f16": 2, "f32": 4, "i32": 4}
+# Element types and tile ops are target facts (wsched/target.py); the IR re-exports them as
+# `ir.DTYPES`, `ir.DTYPE_BYTES`, `ir.UNARY_OPS`, `ir.BINARY_OPS` and `ir.REDUCE_OPS`.
+from wsched.target import BINARY_OPS, DTYPE_BYTES, REDUCE_OPS, UNARY_OPS  # noqa: F401
+from wsched.target import DTYPE_NAMES as DTYPES  # noqa: F401
+from wsched.target import BARRIER_BYTES, SMEM_ALIGN, SMEM_BASE_SLACK, WARPGROUP_THREADS
+
 BUILTINS = ("cta_id", "num_ctas", "num_sms", "wg")
 
 # ---------------------------------------------------------------------------------------------
@@ -470,9 +474,6 @@ class WgmmaWait:
 LOOP_KINDS = ("serial", "persistent", "unroll")
 SETMAXNREG_ACTIONS = ("inc", "dec")
 MMA_MAJORS = ("k", "n")
-UNARY_OPS = ("neg", "exp", "exp2", "log", "relu", "gelu", "silu", "sigmoid", "tanh", "cast")
-BINARY_OPS = ("add", "sub", "mul", "div", "maximum", "minimum")
-REDUCE_OPS = ("sum", "max")
 
 
 @dataclass(frozen=True)
@@ -579,6 +580,14 @@ Stmt = Union[
 
 STMT_TYPES: tuple[type, ...] = Stmt.__args__  # type: ignore[attr-defined]
 
+# Statements every thread of a warpgroup executes together: never inside `elect_one`.
+WARPGROUP_COLLECTIVE: tuple[type, ...] = (
+    Role, Setmaxnreg, SyncThreads, NamedBarrierSync, NamedBarrierArrive,
+    WgmmaFence, Wgmma, WgmmaCommit, WgmmaWait,
+    RegDecl, TileFill, TileUnary, TileBinary, TileReduce, TileMask, TileLoadGlobal, TileStoreGlobal,
+    TileStoreSmem,
+)
+
 
 @dataclass(frozen=True)
 class Kernel:
@@ -604,17 +613,17 @@ class Kernel:
 
     @property
     def threads(self) -> int:
-        return 128 * sum(r.warpgroups for r in self.roles()) or 128
+        return WARPGROUP_THREADS * sum(r.warpgroups for r in self.roles()) or WARPGROUP_THREADS
 
     @property
     def smem_bytes(self) -> int:
-        """Dynamic shared memory: buffers laid out in order, each 1024-byte aligned (128B
+        """Dynamic shared memory: buffers laid out in order, each SMEM_ALIGN-aligned (128B
         swizzle needs it), then the barriers."""
         offset = 0
         for buf in self.smem:
-            offset = _align(offset, 1024) + buf.nbytes
-        offset = _align(offset, 8) + 8 * sum(b.slots for b in self.barriers)
-        return _align(offset, 1024) + 1024  # slack to align the dynamic smem base itself
+            offset = _align(offset, SMEM_ALIGN) + buf.nbytes
+        offset = _align(offset, BARRIER_BYTES) + BARRIER_BYTES * sum(b.slots for b in self.barriers)
+        return _align(offset, SMEM_ALIGN) + SMEM_BASE_SLACK  # to align the dynamic smem base itself
 
     def param(self, name: str) -> Param:
         for p in self.params:

@@ -23,13 +23,9 @@ from lark import Lark, Token, Transformer, v_args
 from lark.exceptions import UnexpectedCharacters, UnexpectedInput, UnexpectedToken
 
 from wsched.lowering import ir
+from wsched.lowering.spelling import SETMAXNREG_PREFIX, SPELLINGS, TILE_OP_PREFIX, TILE_REDUCE_PREFIX
 
 GRAMMAR_PATH = Path(__file__).with_name("grammar.lark")
-
-# Field values the grammar reads as plain names and the transformer checks.
-LOOP_KINDS = ir.LOOP_KINDS
-SETMAXNREG_ACTIONS = ir.SETMAXNREG_ACTIONS
-MMA_MAJORS = ir.MMA_MAJORS
 
 
 class IRParseError(ValueError):
@@ -169,9 +165,9 @@ _PATTERN_SPELLINGS = {
     "INT": "an integer",
     "FLOAT": "a float",
     "DTYPE": "a dtype (" + ", ".join(ir.DTYPES) + ")",
-    "SETMAXNREG": "`setmaxnreg.inc` / `setmaxnreg.dec`",
-    "TILE_OP": "a tile op (`tile.add`, `tile.exp`, ...)",
-    "TILE_REDUCE": "`tile.reduce.<op>`",
+    "SETMAXNREG": " / ".join(f"`{k}`" for k in SPELLINGS[ir.Setmaxnreg].keywords()),
+    "TILE_OP": f"a tile op (`{TILE_OP_PREFIX}add`, `{TILE_OP_PREFIX}exp`, ...)",
+    "TILE_REDUCE": f"`{TILE_REDUCE_PREFIX}<op>`",
     "$END": "end of input",
 }
 
@@ -268,8 +264,8 @@ def _check_one_of(value: str, allowed: Iterable[str], what: str, token: Token,
                              f"{_did_you_mean(spell(value), map(spell, allowed))}", token)
 
 
-def _tile_op(spell: str) -> str:
-    return f"tile.{spell}"
+def _tile_op(op: str) -> str:
+    return TILE_OP_PREFIX + op
 
 
 @v_args(inline=True)
@@ -322,9 +318,9 @@ class _ToIR(Transformer):
     def assign(self, name, value):
         return ir.Assign(str(name), value)
 
-    def for_loop(self, var, kind, start, stop, step, body):
-        _check_one_of(kind, LOOP_KINDS, "loop kind", kind)
-        return ir.For(str(var), start, stop, step, str(kind), body)
+    def for_loop(self, var, iteration, start, stop, step, body):
+        _check_one_of(iteration, ir.LOOP_KINDS, "loop kind", iteration)
+        return ir.For(str(var), start, stop, step, str(iteration), body)
 
     def if_else(self, cond, then, orelse):
         return ir.If(cond, then, orelse or ())
@@ -339,9 +335,9 @@ class _ToIR(Transformer):
         return ir.Return()
 
     def setmaxnreg(self, keyword, registers):
-        action = keyword.removeprefix("setmaxnreg.")
-        _check_one_of(action, SETMAXNREG_ACTIONS, "instruction", keyword,
-                      spell=lambda a: f"setmaxnreg.{a}")
+        action = keyword.removeprefix(SETMAXNREG_PREFIX)
+        _check_one_of(action, ir.SETMAXNREG_ACTIONS, "instruction", keyword,
+                      spell=lambda a: SETMAXNREG_PREFIX + a)
         return ir.Setmaxnreg(action, registers)
 
     # --- synchronisation --------------------------------------------------------------------
@@ -397,7 +393,7 @@ class _ToIR(Transformer):
 
     def wgmma(self, acc, a, b, a_major, b_major, accumulate):
         for major in (a_major, b_major):
-            _check_one_of(major, MMA_MAJORS, "wgmma major", major)
+            _check_one_of(major, ir.MMA_MAJORS, "wgmma major", major)
         # A bare name here may be a register tile; `kernel` turns smem buffer names back.
         a_operand = a if a.index else a.buffer
         return ir.Wgmma(str(acc), a_operand, b, str(a_major), str(b_major), accumulate)
@@ -416,7 +412,7 @@ class _ToIR(Transformer):
         return ir.TileFill(str(dst), value)
 
     def tile_unary(self, keyword, dst, src):
-        op = keyword.removeprefix("tile.")
+        op = keyword.removeprefix(TILE_OP_PREFIX)
         if op in ir.BINARY_OPS:
             raise _SemanticError(f"`{keyword}` takes two operands: `{keyword} dst, lhs, rhs`",
                                  keyword)
@@ -424,7 +420,7 @@ class _ToIR(Transformer):
         return ir.TileUnary(op, str(dst), str(src))
 
     def tile_binary(self, keyword, dst, lhs, rhs):
-        op = keyword.removeprefix("tile.")
+        op = keyword.removeprefix(TILE_OP_PREFIX)
         if op in ir.UNARY_OPS:
             raise _SemanticError(f"`{keyword}` takes one operand: `{keyword} dst, src`", keyword)
         _check_one_of(op, ir.UNARY_OPS + ir.BINARY_OPS, "tile op", keyword, spell=_tile_op)
@@ -437,9 +433,9 @@ class _ToIR(Transformer):
         return value
 
     def tile_reduce(self, keyword, dst, src, axis):
-        op = keyword.removeprefix("tile.reduce.")
+        op = keyword.removeprefix(TILE_REDUCE_PREFIX)
         _check_one_of(op, ir.REDUCE_OPS, "reduction", keyword,
-                      spell=lambda o: f"tile.reduce.{o}")
+                      spell=lambda o: TILE_REDUCE_PREFIX + o)
         return ir.TileReduce(op, str(dst), str(src), axis)
 
     def tile_mask(self, dst, row0, col0, limit, causal=None):

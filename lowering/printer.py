@@ -9,6 +9,7 @@ around a negative constant that is an operand (`a * (-3)`), which reads better t
 from __future__ import annotations
 
 from wsched.lowering import ir
+from wsched.lowering.spelling import SPELLINGS, keyword
 
 INDENT = "  "
 
@@ -47,6 +48,15 @@ def print_expr(e: ir.Expr) -> str:
             rhs = _operand(e.rhs, needs_parens=lambda p: p <= precedence)
             return f"{lhs} {e.op} {rhs}"
     raise TypeError(f"print_expr: {e!r} is not an ir expression")
+
+
+def expr_text(e: ir.Expr) -> str:
+    """`print_expr(e)`, or the repr of a malformed expression: for messages about IR that may be
+    the very thing being reported."""
+    try:
+        return print_expr(e)
+    except (TypeError, ValueError):
+        return repr(e)
 
 
 def _precedence(op: str) -> int:
@@ -107,22 +117,26 @@ def _block_lines(stmts: tuple[ir.Stmt, ...], indent: int) -> list[str]:
 
 def _stmt_lines(s: ir.Stmt, indent: int) -> list[str]:
     pad = INDENT * indent
+    if type(s) not in SPELLINGS:
+        raise TypeError(f"print_stmt: {s!r} is not an ir statement")
+    word = keyword(s)
     match s:
         case ir.For():
-            header = (f"for {s.var} in {s.iteration}({print_expr(s.start)}, {print_expr(s.stop)}, "
+            header = (f"{word} {s.var} in {s.iteration}({print_expr(s.start)}, {print_expr(s.stop)}, "
                       f"{print_expr(s.step)})")
             return _braced(header, s.body, indent)
         case ir.If():
-            lines = _braced(f"if {print_expr(s.cond)}", s.then, indent)
+            lines = _braced(f"{word} {print_expr(s.cond)}", s.then, indent)
             if s.orelse:
                 lines[-1:] = _braced("} else", s.orelse, indent)
             return lines
         case ir.Role():
-            header = f"role {s.name} warpgroups({s.warpgroups}) registers({s.registers})"
+            header = f"{word} {s.name} warpgroups({s.warpgroups}) registers({s.registers})"
             return _braced(header, s.body, indent)
         case ir.ElectOne():
-            return _braced("elect_one", s.body, indent)
-    return [pad + _simple_stmt(s)]
+            return _braced(word, s.body, indent)
+    operands = _operands(s)
+    return [f"{pad}{word} {operands}" if operands else pad + word]
 
 
 def _braced(header: str, body: tuple[ir.Stmt, ...], indent: int) -> list[str]:
@@ -130,80 +144,63 @@ def _braced(header: str, body: tuple[ir.Stmt, ...], indent: int) -> list[str]:
     return [f"{pad}{header} {{", *_block_lines(body, indent + 1), f"{pad}}}"]
 
 
-def _simple_stmt(s: ir.Stmt) -> str:
-    """The one line of a statement without a block."""
+def _operands(s: ir.Stmt) -> str:
+    """What follows the keyword (`spelling.keyword`) on the line of a statement without a block;
+    empty for a statement that is its keyword alone."""
     match s:
-        case ir.Let():
-            return f"{'var' if s.mutable else 'let'} {s.name} = {print_expr(s.value)}"
-        case ir.Assign():
-            return f"set {s.name} = {print_expr(s.value)}"
-        case ir.Return():
-            return "return"
+        case ir.Let() | ir.Assign():
+            return f"{s.name} = {print_expr(s.value)}"
         case ir.Setmaxnreg():
-            return f"setmaxnreg.{s.action} {s.registers}"
+            return str(s.registers)
         # synchronisation
         case ir.MbarrierInit():
-            return f"mbarrier.init {s.barrier} arrivals({s.arrivals})"
+            return f"{s.barrier} arrivals({s.arrivals})"
         case ir.MbarrierArrive():
-            return f"mbarrier.arrive {_bar_ref(s.bar)}"
+            return _bar_ref(s.bar)
         case ir.MbarrierArriveExpectTx():
-            return f"mbarrier.arrive_expect_tx {_bar_ref(s.bar)} bytes({print_expr(s.bytes)})"
+            return f"{_bar_ref(s.bar)} bytes({print_expr(s.bytes)})"
         case ir.MbarrierWait():
-            return f"mbarrier.wait {_bar_ref(s.bar)} phase({print_expr(s.phase)})"
+            return f"{_bar_ref(s.bar)} phase({print_expr(s.phase)})"
         case ir.MbarrierInval():
-            return f"mbarrier.inval {s.barrier}"
-        case ir.FenceMbarrierInit():
-            return "fence.mbarrier_init"
-        case ir.FenceProxyAsync():
-            return "fence.proxy.async"
-        case ir.SyncThreads():
-            return "syncthreads"
-        case ir.NamedBarrierSync():
-            return f"bar.sync {print_expr(s.id)}, {s.threads}"
-        case ir.NamedBarrierArrive():
-            return f"bar.arrive {print_expr(s.id)}, {s.threads}"
+            return s.barrier
+        case ir.NamedBarrierSync() | ir.NamedBarrierArrive():
+            return f"{print_expr(s.id)}, {s.threads}"
         # asynchronous copies
         case ir.TmaLoad():
-            return (f"tma.load {_smem_ref(s.dst)} <- {s.tensor}[{_join(s.coords)}] "
-                    f"bar({_bar_ref(s.bar)})")
+            return f"{_smem_ref(s.dst)} <- {s.tensor}[{_join(s.coords)}] bar({_bar_ref(s.bar)})"
         case ir.TmaStore():
-            return f"tma.store {s.tensor}[{_join(s.coords)}] <- {_smem_ref(s.src)}"
-        case ir.TmaCommit():
-            return "tma.commit"
-        case ir.TmaWait():
-            return f"tma.wait{'.read' if s.read else ''} {s.pending}"
+            return f"{s.tensor}[{_join(s.coords)}] <- {_smem_ref(s.src)}"
+        case ir.TmaWait() | ir.WgmmaWait():
+            return str(s.pending)
         # wgmma
-        case ir.WgmmaFence():
-            return "wgmma.fence"
         case ir.Wgmma():
             a = s.a if isinstance(s.a, str) else _smem_ref(s.a)
-            return (f"wgmma.mma {s.acc}, {a}, {_smem_ref(s.b)} major({s.a_major}, {s.b_major}) "
+            return (f"{s.acc}, {a}, {_smem_ref(s.b)} major({s.a_major}, {s.b_major}) "
                     f"accumulate({print_expr(s.accumulate)})")
-        case ir.WgmmaCommit():
-            return "wgmma.commit"
-        case ir.WgmmaWait():
-            return f"wgmma.wait {s.pending}"
         # register tiles
         case ir.RegDecl():
-            return f"reg {s.name}: {s.dtype}[{_join(s.shape)}]"
+            return f"{s.name}: {s.dtype}[{_join(s.shape)}]"
         case ir.TileFill():
-            return f"tile.fill {s.dst}, {print_expr(s.value)}"
+            return f"{s.dst}, {print_expr(s.value)}"
         case ir.TileUnary():
-            return f"tile.{s.op} {s.dst}, {s.src}"
+            return f"{s.dst}, {s.src}"
         case ir.TileBinary():
-            return f"tile.{s.op} {s.dst}, {_tile_operand(s.lhs)}, {_tile_operand(s.rhs)}"
+            return f"{s.dst}, {_tile_operand(s.lhs)}, {_tile_operand(s.rhs)}"
         case ir.TileReduce():
-            return f"tile.reduce.{s.op} {s.dst}, {s.src}, axis({s.axis})"
+            return f"{s.dst}, {s.src}, axis({s.axis})"
         case ir.TileMask():
             causal = "" if s.causal is None else f" causal({print_expr(s.causal)})"
-            return (f"tile.mask {s.dst}, rows({print_expr(s.row0)}), cols({print_expr(s.col0)}), "
+            return (f"{s.dst}, rows({print_expr(s.row0)}), cols({print_expr(s.col0)}), "
                     f"limit({print_expr(s.limit)}){causal}")
         case ir.TileLoadGlobal():
-            return f"tile.load {s.dst} <- {s.tensor}[{_join(s.coords)}]"
+            return f"{s.dst} <- {s.tensor}[{_join(s.coords)}]"
         case ir.TileStoreGlobal():
-            return f"tile.store {s.tensor}[{_join(s.coords)}] <- {s.src}"
+            return f"{s.tensor}[{_join(s.coords)}] <- {s.src}"
         case ir.TileStoreSmem():
-            return f"tile.store_smem {_smem_ref(s.dst)} <- {s.src}"
+            return f"{_smem_ref(s.dst)} <- {s.src}"
+        case (ir.Return() | ir.FenceMbarrierInit() | ir.FenceProxyAsync() | ir.SyncThreads()
+              | ir.TmaCommit() | ir.WgmmaFence() | ir.WgmmaCommit()):
+            return ""
     raise TypeError(f"print_stmt: {s!r} is not an ir statement")
 
 

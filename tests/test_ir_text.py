@@ -18,9 +18,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from wsched.lowering import ir
-from wsched.lowering.parser import (LOOP_KINDS, MMA_MAJORS, SETMAXNREG_ACTIONS, IRParseError,
-                                    build_lark, parse_expr, parse_kernel)
+from wsched.lowering import ir, spelling
+from wsched.lowering.parser import IRParseError, build_lark, parse_expr, parse_kernel
 from wsched.lowering.printer import print_expr, print_kernel, print_stmt
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -83,7 +82,7 @@ def test_golden_kernels_use_every_param_kind_and_tile_op():
                 for o in (s.lhs, s.rhs)}
     assert str in operands and len(operands) > 1  # tile names and scalar(...) expressions
     assert {s.iteration for k in kernels for s in ir.walk(k.body) if isinstance(s, ir.For)} == \
-        set(LOOP_KINDS)
+        set(ir.LOOP_KINDS)
 
 
 def test_golden_kernels_use_every_expression_form():
@@ -289,6 +288,25 @@ def test_grammar_is_lalr_without_conflicts(caplog):
         build_lark(debug=True)
     conflicts = [r.getMessage() for r in caplog.records if "conflict" in r.getMessage().lower()]
     assert not conflicts
+
+
+def test_grammar_statement_keywords_are_the_spelling_table():
+    """grammar.lark spells statement keywords literally; they must be spelling.py's, and each
+    keyword completed by an op or action must lex as the grammar's pattern terminal for it."""
+    grammar = build_lark()
+    firsts = [grammar.get_terminal(rule.expansion[0].name).pattern
+              for rule in grammar.rules if rule.origin.name == "stmt"]
+    assert {p.value for p in firsts if p.type == "str"} == spelling.fixed_keywords()
+    patterns = [re.compile(p.value) for p in firsts if p.type == "re"]
+    variants = spelling.all_keywords() - spelling.fixed_keywords()
+    assert variants and all(any(p.fullmatch(k) for p in patterns) for k in variants)
+    assert set(spelling.SPELLINGS) == set(ir.STMT_TYPES)
+
+
+def test_printed_statements_start_with_their_keyword():
+    for kernel in golden_kernels().values():
+        for s in ir.walk(kernel.body):
+            assert print_stmt(s).split()[0] == spelling.keyword(s), s
 
 
 def test_grammar_dtypes_are_ir_dtypes():
@@ -511,12 +529,12 @@ def simple_statements(declared_smem: tuple[str, ...]):
     mma_a = [tile_names, smem_refs(min_size=1)]
     if declared_smem:
         mma_a.append(smem_refs(declared_smem, min_size=0))
-    majors = st.sampled_from(MMA_MAJORS)
+    majors = st.sampled_from(ir.MMA_MAJORS)
     return st.one_of(
         st.builds(ir.Let, names, exprs, st.booleans()),
         st.builds(ir.Assign, names, exprs),
         st.just(ir.Return()),
-        st.builds(ir.Setmaxnreg, st.sampled_from(SETMAXNREG_ACTIONS), small_ints),
+        st.builds(ir.Setmaxnreg, st.sampled_from(ir.SETMAXNREG_ACTIONS), small_ints),
         st.builds(ir.MbarrierInit, st.sampled_from(BARRIER_NAMES), small_ints),
         st.builds(ir.MbarrierArrive, bar_refs),
         st.builds(ir.MbarrierArriveExpectTx, bar_refs, exprs),
@@ -553,7 +571,7 @@ def statements(declared_smem: tuple[str, ...]):
     def nest(children):
         blocks = st.lists(children, max_size=3).map(tuple)
         return st.one_of(
-            st.builds(ir.For, names, exprs, exprs, exprs, st.sampled_from(LOOP_KINDS), blocks),
+            st.builds(ir.For, names, exprs, exprs, exprs, st.sampled_from(ir.LOOP_KINDS), blocks),
             st.builds(ir.If, exprs, blocks, blocks),
             st.builds(ir.Role, st.sampled_from(ROLE_NAMES), small_ints, small_ints, blocks),
             st.builds(ir.ElectOne, blocks),

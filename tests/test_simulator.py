@@ -17,11 +17,13 @@ import torch
 from wsched.lowering import ir
 from wsched.lowering.ir import Var, add, band, ceil_div, div, mod, mul, sub
 from wsched.lowering.simulate import (DeadlockError, ProtocolError, RaceError, SimulationError,
-                                      simulate)
+                                      SimulatorInternalError, VerifyError, simulate)
+from wsched.lowering.simulate.machine import Machine
+from wsched.lowering.simulate.tiles import BINARY_SEMANTICS, UNARY_SEMANTICS
 
 MUTATIONS = ("consumer_phase", "no_release", "expect_tx_short", "expect_tx_long",
              "release_before_wait", "producer_phase0", "no_fence", "no_init", "no_syncthreads",
-             "no_wgmma_wait", "acc_read_early", "no_store_wait")
+             "skipped_syncthreads", "no_wgmma_wait", "acc_read_early", "no_store_wait")
 
 
 def matmul_kernel(bn: int = 64, bk: int = 32, stages: int = 2, consumers: int = 2, *,
@@ -100,7 +102,9 @@ def matmul_kernel(bn: int = 64, bk: int = 32, stages: int = 2, consumers: int = 
         smem.append(ir.SmemDecl("C", "bf16", (consumers, 64, bn), 0))
     setup = [] if mutate == "no_init" else [ir.MbarrierInit("full", 1)]
     setup += [ir.MbarrierInit("empty", consumers), ir.FenceMbarrierInit()]
-    setup += [] if mutate == "no_syncthreads" else [ir.SyncThreads()]
+    # skipped_syncthreads: the verifier sees a syncthreads after the inits, but it never runs.
+    setup += {"no_syncthreads": [], "skipped_syncthreads": [ir.If(ir.lt(K, 0), (ir.SyncThreads(),))]}.get(
+        mutate, [ir.SyncThreads()])
     return ir.Kernel(
         name="matmul",
         params=(ir.ScalarParam("M", "i32"), ir.ScalarParam("N", "i32"), ir.ScalarParam("K", "i32"),
@@ -255,6 +259,12 @@ def test_barrier_used_before_init():
 
 def test_barrier_init_not_visible_without_syncthreads():
     with pytest.raises(ProtocolError, match=r"before its mbarrier.init is visible .*missing syncthreads"):
+        mutated("skipped_syncthreads")
+
+
+def test_missing_syncthreads_is_the_verifiers_to_report():
+    with pytest.raises(VerifyError, match=r"IR line 12 \(role producer\): the barrier inits are not visible "
+                                          r"to the roles yet"):
         mutated("no_syncthreads")
 
 
@@ -444,10 +454,10 @@ def test_expression_semantics(expr, value):
     assert out.item() == value
 
 
-def test_undefined_name_names_the_statement():
-    with pytest.raises(ProtocolError, match=r"undefined name 'q' in CTA 0 wg0: let x = q \+ 1"):
+def test_undefined_name_is_reported_by_the_verifier_before_running():
+    with pytest.raises(VerifyError, match=r"IR line 3 \(let x\): `q` is not declared"):
         simulate(scalar_kernel(add("q", 1)), {"n": 9, "out": torch.zeros(1, 1)})
-    with pytest.raises(ProtocolError, match=r"num_sms is host side"):
+    with pytest.raises(VerifyError, match=r"`num_sms` is host-side and may appear only in the grid"):
         simulate(scalar_kernel(Var("num_sms")), {"n": 9, "out": torch.zeros(1, 1)})
 
 
@@ -462,14 +472,34 @@ def test_role_ending_with_wgmma_in_flight():
         simulate(truncated, {"q": q, "k": k, "v": v, "o": torch.zeros(64, 128, dtype=torch.bfloat16)})
 
 
-def test_syncthreads_inside_a_role_is_rejected():
+def syncthreads_in_producer() -> ir.Kernel:
     kernel = matmul_kernel()
     producer = kernel.body[-2]
-    bad = dataclasses.replace(kernel, body=kernel.body[:-2] + (
+    return dataclasses.replace(kernel, body=kernel.body[:-2] + (
         ir.Role("producer", 1, 40, (ir.SyncThreads(),) + producer.body), kernel.body[-1]))
-    with pytest.raises(ProtocolError, match=r"syncthreads inside a role: use a named barrier"):
-        simulate(bad, {"M": 64, "N": 64, "K": 32, "a": torch.zeros(64, 32), "b": torch.zeros(64, 32),
-                       "c": torch.zeros(64, 64)})
+
+
+SMALL_ARGS = {"M": 64, "N": 64, "K": 32, "a": torch.zeros(64, 32), "b": torch.zeros(64, 32), "c": torch.zeros(64, 64)}
+
+
+def test_syncthreads_inside_a_role_is_rejected():
+    with pytest.raises(VerifyError, match=r"syncthreads inside role producer waits for the threads of every "
+                                          r"role \(deadlock\); synchronise the participating warpgroups with a "
+                                          r"named barrier"):
+        simulate(syncthreads_in_producer(), SMALL_ARGS)
+
+
+def test_structural_rules_are_internal_asserts_in_the_simulator():
+    """The simulator trusts verified structure: met without the verifier, a broken rule is an
+    internal error, not a second user message."""
+    with pytest.raises(SimulatorInternalError, match="the verifier should have rejected this kernel: "
+                                                     "syncthreads and roles are outside roles"):
+        Machine(syncthreads_in_producer(), SMALL_ARGS, num_sms=1, seed=0, max_steps=100)
+
+
+def test_tile_op_semantics_cover_the_ir_ops():
+    assert tuple(UNARY_SEMANTICS) == ir.UNARY_OPS
+    assert tuple(BINARY_SEMANTICS) == ir.BINARY_OPS
 
 
 def with_param(kernel: ir.Kernel, name: str, **changes) -> ir.Kernel:
@@ -478,12 +508,13 @@ def with_param(kernel: ir.Kernel, name: str, **changes) -> ir.Kernel:
 
 
 @pytest.mark.parametrize("changes, message", [
-    ({"box": (128, 128)}, r"tensormap a: inner box extent 128 bf16 = 256 bytes exceeds the swizzle\(128\) span"),
-    ({"box": (64, 32)}, r"box \[64, 32\] of a \(2048 elements\) does not fill smem A\[0\] of shape \[2, 64, 32\]"),
+    ({"box": (128, 128)}, r"\(kernel matmul > tensormap a\): the box's inner dim is 128 bf16 = 256 bytes, more "
+                          r"than the 128-byte swizzle span"),
+    ({"box": (64, 32)}, r"tma.load moves one box\(64, 32\) of bf16 = 4096 bytes but A\[s\] is bf16\[2, 64, 32\] "
+                        r"= 8192 bytes; the smem sub-array must hold exactly one box"),
     ({"swizzle": 64}, r"tensormap a has swizzle\(64\) but smem A has swizzle\(128\)"),
 ])
-def test_tensormap_rules(changes, message):
+def test_tensormap_rules_are_checked_before_running(changes, message):
     kernel = with_param(matmul_kernel(), "a", **changes)
-    args = {"M": 64, "N": 64, "K": 32, "a": torch.zeros(64, 32), "b": torch.zeros(64, 32), "c": torch.zeros(64, 64)}
-    with pytest.raises(ProtocolError, match=message):
-        simulate(kernel, args)
+    with pytest.raises(VerifyError, match=message):
+        simulate(kernel, SMALL_ARGS)

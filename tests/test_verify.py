@@ -237,8 +237,8 @@ def test_fixture_paths_point_at_their_lines():
 
 
 def test_every_statement_kind_is_checked():
-    from wsched.lowering.verify import _Structure
-    assert [t.__name__ for t in ir.STMT_TYPES if not hasattr(_Structure, "_" + t.__name__)] == []
+    from wsched.lowering.verify.structure import StructureCheck
+    assert [t.__name__ for t in ir.STMT_TYPES if not hasattr(StructureCheck, "_" + t.__name__)] == []
 
 
 def test_verify_raises_with_every_diagnostic():
@@ -386,6 +386,9 @@ STRUCTURAL = [
     pytest.param(lambda: edit(matmul(), (3,), ir.MbarrierInit("full", 0)), [
         "IR line 9 (mbarrier.init): arrivals(0): an mbarrier phase needs at least 1 arrival; count the arrive operations of one phase",
     ], id="init-with-no-arrivals"),
+    pytest.param(lambda: edit(matmul(), (3,), ir.MbarrierInit("full", 2**20)), [
+        "IR line 9 (mbarrier.init): arrivals(1048576): an mbarrier phase counts at most 1048575 arrivals",
+    ], id="init-with-too-many-arrivals"),
     pytest.param(lambda: edit(matmul(), (5,), ir.MbarrierInit("full", 1)), [
         "IR line 11 (mbarrier.init): barrier `full` is initialised twice (first at IR line 9); initialise it once",
         f"IR line 13 (role producer): {NOT_VISIBLE}",

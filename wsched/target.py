@@ -112,3 +112,12 @@ REDUCE_OPS = ("sum", "max")                 # row reductions of a register tile
 def smem_round(nbytes: int) -> int:
     """`nbytes` rounded up to the shared-memory buffer alignment."""
     return -(-nbytes // SMEM_ALIGN) * SMEM_ALIGN
+
+
+# --- kernel launch (cuLaunchKernel / cuLaunchKernelEx) ------------------------------------------------
+MAX_GRID = (2**31 - 1, 65535, 65535)     # grid extents x, y, z
+MAX_PORTABLE_CLUSTER = 8                 # CTAs in a cluster without the non-portable-size opt-in
+
+# --- mbarrier (mbarrier.init / mbarrier.expect_tx) ------------------------------------------------
+MBARRIER_MAX_ARRIVALS = 2**20 - 1        # the arrival count of one phase, set by mbarrier.init
+MBARRIER_MAX_TX_BYTES = 2**20 - 1        # the transaction count (bytes) one phase may expect

@@ -10,13 +10,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from . import ir
-from .simulate_expr import loops_text, stmt_text
+from .. import ir
+from .text import loops_text, stmt_text
 
 if TYPE_CHECKING:
-    from .simulate_machine import Machine
-
-TORCH_DTYPES = {"bf16": torch.bfloat16, "f16": torch.float16, "f32": torch.float32, "i32": torch.int32}
+    from .machine import Machine
 
 
 class Node:
@@ -60,12 +58,13 @@ class Reg:
 
 
 class Write:
-    """The last write of a smem cell: a TMA load (async proxy) or a tile.store_smem."""
+    """The last write of a smem cell: a TMA load (`proxy` "async") or a tile.store_smem
+    (`proxy` "generic")."""
 
-    __slots__ = ("kind", "co", "epoch", "ctx", "landed", "bar", "phase", "fence_epoch")
+    __slots__ = ("proxy", "co", "epoch", "ctx", "landed", "bar", "phase", "fence_epoch")
 
-    def __init__(self, kind: str, co: "Co", ctx: Ctx):
-        self.kind = kind
+    def __init__(self, proxy: str, co: "Co", ctx: Ctx):
+        self.proxy = proxy
         self.co = co
         self.epoch = co.vc[co]
         self.ctx = ctx
@@ -76,12 +75,13 @@ class Write:
 
 
 class Read:
-    """An async read of a smem cell (wgmma or TMA store); it ends at the covering wait."""
+    """An async read of a smem cell (`reader` "wgmma" or "tma_store"); it ends at the covering
+    wait."""
 
-    __slots__ = ("kind", "co", "ctx", "pending", "end")
+    __slots__ = ("reader", "co", "ctx", "pending", "end")
 
-    def __init__(self, kind: str, co: "Co", ctx: Ctx):
-        self.kind = kind
+    def __init__(self, reader: str, co: "Co", ctx: Ctx):
+        self.reader = reader
         self.co = co
         self.ctx = ctx
         self.pending = True

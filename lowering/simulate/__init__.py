@@ -3,8 +3,8 @@ protocol bugs (deadlocks, slot races, expect_tx mismatches) before they hang a G
 
     report = simulate(kernel, {"M": 256, "a": a, "b": b, "c": c}, num_sms=4, seed=0)
 
-Execution model (`ir`'s module docstring is the contract; this module and its `simulate_*`
-siblings are its executable form):
+Execution model (`ir`'s module docstring is the contract; this package is its executable
+form):
 
 * Every CTA of the grid (`kernel.grid` evaluated with `num_sms` and the scalar arguments) runs
   as one coroutine per warpgroup (Python generators). At most `num_sms` CTAs are resident at a
@@ -43,59 +43,36 @@ chunks for a (chunks, R, W) sub-array); any other box of the same volume is writ
 order (a [128, 64] box into a (2, 64, 64) sub-array fills [0] with rows 0-63 and [1] with rows
 64-127, as `A[s]` / `A[s, wg]` use it).
 
-Layout: this module is the entry (`simulate`, `SimReport`, the error classes);
-`simulate_expr` compiles expressions and spells statements for messages; `simulate_state`
-holds the run-time state (coroutines, mbarriers, smem cells, TMA operations, register tiles);
-`simulate_machine` is the scheduler, assembled from one mixin per concern: `simulate_prepare`
-(arguments, statements compiled to nodes), `simulate_sync` (mbarriers, named barriers,
-syncthreads), `simulate_async` (smem race checks, TMA, wgmma) and `simulate_tiles` (register
-tile ops).
+The simulator trusts the structure of what it runs: `simulate` first runs the verifier's
+structural checks (`verify(kernel, contract=False)`: names, scopes, shapes, dtypes, limits), and
+raises its `VerifyError` for a kernel that breaks one. What it checks itself is what only a run
+can show: deadlocks, races, expect_tx bytes, barrier phases and indices, values of expressions.
+Where it relies on a verified rule it keeps a cheap internal assert
+(`errors.SimulatorInternalError`), not a second user message.
+
+Layout: this package's entry is `simulate`; `errors` holds the error classes, `report` the
+`SimReport`; `text` spells statements for messages (expressions are compiled by
+`lowering/evaluate.py`, the IR's one definition of its arithmetic); `state` holds the run-time
+state (coroutines, mbarriers, smem cells, TMA operations, register tiles); `machine` is the
+scheduler, assembled from one mixin per concern: `prepare` (arguments, statements compiled to
+nodes), `sync` (mbarriers, named barriers, syncthreads), `async_proxy` (smem race checks, TMA,
+wgmma) and `tiles` (register tile ops).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
-
 import torch
 
-from . import ir
+from .. import ir
+from ..verify import VerifyError, verify
+from .errors import (
+    DeadlockError, ProtocolError, RaceError, SimulationError, SimulatorInternalError,
+)
+from .machine import Machine
+from .report import SimReport
 
-__all__ = ["simulate", "SimReport", "SimulationError", "DeadlockError", "RaceError", "ProtocolError"]
-
-
-class SimulationError(RuntimeError):
-    """The simulated kernel did something wrong (or was called wrongly)."""
-
-
-class DeadlockError(SimulationError):
-    """Every coroutine is blocked and nothing asynchronous is in flight (or max_steps ran out)."""
-
-
-class RaceError(SimulationError):
-    """A shared-memory region or register tile was accessed without the required ordering."""
-
-
-class ProtocolError(SimulationError):
-    """A rule of the execution model was broken (barrier use, tx bytes, shapes, names...)."""
-
-
-@dataclass
-class SimReport:
-    """What one simulation did: steps taken, CTAs run, and event counters."""
-
-    steps: int = 0
-    num_ctas: int = 0
-    tma_loads: int = 0
-    tma_stores: int = 0
-    tma_bytes_loaded: int = 0
-    tma_bytes_stored: int = 0
-    wgmmas: int = 0
-    barrier_phases: int = 0
-    named_barrier_syncs: int = 0
-
-    @property
-    def counters(self) -> dict[str, int]:
-        return {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("steps", "num_ctas")}
+__all__ = ["simulate", "SimReport", "SimulationError", "DeadlockError", "RaceError", "ProtocolError",
+           "SimulatorInternalError", "VerifyError"]
 
 
 def simulate(kernel: ir.Kernel, args: dict[str, "torch.Tensor | int | float"], *, num_sms: int = 4,
@@ -106,14 +83,13 @@ def simulate(kernel: ir.Kernel, args: dict[str, "torch.Tensor | int | float"], *
     of the declared shape (tensormap / global params; any dtype: reads see values rounded to
     the declared dtype, writes are rounded to it, then stored in the tensor's dtype).
     `seed` picks the interleaving; `max_steps` bounds the run (a DeadlockError past it).
-    Raises DeadlockError, RaceError or ProtocolError (all SimulationError) naming the CTA, role,
+    Raises VerifyError if the kernel breaks a structural rule of the IR (nothing runs), else
+    DeadlockError, RaceError or ProtocolError (all SimulationError) naming the CTA, role,
     warpgroup, statement and loop variables involved.
     """
     if num_sms < 1:
         raise SimulationError(f"num_sms must be >= 1, got {num_sms}")
-    # Imported here: the machine's modules import the error classes above from this module.
-    from .simulate_machine import Machine
-
+    verify(kernel, contract=False)
     machine = Machine(kernel, args, num_sms, seed, max_steps)
     # One matmul per wgmma is tiny ([64, K] @ [K, N]): intra-op threads only add contention
     # (10x slower on a busy 2-core machine), so run single-threaded and restore the caller's setting.

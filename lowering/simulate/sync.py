@@ -1,13 +1,16 @@
-"""The simulator's synchronisation handlers (mixed into `simulate_machine.Machine`): mbarrier
+"""The simulator's synchronisation handlers (mixed into `machine.Machine`): mbarrier
 init / inval / arrive / arrive_expect_tx / wait with phases and tx-counts, the mbarrier and
 proxy fences, named barriers (bar.sync / bar.arrive) and syncthreads. Every release publishes
 the coroutine's vector clock and every passing wait acquires it, for the race checks."""
 
 from __future__ import annotations
 
-from .simulate import ProtocolError
-from .simulate_expr import loops_text
-from .simulate_state import BarrierGeneration, Co, Cta, MBarrier, Node
+from wsched.target import MBARRIER_MAX_ARRIVALS, MBARRIER_MAX_TX_BYTES, NAMED_BARRIERS, WARPGROUP_THREADS
+
+from ..spelling import keyword
+from .errors import ProtocolError, check_verified
+from .state import BarrierGeneration, Co, Cta, MBarrier, Node
+from .text import loops_text
 
 
 class BarrierHandlers:
@@ -17,8 +20,7 @@ class BarrierHandlers:
     # mbarriers
     def _barrier(self, co: Co, node: Node, name: str, index) -> MBarrier:
         slots = co.cta.bars.get(name)
-        if slots is None:
-            raise ProtocolError(f"barrier {name!r} is not declared: {co.where(node)}")
+        check_verified(slots is not None, "a barrier reference names a declared barrier")
         index = self._int(co, node, index, "barrier index")
         if not 0 <= index < len(slots):
             raise ProtocolError(f"barrier index {name}[{index}] out of range (barrier {name}[{len(slots)}]): "
@@ -34,10 +36,8 @@ class BarrierHandlers:
     def _h_MbarrierInit(self, co, node):
         s = node.stmt
         slots = co.cta.bars.get(s.barrier)
-        if slots is None:
-            raise ProtocolError(f"barrier {s.barrier!r} is not declared: {co.where(node)}")
-        if not 1 <= s.arrivals < 2 ** 20:
-            raise ProtocolError(f"mbarrier arrival count must be in [1, 2^20): {co.where(node)}")
+        check_verified(slots is not None and 1 <= s.arrivals <= MBARRIER_MAX_ARRIVALS,
+                       "mbarrier.init names a declared barrier, with an arrival count mbarrier.init accepts")
         for i, old in enumerate(slots):
             if old is not None:
                 raise ProtocolError(f"mbarrier.init on {s.barrier}[{i}], which is already initialised "
@@ -46,8 +46,7 @@ class BarrierHandlers:
 
     def _h_MbarrierInval(self, co, node):
         slots = co.cta.bars.get(node.stmt.barrier)
-        if slots is None:
-            raise ProtocolError(f"barrier {node.stmt.barrier!r} is not declared: {co.where(node)}")
+        check_verified(slots is not None, "mbarrier.inval names a declared barrier")
         for i, bar in enumerate(slots):
             if bar is not None and (bar.waiters or bar.inflight):
                 raise ProtocolError(f"mbarrier.inval of {bar.label} while it has waiters or TMA loads in "
@@ -86,7 +85,7 @@ class BarrierHandlers:
     def _h_MbarrierArriveExpectTx(self, co, node):
         bar = self._barrier(co, node, node.stmt.bar.barrier, node.ex[0](co.env))
         nbytes = self._int(co, node, node.ex[1](co.env), "expect_tx bytes")
-        if nbytes < 0 or bar.tx + nbytes >= 2 ** 20:
+        if nbytes < 0 or bar.tx + nbytes > MBARRIER_MAX_TX_BYTES:
             raise ProtocolError(f"expect_tx of {nbytes} bytes takes {bar.label}'s tx-count out of "
                                 f"[0, 2^20): {co.where(node)}")
         bar.tx += nbytes
@@ -135,11 +134,14 @@ class BarrierHandlers:
     def _named_barrier(self, co, node, wait: bool):
         s = node.stmt
         bid = self._int(co, node, node.ex(co.env), "named barrier id")
-        if not 1 <= bid < 16:
-            raise ProtocolError(f"named barrier id {bid} must be in [1, 16) (0 is syncthreads): {co.where(node)}")
-        if s.threads % 128 or not 128 <= s.threads <= self.kernel.threads:
-            raise ProtocolError(f"named barrier over {s.threads} threads: needs a multiple of 128 (whole "
-                                f"warpgroups) and at most the CTA's {self.kernel.threads}: {co.where(node)}")
+        if not 1 <= bid < NAMED_BARRIERS:
+            raise ProtocolError(f"named barrier id {bid} must be in [1, {NAMED_BARRIERS}) (0 is syncthreads): "
+                                f"{co.where(node)}")
+        # The verifier allows whole warps at kernel level; the simulator runs whole warpgroups.
+        if s.threads % WARPGROUP_THREADS or not WARPGROUP_THREADS <= s.threads <= self.kernel.threads:
+            raise ProtocolError(f"named barrier over {s.threads} threads: needs a multiple of "
+                                f"{WARPGROUP_THREADS} (whole warpgroups) and at most the CTA's "
+                                f"{self.kernel.threads}: {co.where(node)}")
         gen = co.cta.named.get(bid)
         if gen is None:
             gen = co.cta.named[bid] = BarrierGeneration(s.threads)
@@ -148,7 +150,7 @@ class BarrierHandlers:
                                 f"{gen.threads}: {co.where(node)}")
         co.release(gen.know)
         gen.count += 1
-        if gen.count * 128 >= gen.threads:
+        if gen.count * WARPGROUP_THREADS >= gen.threads:
             gen.done = True
             del co.cta.named[bid]
             self.report.named_barrier_syncs += 1
@@ -159,7 +161,8 @@ class BarrierHandlers:
             co.acquire(gen.know)
             return None
         return self._wait_generation(co, gen, lambda: (
-            f"bar.sync {bid}, {s.threads} — {gen.count} of {s.threads // 128} warpgroups arrived"))
+            f"{keyword(s)} {bid}, {s.threads} — {gen.count} of {s.threads // WARPGROUP_THREADS} "
+            f"warpgroups arrived"))
 
     def _wait_generation(self, co, gen, what):
         env, loops = co.env, tuple(co.loops)

@@ -2,18 +2,27 @@
 
 `TileChecks` holds the per-statement checks of every statement that moves or computes a tile
 (tma.load/store, wgmma.*, reg, tile.*) plus the tensormap declarations' box rules. It is a mixin
-of `verify_structure.StructureCheck`, whose walk calls these methods by statement kind and
+of `structure.StructureCheck`, whose walk calls these methods by statement type and
 provides what they build on: the report `self.r`, name lookup (`_lookup`, `_declare`), scalar
 expressions (`_expr`), barrier references (`_bar`) and dtypes (`_dtype`).
 """
 
 from __future__ import annotations
 
-from . import ir
-from .parser import MMA_MAJORS
-from .verify_lines import array_text, constant, expr_text, keyword, plural, ref_text, volume
+from wsched.target import (
+    SWIZZLE_ROW_BYTES, TMA_INNER_BOX_ALIGNMENT, TMA_MAX_BOX_DIM, TMA_SWIZZLES, WGMMA_ACCUMULATOR_DTYPE,
+    WGMMA_K, WGMMA_M, WGMMA_N, WGMMA_OPERAND_DTYPES,
+)
 
-SWIZZLES = (0, 32, 64, 128)
+from .. import ir
+from ..printer import expr_text
+from ..spelling import keyword
+from .lines import array_text, constant, plural, ref_text, volume
+
+SWIZZLE_CHOICES = ", ".join(map(str, TMA_SWIZZLES[:-1])) + f" or {TMA_SWIZZLES[-1]}"   # "0, 32, 64 or 128"
+_N_STEP = WGMMA_N[1] - WGMMA_N[0]
+_ACCUMULATOR = (f"an {WGMMA_ACCUMULATOR_DTYPE}[{WGMMA_M}, N] register tile with N a multiple of {_N_STEP} in "
+                f"[{WGMMA_N[0]}, {WGMMA_N[-1]}]")
 
 
 class TileChecks:
@@ -49,17 +58,17 @@ class TileChecks:
             report(f"box({', '.join(map(str, p.box))}) has {len(p.box)} dims but the tensor has rank "
                    f"{len(p.shape)}; give one box extent per dim")
         for d in p.box:
-            if not 1 <= d <= 256:
-                report(f"box extent {d} is outside [1, 256], the range a TMA box allows")
-        if p.swizzle not in SWIZZLES:
-            report(f"swizzle({p.swizzle}) is not a TMA swizzle; use 0, 32, 64 or 128")
+            if not 1 <= d <= TMA_MAX_BOX_DIM:
+                report(f"box extent {d} is outside [1, {TMA_MAX_BOX_DIM}], the range a TMA box allows")
+        if p.swizzle not in TMA_SWIZZLES:
+            report(f"swizzle({p.swizzle}) is not a TMA swizzle; use {SWIZZLE_CHOICES}")
         if not p.box or p.dtype not in ir.DTYPE_BYTES:
             return
         inner = p.box[-1] * ir.DTYPE_BYTES[p.dtype]
-        if inner % 16:
+        if inner % TMA_INNER_BOX_ALIGNMENT:
             report(f"the box's inner dim is {p.box[-1]} {p.dtype} = {inner} bytes; TMA needs a multiple "
-                   f"of 16 bytes")
-        if p.swizzle in SWIZZLES[1:] and inner > p.swizzle:
+                   f"of {TMA_INNER_BOX_ALIGNMENT} bytes")
+        if p.swizzle in TMA_SWIZZLES and p.swizzle and inner > p.swizzle:
             most = p.swizzle // ir.DTYPE_BYTES[p.dtype]
             report(f"the box's inner dim is {p.box[-1]} {p.dtype} = {inner} bytes, more than the "
                    f"{p.swizzle}-byte swizzle span; use at most {most} {p.dtype} per box row (store "
@@ -72,12 +81,12 @@ class TileChecks:
         for c in coords:
             self._expr(c, path, scope, ctx)
         b = scope.get(tensor)
-        param = b.decl if b is not None and b.kind == "tensormap param" else None
+        param = b.decl if b is not None and b.what == "tensormap param" else None
         if b is None:
             self.r.at(path, f"{verb} uses `{tensor}`, which is not a kernel parameter; declare it as "
                             f"`tensormap {tensor}: dtype[shape] box(...) swizzle(...)`")
         elif param is None:
-            self.r.at(path, f"{verb} needs a tensormap param, but `{tensor}` is a {b.kind}; declare it "
+            self.r.at(path, f"{verb} needs a tensormap param, but `{tensor}` is a {b.what}; declare it "
                             f"as `tensormap {tensor}: ...`")
         if param is None:
             return
@@ -137,16 +146,16 @@ class TileChecks:
     def _Wgmma(self, s: ir.Wgmma, path, scope, ctx):
         self._expr(s.accumulate, path, scope, ctx)
         for which, major in (("a", s.a_major), ("b", s.b_major)):
-            if major not in MMA_MAJORS:
-                self.r.at(path, f"major({s.a_major}, {s.b_major}): {which}'s major must be k or n")
+            if major not in ir.MMA_MAJORS:
+                self.r.at(path, f"major({s.a_major}, {s.b_major}): {which}'s major must be "
+                                f"{' or '.join(ir.MMA_MAJORS)}")
         acc = self._tile(s.acc, path, scope, ctx)
         n = k = a_dtype = None
         if acc is not None:
-            if (acc.dtype != "f32" or len(acc.shape) != 2 or acc.shape[0] != 64 or acc.shape[1] % 8
-                    or not 8 <= acc.shape[1] <= 256):
+            if (acc.dtype != WGMMA_ACCUMULATOR_DTYPE or len(acc.shape) != 2 or acc.shape[0] != WGMMA_M
+                    or acc.shape[1] not in WGMMA_N):
                 self.r.at(path, f"the accumulator {s.acc} is {array_text(acc.dtype, acc.shape)}; wgmma "
-                                f"accumulates into an f32[64, N] register tile with N a multiple of 8 in "
-                                f"[8, 256]")
+                                f"accumulates into {_ACCUMULATOR}")
             else:
                 n = acc.shape[1]
         if isinstance(s.a, ir.SmemRef):
@@ -166,12 +175,13 @@ class TileChecks:
                 a_dtype = reg.dtype
                 rows, k = reg.shape
                 tile = reg.shape
-        if tile is not None and (rows != 64 or k % 16 or k < 16):
-            self.r.at(path, f"A operand {a_name} holds a [{rows}, {k}] tile; wgmma's A is [64, K] with K a "
-                            f"multiple of 16")
+        if tile is not None and (rows != WGMMA_M or k % WGMMA_K or k < WGMMA_K):
+            self.r.at(path, f"A operand {a_name} holds a [{rows}, {k}] tile; wgmma's A is [{WGMMA_M}, K] with "
+                            f"K a multiple of {WGMMA_K}")
             k = None
-        if a_dtype is not None and a_dtype not in ("bf16", "f16"):
-            self.r.at(path, f"A operand {a_name} is {a_dtype}; wgmma multiplies bf16 or f16")
+        if a_dtype is not None and a_dtype not in WGMMA_OPERAND_DTYPES:
+            self.r.at(path, f"A operand {a_name} is {a_dtype}; wgmma multiplies "
+                            f"{' or '.join(WGMMA_OPERAND_DTYPES)}")
         decl = self._smem(s.b, path, scope, ctx)
         tile = self._smem_tile(s.b, decl, path) if decl is not None else None
         if tile is None:
@@ -185,7 +195,10 @@ class TileChecks:
             if s.b_major == "k":
                 want = f"[{n}, {k}] (K-major: [N, K])"
             else:
-                want = f"({n // 64}, {k}, 64) (N-major column chunks)" if n % 64 == 0 else f"[{k}, {n}]"
+                # Column chunks one 128-byte swizzled row wide (64 bf16).
+                width = SWIZZLE_ROW_BYTES // ir.DTYPE_BYTES[decl.dtype] if decl.dtype in ir.DTYPE_BYTES else 0
+                want = (f"({n // width}, {k}, {width}) (N-major column chunks)" if width and n % width == 0
+                        else f"[{k}, {n}]")
             self.r.at(path, f"B operand {ref_text(s.b)} is {sub}, a tile with N = {b_n} and K = {b_k}, but the "
                             f"accumulator {s.acc} has N = {n} and A has K = {k}; B must be {want}")
 

@@ -1,4 +1,4 @@
-"""The verifier's contract between the load and compute nests (DESIGN.md §3).
+"""The verifier's contract between the load and compute nests (docs/architecture.md).
 
 Static half (`ContractCheck`): each tma.load elected, announced by an arrive_expect_tx with the
 bytes of its loads, completing on the slot of its destination's stage; each channel's full and
@@ -20,13 +20,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from . import ir
-from .evaluate import evaluate
-from .rewrite import subst
-from .verify_lines import (
-    Report, Site, block_of, constant, expr_text, keyword, ordinal, plural, ref_text, sites, statement_at,
-    volume,
-)
+from wsched.target import FLOAT_DTYPES
+
+from .. import ir
+from ..evaluate import evaluate
+from ..printer import expr_text
+from ..rewrite import subst
+from ..spelling import keyword
+from .lines import Report, Site, block_of, constant, ordinal, plural, ref_text, sites, statement_at, volume
 
 _SAME_ORDER = "the load and compute nests must traverse the same (tile, k) order"
 
@@ -263,7 +264,7 @@ def _samples(kernel: ir.Kernel) -> list[_Sample]:
         env: dict = {}
         scalars = [p for p in kernel.params if isinstance(p, ir.ScalarParam)]
         for i, p in enumerate(scalars):
-            env[p.name] = values[i % len(values)] if p.dtype == "i32" else 1.0
+            env[p.name] = values[i % len(values)] if p.dtype not in FLOAT_DTYPES else 1.0
         env.update(cta_id=cta, num_ctas=num)
         text = ", ".join(f"{k}={v}" for k, v in env.items())
         out.append(_Sample(env, text))
@@ -272,7 +273,7 @@ def _samples(kernel: ir.Kernel) -> list[_Sample]:
 
 @dataclass(frozen=True)
 class _Event:
-    kind: str                          # wait | arrive | expect_tx | mma | commit | mma_wait |
+    op: str                            # wait | arrive | expect_tx | mma | commit | mma_wait |
     path: tuple[int, ...]              # smem_write | fence_proxy | bar_sync | tma_store
     bar: str = ""
     slot: int = -1
@@ -372,9 +373,9 @@ class _Tracer:
             return _Event("smem_write", path, refs=self._refs([s.dst], env), point=point)
         if isinstance(s, ir.TmaStore):
             return _Event("tma_store", path, refs=self._refs([s.src], env), point=point)
-        kind = _PLAIN_EVENTS.get(type(s))
-        if kind is not None:
-            return _Event(kind, path, value=getattr(s, "pending", 0), point=point)
+        op = _PLAIN_EVENTS.get(type(s))
+        if op is not None:
+            return _Event(op, path, value=getattr(s, "pending", 0), point=point)
         return None
 
     def _refs(self, refs, env) -> tuple:
@@ -425,9 +426,9 @@ class _TraceCheck:
             if fills is None:
                 continue
             for key, (role, events) in self.traces.items():
-                waits = [e for e in events if e.kind == "wait" and e.bar == ch.full]
+                waits = [e for e in events if e.op == "wait" and e.bar == ch.full]
                 if (waits and key[0] not in ch.mismatched_roles
-                        and not any(e.kind == "expect_tx" and e.bar == ch.full for e in events)):
+                        and not any(e.op == "expect_tx" and e.bar == ch.full for e in events)):
                     self._consumer(ch, fills, role, key[1], waits)
             if ch.empty is not None:
                 self._releases(ch, fills)
@@ -439,7 +440,7 @@ class _TraceCheck:
         """The stages the producer fills, in order, with its acquire of each; checks the parity of
         every acquire (the j-th use of a stage waits with parity (j & 1) ^ 1)."""
         producers = [(key, role, events) for key, (role, events) in self.traces.items()
-                     if any(e.kind == "expect_tx" and e.bar == ch.full for e in events)]
+                     if any(e.op == "expect_tx" and e.bar == ch.full for e in events)]
         if not producers:
             return None
         if len(producers) > 1:
@@ -453,9 +454,9 @@ class _TraceCheck:
         uses: dict[int, int] = {}
         acquire = None
         for e in events:
-            if e.kind == "wait" and ch.empty is not None and e.bar == ch.empty:
+            if e.op == "wait" and ch.empty is not None and e.bar == ch.empty:
                 acquire = e
-            elif e.kind == "expect_tx" and e.bar == ch.full:
+            elif e.op == "expect_tx" and e.bar == ch.full:
                 j = uses.get(e.slot, 0)
                 uses[e.slot] = j + 1
                 fills.append(e.slot)
@@ -521,15 +522,15 @@ class _TraceCheck:
         reused.reverse()
         per_role: dict[tuple[int, ...], tuple[ir.Role, list[int]]] = {}
         for (rpath, wg), (role, events) in self.traces.items():
-            if rpath in ch.mismatched_roles or not any(e.kind == "wait" and e.bar == ch.full for e in events):
+            if rpath in ch.mismatched_roles or not any(e.op == "wait" and e.bar == ch.full for e in events):
                 continue
             uses: list[_Use] = []
             current: dict[int, int] = {}
             for e in events:
-                if e.kind == "wait" and e.bar == ch.full:
+                if e.op == "wait" and e.bar == ch.full:
                     current[e.slot] = len(uses)
                     uses.append(_Use(e.slot, e))
-                elif e.kind == "arrive" and e.bar == ch.empty:
+                elif e.op == "arrive" and e.bar == ch.empty:
                     if e.slot in current:
                         uses[current[e.slot]].releases += 1
                     else:
@@ -578,9 +579,9 @@ class _TraceCheck:
         open_group: list[tuple[tuple, _Event]] = []
         groups: list[list[tuple[tuple, _Event]]] = []
         for e in events:
-            if e.kind == "wait" and e.bar in fulls:
+            if e.op == "wait" and e.bar in fulls:
                 held.add((e.bar, e.slot))
-            elif e.kind == "mma":
+            elif e.op == "mma":
                 for read in e.refs:
                     ch = of_buffer.get(read[0])
                     if ch is None or not read[1]:
@@ -592,19 +593,19 @@ class _TraceCheck:
                                     f"but this warpgroup does not hold that stage; wait on "
                                     f"{ch.full}[{stage}] first and release it only after the wgmma")
                 open_group.extend((read, e) for read in e.refs)
-            elif e.kind == "smem_write":
+            elif e.op == "smem_write":
                 pending = [mma for g in groups + [open_group] for read, mma in g if _overlap(read, e.refs[0])]
                 if pending:
                     self.c.once("pending-write", e.path,
                                 f"at {self.where(role, wg, e)} tile.store_smem overwrites {e.refs[0][2]} while the "
                                 f"wgmma reading it (IR line {self.c.r.line(pending[0].path)}) may be pending; put "
                                 f"`wgmma.wait 0` (or wait for that group) before the write")
-            elif e.kind == "commit":
+            elif e.op == "commit":
                 groups.append(open_group)
                 open_group = []
-            elif e.kind == "mma_wait":
+            elif e.op == "mma_wait":
                 groups = groups[len(groups) - e.value:] if e.value else []
-            elif e.kind == "arrive" and e.bar in of_empty:
+            elif e.op == "arrive" and e.bar in of_empty:
                 ch = of_empty[e.bar]
                 pending = [(read, mma) for g in groups + [open_group] for read, mma in g
                            if read[0] in ch.buffers and read[1][:1] == (e.slot,)]
@@ -623,22 +624,22 @@ class _TraceCheck:
         issued by one thread also needs the warpgroup barrier that says every thread has written."""
         written: list[tuple[tuple, _Event, bool]] = []      # (reference, write, fenced)
         for e in events:
-            if e.kind == "smem_write":
+            if e.op == "smem_write":
                 written.append((e.refs[0], e, False))
-            elif e.kind == "fence_proxy":
+            elif e.op == "fence_proxy":
                 written = [(ref, w, True) for ref, w, _ in written]
-            elif e.kind == "bar_sync":
+            elif e.op == "bar_sync":
                 written = [x for x in written if not x[2]]
-            elif e.kind in ("tma_store", "mma"):
+            elif e.op in ("tma_store", "mma"):
                 for read in e.refs:
                     for ref, write, fenced in written:
-                        if not _overlap(ref, read) or (fenced and e.kind == "mma"):
+                        if not _overlap(ref, read) or (fenced and e.op == "mma"):
                             continue
                         line = self.c.r.line(write.path)
                         missing = ("`bar.sync` of the warpgroup after the fence (one thread issues the "
                                    "copy of what every thread wrote)" if fenced else
                                    "`fence.proxy.async` and then a `bar.sync` of the warpgroup"
-                                   if e.kind == "tma_store" else "`fence.proxy.async`")
+                                   if e.op == "tma_store" else "`fence.proxy.async`")
                         self.c.once("proxy", e.path,
                                     f"at {self.where(role, wg, e)} {keyword(statement_at(self.k, e.path))} "
                                     f"reads {read[2]}, written by tile.store_smem {ref[2]} (IR line {line}) "

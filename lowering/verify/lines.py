@@ -18,9 +18,10 @@ import itertools
 from dataclasses import dataclass
 from typing import Iterator
 
-from . import ir
-from .evaluate import evaluate
-from .printer import print_expr
+from .. import ir
+from ..evaluate import evaluate
+from ..printer import expr_text
+from ..spelling import keyword
 
 
 @dataclass(frozen=True)
@@ -76,42 +77,15 @@ def statement_lines(kernel: ir.Kernel) -> dict[tuple[int, ...], int]:
     return lines
 
 
-def keyword(s: ir.Stmt) -> str:
-    """How a statement is named in a location: its leading keyword(s)."""
-    if isinstance(s, ir.Role):
-        return f"role {s.name}"
-    if isinstance(s, ir.For):
-        return f"for {s.var}"
-    if isinstance(s, ir.Let):
-        return f"{'var' if s.mutable else 'let'} {s.name}"
-    if isinstance(s, ir.Assign):
-        return f"set {s.name}"
-    if isinstance(s, ir.RegDecl):
-        return f"reg {s.name}"
-    if isinstance(s, ir.Setmaxnreg):
-        return f"setmaxnreg.{s.action}"
-    if isinstance(s, (ir.TileUnary, ir.TileBinary)):
-        return f"tile.{s.op}"
-    if isinstance(s, ir.TileReduce):
-        return f"tile.reduce.{s.op}"
-    if isinstance(s, ir.TmaWait):
-        return "tma.wait.read" if s.read else "tma.wait"
-    return _KEYWORDS[type(s)]
+# The field holding the name a statement declares, updates or runs under (`role consumer`).
+_NAME_FIELDS = {ir.Role: "name", ir.For: "var", ir.Let: "name", ir.Assign: "name", ir.RegDecl: "name"}
 
 
-_KEYWORDS = {
-    ir.If: "if", ir.ElectOne: "elect_one", ir.Return: "return",
-    ir.MbarrierInit: "mbarrier.init", ir.MbarrierArrive: "mbarrier.arrive",
-    ir.MbarrierArriveExpectTx: "mbarrier.arrive_expect_tx", ir.MbarrierWait: "mbarrier.wait",
-    ir.MbarrierInval: "mbarrier.inval", ir.FenceMbarrierInit: "fence.mbarrier_init",
-    ir.FenceProxyAsync: "fence.proxy.async", ir.SyncThreads: "syncthreads",
-    ir.NamedBarrierSync: "bar.sync", ir.NamedBarrierArrive: "bar.arrive",
-    ir.TmaLoad: "tma.load", ir.TmaStore: "tma.store", ir.TmaCommit: "tma.commit",
-    ir.WgmmaFence: "wgmma.fence", ir.Wgmma: "wgmma.mma", ir.WgmmaCommit: "wgmma.commit",
-    ir.WgmmaWait: "wgmma.wait", ir.TileFill: "tile.fill", ir.TileMask: "tile.mask",
-    ir.TileLoadGlobal: "tile.load",
-    ir.TileStoreGlobal: "tile.store", ir.TileStoreSmem: "tile.store_smem",
-}
+def statement_name(s: ir.Stmt) -> str:
+    """How a statement is named in a location: its keyword (`spelling.keyword`), and the name it
+    declares, updates or runs under (`role consumer`, `for k`, `set acc_phase`)."""
+    field = _NAME_FIELDS.get(type(s))
+    return keyword(s) if field is None else f"{keyword(s)} {getattr(s, field)}"
 
 
 def location(kernel: ir.Kernel, path: tuple[int, ...]) -> str:
@@ -123,17 +97,9 @@ def location(kernel: ir.Kernel, path: tuple[int, ...]) -> str:
         if depth + 1 < len(path) and isinstance(s, ir.If):
             parts.append("if" if path[depth + 1] < len(s.then) else "else")
         else:
-            parts.append(keyword(s))
+            parts.append(statement_name(s))
         stmts = children(s)
     return " > ".join(parts)
-
-
-def expr_text(e: ir.Expr) -> str:
-    """An expression as the printer spells it (repr for a malformed one, which is reported)."""
-    try:
-        return print_expr(e)
-    except (TypeError, ValueError):
-        return repr(e)
 
 
 def ref_text(r: "ir.SmemRef | ir.BarRef") -> str:

@@ -1,27 +1,26 @@
-"""Preparing a kernel for the simulator (mixed into `simulate_machine.Machine`): arguments
-checked against the parameters and bound, and every statement compiled once into a `Node`
-(its handler `_h_<Stmt>`, compiled expressions, nested blocks), with the static checks that
-need no run (leader-only and collective statements, loop kinds, tile ops, smem references)."""
+"""Preparing a kernel for the simulator (mixed into `machine.Machine`): arguments checked
+against the parameters and bound, and every statement compiled once into a `Node` (its handler
+`_h_<Stmt>`, compiled expressions, nested blocks). The kernel's structure is verified before
+(`simulate` runs `verify(kernel, contract=False)`); the rules that relies on are asserted here,
+not reported again."""
 
 from __future__ import annotations
 
 import torch
 
-from . import ir
-from .simulate import ProtocolError, SimulationError
-from .simulate_expr import Undefined, compile_expr, expr_text, stmt_text
-from .simulate_state import Node
-from .simulate_tiles import BINARY_OPS, UNARY_OPS
+from wsched.target import FLOAT_DTYPES
+
+from .. import ir
+from ..evaluate import Undefined, compile_expr
+from ..printer import expr_text
+from .errors import SimulationError, SimulatorInternalError, check_verified
+from .state import Node
+from .tiles import BINARY_SEMANTICS, UNARY_SEMANTICS
 
 # Kernel-level statements with side effects run once per CTA, by its first warpgroup.
 _LEADER_ONLY = (ir.MbarrierInit, ir.MbarrierInval, ir.MbarrierArrive, ir.MbarrierArriveExpectTx,
                 ir.FenceMbarrierInit, ir.FenceProxyAsync, ir.TmaLoad, ir.TmaStore, ir.TmaCommit,
                 ir.TmaWait, ir.TileStoreGlobal, ir.TileStoreSmem)
-# Warpgroup-collective statements: one elected thread cannot run them.
-_COLLECTIVE = (ir.WgmmaFence, ir.Wgmma, ir.WgmmaCommit, ir.WgmmaWait, ir.NamedBarrierSync,
-               ir.NamedBarrierArrive, ir.SyncThreads, ir.Setmaxnreg, ir.RegDecl, ir.TileFill,
-               ir.TileUnary, ir.TileBinary, ir.TileReduce, ir.TileMask, ir.TileLoadGlobal,
-               ir.TileStoreGlobal, ir.TileStoreSmem, ir.Role)
 
 
 class KernelPreparation:
@@ -44,7 +43,7 @@ class KernelPreparation:
             if isinstance(p, ir.ScalarParam):
                 if isinstance(value, torch.Tensor) or isinstance(value, bool):
                     raise SimulationError(f"argument {p.name!r} ({p.dtype}) must be a Python number")
-                if p.dtype == "i32":
+                if p.dtype not in FLOAT_DTYPES:
                     if int(value) != value:
                         raise SimulationError(f"argument {p.name!r} is i32 but got {value!r}")
                     self.scalars[p.name] = int(value)
@@ -58,25 +57,13 @@ class KernelPreparation:
                 raise SimulationError(f"argument {p.name!r} must be a CPU torch tensor, got {type(value).__name__}")
             try:
                 shape = tuple(compile_expr(d)(self.scalars) for d in p.shape)
-            except Undefined as u:
-                raise SimulationError(f"shape of parameter {p.name}: undefined name {u.name!r}") from None
+            except Undefined:
+                raise SimulatorInternalError(f"the verifier should have rejected this kernel: the shape "
+                                             f"of parameter {p.name} reads scalar params only") from None
             if tuple(value.shape) != shape:
                 raise SimulationError(
                     f"argument {p.name!r} has shape {list(value.shape)} but the kernel declares "
                     f"{p.name}: {p.dtype}[{', '.join(expr_text(d) for d in p.shape)}] = {list(shape)}")
-            if isinstance(p, ir.TensorMapParam):
-                if len(p.box) != len(p.shape):
-                    raise ProtocolError(f"tensormap {p.name}: box {list(p.box)} has rank {len(p.box)}, "
-                                        f"the tensor rank {len(p.shape)}")
-                if p.swizzle not in (0, 32, 64, 128):
-                    raise ProtocolError(f"tensormap {p.name}: swizzle({p.swizzle}) is not one of 0, 32, 64, 128")
-                inner = p.box[-1] * ir.DTYPE_BYTES[p.dtype]
-                if any(not 1 <= b <= 256 for b in p.box) or inner % 16:
-                    raise ProtocolError(f"tensormap {p.name}: box {list(p.box)} needs every extent in "
-                                        f"[1, 256] and inner bytes a multiple of 16 (got {inner})")
-                if p.swizzle and inner > p.swizzle:
-                    raise ProtocolError(f"tensormap {p.name}: inner box extent {p.box[-1]} {p.dtype} = {inner} "
-                                        f"bytes exceeds the swizzle({p.swizzle}) span")
             self.tensors[p.name] = (p, value)
 
     # -- compilation -------------------------------------------------------------------------
@@ -86,22 +73,18 @@ class KernelPreparation:
     def _compile_stmt(self, s: ir.Stmt, in_role: bool, in_elect: bool) -> Node:
         node = Node(s)
         handler = getattr(self, "_h_" + type(s).__name__, None)
-        if handler is None:
-            raise ProtocolError(f"the simulator has no semantics for {type(s).__name__}: {stmt_text(s)}")
+        check_verified(handler is not None, "every statement is an ir.Stmt")
+        check_verified(not (in_elect and isinstance(s, ir.WARPGROUP_COLLECTIVE)),
+                       "a warpgroup-collective statement is outside elect_one")
+        check_verified(not (in_role and isinstance(s, (ir.SyncThreads, ir.Role))),
+                       "syncthreads and roles are outside roles")
         node.fn = handler
         node.leader_only = not in_role and isinstance(s, _LEADER_ONLY)
-        if in_elect and isinstance(s, _COLLECTIVE):
-            raise ProtocolError(f"{stmt_text(s)}: warpgroup-collective statement inside elect_one "
-                                f"(one thread cannot run it)")
-        if in_role and isinstance(s, (ir.SyncThreads, ir.Role)):
-            raise ProtocolError(f"{stmt_text(s)} inside a role: use a named barrier "
-                                f"(bar.sync id, threads) for the warpgroups that take part")
         c = compile_expr
         if isinstance(s, (ir.Let, ir.Assign)):
             node.ex = c(s.value)
         elif isinstance(s, ir.For):
-            if s.iteration not in ("serial", "persistent", "unroll"):
-                raise ProtocolError(f"{stmt_text(s)}: loop kind must be serial, persistent or unroll")
+            check_verified(s.iteration in ir.LOOP_KINDS, "a loop's iteration is one of ir.LOOP_KINDS")
             node.ex = (c(s.start), c(s.stop), c(s.step))
             node.block = self._compile_block(s.body, in_role, in_elect)
         elif isinstance(s, ir.If):
@@ -134,14 +117,11 @@ class KernelPreparation:
             node.ex = c(s.value)
         elif isinstance(s, ir.TileBinary):
             node.ex = tuple(None if isinstance(o, str) else c(o) for o in (s.lhs, s.rhs))
-            if s.op not in BINARY_OPS:
-                raise ProtocolError(f"{stmt_text(s)}: unknown binary tile op (known: {', '.join(BINARY_OPS)})")
+            check_verified(s.op in BINARY_SEMANTICS, "a binary tile op is one of ir.BINARY_OPS")
         elif isinstance(s, ir.TileUnary):
-            if s.op not in UNARY_OPS:
-                raise ProtocolError(f"{stmt_text(s)}: unknown unary tile op (known: {', '.join(UNARY_OPS)})")
+            check_verified(s.op in UNARY_SEMANTICS, "a unary tile op is one of ir.UNARY_OPS")
         elif isinstance(s, ir.TileReduce):
-            if s.op not in ir.REDUCE_OPS:
-                raise ProtocolError(f"{stmt_text(s)}: unknown reduction (known: {', '.join(ir.REDUCE_OPS)})")
+            check_verified(s.op in ir.REDUCE_OPS, "a reduction is one of ir.REDUCE_OPS")
         elif isinstance(s, ir.TileMask):
             node.ex = (c(s.row0), c(s.col0), c(s.limit), None if s.causal is None else c(s.causal))
         elif isinstance(s, (ir.TileLoadGlobal, ir.TileStoreGlobal)):
@@ -153,11 +133,7 @@ class KernelPreparation:
 
     def _note_ref(self, ref: ir.SmemRef) -> None:
         """Race tracking works on cells: the finest leading-index split any reference uses."""
-        if ref.buffer not in self.buffers:
-            raise ProtocolError(f"smem buffer {ref.buffer!r} is not declared "
-                                f"(declared: {', '.join(self.buffers) or 'none'})")
-        decl = self.buffers[ref.buffer]
-        if len(ref.index) > len(decl.shape) - 1:
-            raise ProtocolError(f"{ref.buffer}[...] has {len(ref.index)} indices; buffer "
-                                f"{ref.buffer}: {decl.dtype}{list(decl.shape)} leaves no tile")
+        decl = self.buffers.get(ref.buffer)
+        check_verified(decl is not None and len(ref.index) < len(decl.shape),
+                       "a smem reference names a declared buffer and leaves a sub-array")
         self.cell_depth[ref.buffer] = max(self.cell_depth[ref.buffer], len(ref.index))

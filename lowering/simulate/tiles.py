@@ -1,4 +1,4 @@
-"""The simulator's register-tile handlers (mixed into `simulate_machine.Machine`): declarations,
+"""The simulator's register-tile handlers (mixed into `machine.Machine`): declarations,
 fill / unary / binary / mask / reduce, plain global loads and stores, and `tile.store_smem`;
 values live in fp32 and are rounded to the tile's declared dtype at every write."""
 
@@ -9,25 +9,27 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from . import ir
-from .simulate import ProtocolError, RaceError
-from .simulate_state import TORCH_DTYPES, Co, Ctx, Node, Reg, Write, read_box, write_box
+from wsched.target import TORCH_DTYPES
 
-REG_ROUND = {"bf16": torch.bfloat16, "f16": torch.float16, "f32": None, "i32": torch.int32}
+from .. import ir
+from .errors import RaceError, check_verified
+from .state import Co, Ctx, Node, Reg, Write, read_box, write_box
 
 
 def round_to_dtype(t: torch.Tensor, dtype: str) -> torch.Tensor:
     """fp32 values rounded to `dtype` (the register tile's declared type), kept as fp32."""
-    target = REG_ROUND[dtype]
-    return t if target is None else t.to(target).float()
+    target = TORCH_DTYPES[dtype]
+    return t if target == torch.float32 else t.to(target).float()
 
 
-UNARY_OPS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+# What each tile op of `ir.UNARY_OPS` / `ir.BINARY_OPS` computes (on fp32 values; the result is
+# rounded to the destination's dtype). tests/test_simulator.py checks both tables cover the ops.
+UNARY_SEMANTICS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "neg": torch.neg, "exp": torch.exp, "exp2": torch.exp2, "log": torch.log, "relu": torch.relu,
     "gelu": F.gelu, "silu": F.silu, "sigmoid": torch.sigmoid, "tanh": torch.tanh,
     "cast": lambda t: t,
 }
-BINARY_OPS: dict[str, Callable] = {
+BINARY_SEMANTICS: dict[str, Callable] = {
     "add": torch.add, "sub": torch.sub, "mul": torch.mul, "div": torch.div,
     "maximum": torch.maximum, "minimum": torch.minimum,
 }
@@ -39,8 +41,7 @@ class TileHandlers:
 
     def _reg(self, co: Co, node: Node, name: str) -> Reg:
         reg = co.regs.get(name)
-        if reg is None:
-            raise ProtocolError(f"register tile {name!r} is not declared: {co.where(node)}")
+        check_verified(reg is not None, "a register tile is declared before its use")
         return reg
 
     def _read_reg(self, co: Co, node: Node, name: str) -> Reg:
@@ -58,16 +59,14 @@ class TileHandlers:
         if name in co.a_pending:
             raise RaceError(f"register A operand {name} written while a wgmma reading it is pending "
                             f"(missing wgmma.wait): {co.where(node)}")
-        if tuple(value.shape) != reg.shape:
-            raise ProtocolError(f"result of shape {list(value.shape)} does not fit {name}: "
-                                f"{reg.dtype}{list(reg.shape)} in {co.where(node)}")
+        check_verified(tuple(value.shape) == reg.shape, "a tile op's result has its destination's shape")
         co.touched.add(name)
         reg.value = round_to_dtype(value.float(), reg.dtype)
 
     def _h_RegDecl(self, co, node):
         s = node.stmt
-        if s.dtype not in REG_ROUND or not s.shape or any(d < 1 for d in s.shape):
-            raise ProtocolError(f"bad register tile declaration: {co.where(node)}")
+        check_verified(s.dtype in TORCH_DTYPES and all(d >= 1 for d in s.shape) and s.shape != (),
+                       "a register tile has an IR dtype and a shape of extents >= 1")
         if s.name in co.acc_pending or s.name in co.a_pending:
             raise RaceError(f"acc read while wgmma pending (missing wgmma.wait): {s.name} re-declared in "
                             f"{co.where(node)}")
@@ -81,7 +80,7 @@ class TileHandlers:
     def _h_TileUnary(self, co, node):
         s = node.stmt
         src = self._read_reg(co, node, s.src)
-        self._write_reg(co, node, s.dst, UNARY_OPS[s.op](src.value))
+        self._write_reg(co, node, s.dst, UNARY_SEMANTICS[s.op](src.value))
 
     def _h_TileBinary(self, co, node):
         s = node.stmt
@@ -91,10 +90,7 @@ class TileHandlers:
                 operands.append(self._read_reg(co, node, o).value)
             else:   # a scalar operand: a 0-d fp32 tensor broadcasts like a tile (torch.maximum
                 operands.append(torch.tensor(float(fn(co.env))))   # takes tensors only)
-        try:
-            result = BINARY_OPS[s.op](*operands)
-        except RuntimeError as e:
-            raise ProtocolError(f"operand shapes do not broadcast ({e}): {co.where(node)}") from None
+        result = BINARY_SEMANTICS[s.op](*operands)   # the verifier checked that the shapes broadcast
         if result.dim() == 0:
             result = result.expand(self._reg(co, node, s.dst).shape)
         self._write_reg(co, node, s.dst, result)
@@ -102,9 +98,7 @@ class TileHandlers:
     def _h_TileMask(self, co, node):
         s = node.stmt
         value = self._read_reg(co, node, s.dst).value
-        if value.dim() != 2:
-            raise ProtocolError(f"tile.mask needs a 2-D tile, {s.dst} has shape {list(value.shape)}: "
-                                f"{co.where(node)}")
+        check_verified(value.dim() == 2, "tile.mask applies to a 2-D tile")
         row0, col0, limit = (int(f(co.env)) for f in node.ex[:3])
         rows = torch.arange(value.shape[0]).unsqueeze(1) + row0
         cols = torch.arange(value.shape[1]).unsqueeze(0) + col0
@@ -116,25 +110,22 @@ class TileHandlers:
     def _h_TileReduce(self, co, node):
         s = node.stmt
         src = self._read_reg(co, node, s.src).value
-        if not 0 <= s.axis < src.dim():
-            raise ProtocolError(f"axis {s.axis} out of range for a rank-{src.dim()} tile: {co.where(node)}")
+        check_verified(0 <= s.axis < src.dim(), "a reduction's axis is a dim of its tile")
         result = src.sum(s.axis, keepdim=True) if s.op == "sum" else src.amax(s.axis, keepdim=True)
         self._write_reg(co, node, s.dst, result)
 
     def _global(self, co, node, name: str, tile_shape: tuple[int, ...]):
         """(param, tensor, coords, extents) of a plain global access by a tile."""
         entry = self.tensors.get(name)
-        if entry is None or not isinstance(entry[0], ir.GlobalParam):
-            raise ProtocolError(f"{name!r} is not a `global` parameter (tensormaps are reached with tma.*): "
-                                f"{co.where(node)}")
+        check_verified(entry is not None and isinstance(entry[0], ir.GlobalParam),
+                       "tile.load and tile.store reach `global` params")
         param, tensor = entry
         rank = tensor.dim()
-        coords = self._coords(co, node, node.ex, rank, f"global {name}")
+        coords = self._coords(co, node, node.ex, rank)
         t = len(tile_shape)
         if t >= rank:
-            if any(d != 1 for d in tile_shape[:t - rank]):
-                raise ProtocolError(f"tile {list(tile_shape)} has more dims than {name} (rank {rank}) and the "
-                                    f"extra leading dims are not 1: {co.where(node)}")
+            check_verified(all(d == 1 for d in tile_shape[:t - rank]),
+                           "a tile's dims beyond its tensor's rank are 1")
             extents = tile_shape[t - rank:]
         else:
             extents = (1,) * (rank - t) + tuple(tile_shape)
@@ -159,9 +150,7 @@ class TileHandlers:
         decl, view, cells, label = self._smem(co, node, s.dst, node.ex)
         sub = tuple(view.shape)
         tile = ir.tile_shape_of_subarray(sub) if len(sub) in (2, 3) else sub
-        if tuple(reg.shape) != tuple(tile):
-            raise ProtocolError(f"tile {s.src}: {list(reg.shape)} does not match smem {label} holding "
-                                f"{list(tile)}: {co.where(node)}")
+        check_verified(tuple(reg.shape) == tuple(tile), "tile.store_smem writes a tile of the sub-array's shape")
         self._check_write(co, node, cells, label, "tile.store_smem")
         value = reg.value.to(TORCH_DTYPES[decl.dtype])
         if len(sub) == 3:

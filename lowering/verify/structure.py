@@ -3,9 +3,9 @@
 `StructureCheck` keeps the names in scope at each statement and checks names and scopes,
 references to declarations, the order of barrier initialisation (init, `fence.mbarrier_init`,
 `syncthreads`, then the roles), warpgroup-collective statements kept out of elect_one, and the
-hardware limits of DESIGN.md §6 (registers, threads, shared memory, named barriers, setmaxnreg).
-It has one method per statement kind, `_<StmtType>`; those of the statements that move or
-compute tiles (TMA, wgmma, register tiles) come from its mixin `verify_tiles.TileChecks`.
+hardware limits of `wsched/target.py` (registers, threads, shared memory, named barriers,
+setmaxnreg). It has one method per statement type, `_<StmtType>`; those of the statements that
+move or compute tiles (TMA, wgmma, register tiles) come from its mixin `tiles.TileChecks`.
 These checks need no barriers or pipeline, so they also run on partially lowered kernels
 (`verify(kernel, contract=False)`).
 """
@@ -14,28 +14,30 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from . import ir
-from .evaluate import evaluate
-from .parser import LOOP_KINDS, SETMAXNREG_ACTIONS
-from .verify_lines import Report, constant, expr_nodes, expr_text, keyword, location, ref_text, sites
-from .verify_tiles import SWIZZLES, TileChecks
+from wsched.target import (
+    MAX_THREADS, MBARRIER_MAX_ARRIVALS, NAMED_BARRIERS, REGISTER_FILE, SETMAXNREG_MAX, SETMAXNREG_MIN,
+    SETMAXNREG_STEP, SMEM_LIMIT, TMA_SWIZZLES, WARP_THREADS, WARPGROUP_THREADS,
+)
 
-SMEM_LIMIT = 232448             # bytes of shared memory one CTA may use on sm_90 (227 KB)
-REGISTER_FILE = 65536           # 32-bit registers per SM
-MAX_THREADS = 1024
+from .. import ir
+from ..evaluate import evaluate
+from ..printer import expr_text
+from ..spelling import keyword
+from .lines import Report, constant, expr_nodes, location, ref_text, sites, statement_name
+from .tiles import SWIZZLE_CHOICES, TileChecks
 
 _SCALARS = ("scalar param", "builtin", "let", "var", "loop variable")
+_REGISTERS = f"a multiple of {SETMAXNREG_STEP} in [{SETMAXNREG_MIN}, {SETMAXNREG_MAX}]"
 
-# Statements every thread of a warpgroup must execute together (not inside elect_one).
-_COLLECTIVE = (ir.Role, ir.Setmaxnreg, ir.SyncThreads, ir.NamedBarrierSync, ir.NamedBarrierArrive,
-               ir.WgmmaFence, ir.Wgmma, ir.WgmmaCommit, ir.WgmmaWait, ir.RegDecl, ir.TileFill,
-               ir.TileUnary, ir.TileBinary, ir.TileReduce, ir.TileMask, ir.TileLoadGlobal,
-               ir.TileStoreGlobal, ir.TileStoreSmem)
+
+def _settable_registers(n: int) -> bool:
+    """Whether setmaxnreg can set a per-thread register count of `n`."""
+    return n % SETMAXNREG_STEP == 0 and SETMAXNREG_MIN <= n <= SETMAXNREG_MAX
 
 
 @dataclass(frozen=True)
 class _Name:
-    kind: str                  # "scalar param", "tensormap param", "smem buffer", "let", ...
+    what: str                  # "scalar param", "tensormap param", "smem buffer", "let", ...
     line: int
     decl: object = None        # the Param / SmemDecl / BarrierDecl / RegDecl behind the name
 
@@ -48,7 +50,7 @@ class _Ctx:
 
 @dataclass(frozen=True)
 class _Declaration:
-    kind: str
+    what: str                  # "let", "var", "loop variable" or "register tile"
     line: int
     path: tuple[int, ...]
     role: "str | None"
@@ -70,15 +72,15 @@ class StructureCheck(TileChecks):
     def _index_declarations(self) -> dict[str, list[_Declaration]]:
         """Every let, var, loop variable and register tile, for messages about names used where
         their declaration is not in scope."""
-        kinds = {ir.Let: "let", ir.For: "loop variable", ir.RegDecl: "register tile"}
+        declares = {ir.Let: "let", ir.For: "loop variable", ir.RegDecl: "register tile"}
         found: dict[str, list[_Declaration]] = {}
         for site in sites(self.k):
             s = site.stmt
-            kind = "var" if isinstance(s, ir.Let) and s.mutable else kinds.get(type(s))
-            if kind is not None:
+            what = "var" if isinstance(s, ir.Let) and s.mutable else declares.get(type(s))
+            if what is not None:
                 role = site.role.name if site.role is not None else None
                 name = s.var if isinstance(s, ir.For) else s.name
-                found.setdefault(name, []).append(_Declaration(kind, self.r.line(site.path), site.path, role))
+                found.setdefault(name, []).append(_Declaration(what, self.r.line(site.path), site.path, role))
         return found
 
     # -- kernel header and declarations ---------------------------------------------------------
@@ -94,23 +96,23 @@ class StructureCheck(TileChecks):
         scalars = {p.name: _Name("scalar param", 1, p) for p in self.k.params if isinstance(p, ir.ScalarParam)}
         seen: dict[str, tuple[str, int]] = {}
 
-        def declare(name, kind, line, decl, report):
+        def declare(name, what, line, decl, report):
             if name in ir.BUILTINS:
-                report(f"`{name}` is a builtin name; rename the {kind}")
+                report(f"`{name}` is a builtin name; rename the {what}")
             elif name in seen:
-                other_kind, other_line = seen[name]
-                report(f"`{name}` is already declared as a {other_kind} at IR line {other_line} "
+                other_what, other_line = seen[name]
+                report(f"`{name}` is already declared as a {other_what} at IR line {other_line} "
                        f"(names are unique in the IR); rename one of them")
             else:
-                seen[name] = (kind, line)
-                scope[name] = _Name(kind, line, decl)
+                seen[name] = (what, line)
+                scope[name] = _Name(what, line, decl)
 
         for p in self.k.params:
-            kind = {ir.ScalarParam: "scalar param", ir.TensorMapParam: "tensormap param",
+            what = {ir.ScalarParam: "scalar param", ir.TensorMapParam: "tensormap param",
                     ir.GlobalParam: "global param"}[type(p)]
-            what = f"{kind.split()[0]} {p.name}"
-            report = lambda problem, what=what: self.r.header(problem, what)  # noqa: E731
-            declare(p.name, kind, 1, p, report)
+            where = f"{what.split()[0]} {p.name}"
+            report = lambda problem, where=where: self.r.header(problem, where)  # noqa: E731
+            declare(p.name, what, 1, p, report)
             self._dtype(p.dtype, report)
             if isinstance(p, (ir.TensorMapParam, ir.GlobalParam)):
                 for d in p.shape:
@@ -123,8 +125,8 @@ class StructureCheck(TileChecks):
             self._dtype(b.dtype, report)
             if not b.shape or any(d < 1 for d in b.shape):
                 report(f"shape {list(b.shape)}: a smem buffer needs at least one dim, each >= 1")
-            if b.swizzle not in SWIZZLES:
-                report(f"swizzle({b.swizzle}) is not a TMA swizzle; use 0, 32, 64 or 128")
+            if b.swizzle not in TMA_SWIZZLES:
+                report(f"swizzle({b.swizzle}) is not a TMA swizzle; use {SWIZZLE_CHOICES}")
         for j, b in enumerate(self.k.barriers):
             report = lambda problem, j=j: self.r.barrier_decl(j, problem)  # noqa: E731
             declare(b.name, "barrier", 2 + len(self.k.smem) + j, b, report)
@@ -143,7 +145,7 @@ class StructureCheck(TileChecks):
                        f"(and num_sms in the grid) only")
 
     def _launch(self, scope) -> None:
-        scalars = {n: b for n, b in scope.items() if b.kind == "scalar param"}
+        scalars = {n: b for n, b in scope.items() if b.what == "scalar param"}
         self._host_expr(self.k.grid, scalars, lambda m: self.r.header(m, "grid"), "the grid")
         if len(self.k.cluster) != 3 or any(c < 1 for c in self.k.cluster):
             self.r.header(f"cluster{tuple(self.k.cluster)}: give three extents, each >= 1")
@@ -151,24 +153,25 @@ class StructureCheck(TileChecks):
     def _budgets(self) -> None:
         roles = self.k.roles()
         threads = self.k.threads
+        per_wg = WARPGROUP_THREADS          # threads of one warpgroup
         if threads > MAX_THREADS:
-            self.r.header(f"the roles add up to {threads} threads ({threads // 128} warpgroups); a CTA "
-                          f"has at most {MAX_THREADS} threads (8 warpgroups)")
-        used = sum(r.warpgroups * 128 * r.registers for r in roles)
+            self.r.header(f"the roles add up to {threads} threads ({threads // per_wg} warpgroups); a CTA "
+                          f"has at most {MAX_THREADS} threads ({MAX_THREADS // per_wg} warpgroups)")
+        used = sum(r.warpgroups * per_wg * r.registers for r in roles)
         if used > REGISTER_FILE:
-            terms = " + ".join(f"role {r.name} {r.warpgroups}×128×{r.registers}" for r in roles)
+            terms = " + ".join(f"role {r.name} {r.warpgroups}×{per_wg}×{r.registers}" for r in roles)
             widest = max(roles, key=lambda r: r.warpgroups * r.registers)
-            rest = used - widest.warpgroups * 128 * widest.registers
-            fit = (REGISTER_FILE - rest) // (widest.warpgroups * 128) // 8 * 8
+            rest = used - widest.warpgroups * per_wg * widest.registers
+            fit = (REGISTER_FILE - rest) // (widest.warpgroups * per_wg) // SETMAXNREG_STEP * SETMAXNREG_STEP
             hint = (f"lower the registers of a role, e.g. role {widest.name} registers({fit})"
-                    if fit >= 24 else "use fewer warpgroups")
+                    if fit >= SETMAXNREG_MIN else "use fewer warpgroups")
             self.r.header(f"register budget exceeded: {terms} = {used} registers, {used - REGISTER_FILE} "
                           f"over the {REGISTER_FILE} of an SM; {hint}")
         total = self.k.smem_bytes
         if total > SMEM_LIMIT:
             self.r.header(f"shared memory needs {total} bytes (buffers, barriers and alignment), "
-                          f"{total - SMEM_LIMIT} over the {SMEM_LIMIT} bytes (227 KB) a CTA can have; "
-                          f"use fewer stages or smaller tiles")
+                          f"{total - SMEM_LIMIT} over the {SMEM_LIMIT} bytes ({SMEM_LIMIT // 1024} KB) a CTA "
+                          f"can have; use fewer stages or smaller tiles")
 
     # -- statements -----------------------------------------------------------------------------
 
@@ -176,21 +179,21 @@ class StructureCheck(TileChecks):
         scope = dict(scope)
         for i, s in enumerate(stmts):
             path = prefix + (offset + i,)
-            if ctx.elected and isinstance(s, _COLLECTIVE):
-                self.r.at(path, f"{keyword(s)} is warpgroup-collective, but elect_one runs its body on one "
-                                f"thread; move it out of elect_one")
+            if ctx.elected and isinstance(s, ir.WARPGROUP_COLLECTIVE):
+                self.r.at(path, f"{statement_name(s)} is warpgroup-collective, but elect_one runs its body on "
+                                f"one thread; move it out of elect_one")
             getattr(self, "_" + type(s).__name__)(s, path, scope, ctx)
 
-    def _declare(self, name, kind, path, scope, decl=None) -> None:
+    def _declare(self, name, what, path, scope, decl=None) -> None:
         line = self.r.line(path)
         if name in ir.BUILTINS:
-            self.r.at(path, f"`{name}` is a builtin name; choose another name for the {kind}")
+            self.r.at(path, f"`{name}` is a builtin name; choose another name for the {what}")
             return
         if name in scope:
             other = scope[name]
-            self.r.at(path, f"`{name}` is already declared as a {other.kind} at IR line {other.line} "
+            self.r.at(path, f"`{name}` is already declared as a {other.what} at IR line {other.line} "
                             f"(names are unique in the IR); rename one of them")
-        scope[name] = _Name(kind, line, decl)
+        scope[name] = _Name(what, line, decl)
 
     def _undeclared(self, name, path, ctx) -> str:
         if name == "wg":
@@ -202,12 +205,12 @@ class StructureCheck(TileChecks):
         role = ctx.role.name if ctx.role else None
         line = self.r.line(path)
         for d in self.declarations.get(name, ()):
-            if d.kind == "register tile" and d.role != role:
+            if d.what == "register tile" and d.role != role:
                 owner = f"role {d.role}" if d.role else "kernel level"
                 return (f"register tile `{name}` belongs to {owner} (IR line {d.line}); register tiles "
                         f"are per warpgroup and visible only inside the role that declares them")
             if d.role == role and d.line > line:
-                return (f"`{name}` is used before its declaration ({d.kind} at IR line {d.line}); "
+                return (f"`{name}` is used before its declaration ({d.what} at IR line {d.line}); "
                         f"declare it before this statement")
         if name in self.declarations:
             d = min(self.declarations[name], key=lambda d: d.role != role)     # this role's first
@@ -222,8 +225,8 @@ class StructureCheck(TileChecks):
                 b = scope.get(node.name)
                 if b is None:
                     self.r.at(path, self._undeclared(node.name, path, ctx))
-                elif b.kind not in _SCALARS:
-                    self.r.at(path, f"`{node.name}` is a {b.kind}, not a scalar; expressions read scalar "
+                elif b.what not in _SCALARS:
+                    self.r.at(path, f"`{node.name}` is a {b.what}, not a scalar; expressions read scalar "
                                     f"params, builtins, loop variables and lets/vars")
             elif isinstance(node, ir.BinOp) and node.op not in ir.BINARY_PRECEDENCE:
                 self.r.at(path, f"`{node.op}` is not an operator of the IR; use one of "
@@ -236,22 +239,23 @@ class StructureCheck(TileChecks):
                     self.r.at(path, f"`{node.func}` is not a function of the IR; use one of "
                                     f"{', '.join(ir.CALLS)}")
 
-    def _lookup(self, name, kind, path, scope, ctx, what):
-        """The declaration behind `name` if it is a `kind` in scope, else report and None."""
+    def _lookup(self, name, wanted, path, scope, ctx, noun):
+        """The declaration behind `name` if it is a `wanted` ("barrier", "register tile", ...) in
+        scope, else report and None; `noun` is what the statement calls the name ("tile")."""
         b = scope.get(name)
-        if b is not None and b.kind == kind:
+        if b is not None and b.what == wanted:
             return b.decl
-        known = ", ".join(n for n, x in scope.items() if x.kind == kind) or "none"
+        known = ", ".join(n for n, x in scope.items() if x.what == wanted) or "none"
         if b is not None:
-            self.r.at(path, f"{what} `{name}` is a {b.kind}, not a {kind} (declared: {known})")
-        elif kind == "register tile":
+            self.r.at(path, f"{noun} `{name}` is a {b.what}, not a {wanted} (declared: {known})")
+        elif wanted == "register tile":
             message = self._undeclared(name, path, ctx)
             if name not in self.declarations:
                 message = (f"`{name}` is not a register tile; declare it in this role with "
                            f"`reg {name}: f32[rows, cols]`")
             self.r.at(path, message)
         else:
-            self.r.at(path, f"{what} `{name}` is not a declared {kind} (declared: {known})")
+            self.r.at(path, f"{noun} `{name}` is not a declared {wanted} (declared: {known})")
         return None
 
     def _bar(self, ref: ir.BarRef, path, scope, ctx) -> "ir.BarrierDecl | None":
@@ -289,17 +293,17 @@ class StructureCheck(TileChecks):
         if b is None:
             self.r.at(path, f"`set {s.name}` updates an undeclared name; declare it first with "
                             f"`var {s.name} = ...`")
-        elif b.kind == "let":
+        elif b.what == "let":
             self.r.at(path, f"`set {s.name}` updates a let (immutable, IR line {b.line}); declare it with "
                             f"`var {s.name} = ...` to update it")
-        elif b.kind != "var":
-            self.r.at(path, f"`set {s.name}` updates a {b.kind}; only a `var` can be updated")
+        elif b.what != "var":
+            self.r.at(path, f"`set {s.name}` updates a {b.what}; only a `var` can be updated")
 
     def _For(self, s: ir.For, path, scope, ctx):
         for e in (s.start, s.stop, s.step):
             self._expr(e, path, scope, ctx)
-        if s.iteration not in LOOP_KINDS:
-            self.r.at(path, f"loop kind `{s.iteration}` is not one of {', '.join(LOOP_KINDS)}")
+        if s.iteration not in ir.LOOP_KINDS:
+            self.r.at(path, f"loop kind `{s.iteration}` is not one of {', '.join(ir.LOOP_KINDS)}")
         step = constant(s.step)
         if isinstance(step, (int, float)) and step <= 0:
             self.r.at(path, f"step {expr_text(s.step)}: a loop counts up; use a step >= 1")
@@ -318,9 +322,9 @@ class StructureCheck(TileChecks):
                             f"kernel level")
         if s.warpgroups < 1:
             self.r.at(path, f"warpgroups({s.warpgroups}): a role has at least one warpgroup")
-        if s.registers % 8 or not 24 <= s.registers <= 256:
-            self.r.at(path, f"registers({s.registers}): a role's register count must be a multiple of 8 "
-                            f"in [24, 256] (what setmaxnreg can set)")
+        if not _settable_registers(s.registers):
+            self.r.at(path, f"registers({s.registers}): a role's register count must be {_REGISTERS} "
+                            f"(what setmaxnreg can set)")
         if (self.unfenced_init or self.fenced) and not self.visibility_reported:
             self.visibility_reported = True
             self.r.at(path, "the barrier inits are not visible to the roles yet; after the last "
@@ -336,17 +340,16 @@ class StructureCheck(TileChecks):
         pass
 
     def _Setmaxnreg(self, s: ir.Setmaxnreg, path, scope, ctx):
-        if s.action not in SETMAXNREG_ACTIONS:
-            self.r.at(path, f"setmaxnreg.{s.action}: the action is inc or dec")
-        if s.registers % 8 or not 24 <= s.registers <= 256:
-            self.r.at(path, f"setmaxnreg {s.registers}: the register count must be a multiple of 8 in "
-                            f"[24, 256]")
+        if s.action not in ir.SETMAXNREG_ACTIONS:
+            self.r.at(path, f"{keyword(s)}: the action is {' or '.join(ir.SETMAXNREG_ACTIONS)}")
+        if not _settable_registers(s.registers):
+            self.r.at(path, f"setmaxnreg {s.registers}: the register count must be {_REGISTERS}")
         if ctx.role is None:
             self.r.at(path, "setmaxnreg outside a role; it belongs at the start of a role's body")
         elif s.registers != ctx.role.registers:
-            self.r.at(path, f"setmaxnreg.{s.action} {s.registers} in role {ctx.role.name} "
+            self.r.at(path, f"{keyword(s)} {s.registers} in role {ctx.role.name} "
                             f"registers({ctx.role.registers}); the role's budget and its setmaxnreg must "
-                            f"agree: use setmaxnreg.{s.action} {ctx.role.registers} (or "
+                            f"agree: use {keyword(s)} {ctx.role.registers} (or "
                             f"registers({s.registers}))")
 
     def _MbarrierInit(self, s: ir.MbarrierInit, path, scope, ctx):
@@ -358,6 +361,9 @@ class StructureCheck(TileChecks):
         if s.arrivals < 1:
             self.r.at(path, f"arrivals({s.arrivals}): an mbarrier phase needs at least 1 arrival; count "
                             f"the arrive operations of one phase")
+        elif s.arrivals > MBARRIER_MAX_ARRIVALS:
+            self.r.at(path, f"arrivals({s.arrivals}): an mbarrier phase counts at most "
+                            f"{MBARRIER_MAX_ARRIVALS} arrivals")
         if s.barrier in self.inits:
             self.r.at(path, f"barrier `{s.barrier}` is initialised twice (first at IR line "
                             f"{self.inits[s.barrier]}); initialise it once")
@@ -403,14 +409,15 @@ class StructureCheck(TileChecks):
                 bid = evaluate(s.id, {} if wg is None else {"wg": wg})
             except (KeyError, ValueError):   # unbound name, or no value (evaluate's errors)
                 break
-            if not 1 <= bid <= 15:
+            if not 1 <= bid < NAMED_BARRIERS:
                 at = "" if wg is None else f" for wg = {wg}"
-                self.r.at(path, f"{verb} {expr_text(s.id)}: barrier id {bid}{at} is outside [1, 15] (id 0 is "
-                                f"the barrier syncthreads uses); use ids 1..15")
+                last = NAMED_BARRIERS - 1
+                self.r.at(path, f"{verb} {expr_text(s.id)}: barrier id {bid}{at} is outside [1, {last}] (id 0 "
+                                f"is the barrier syncthreads uses); use ids 1..{last}")
                 break
-        unit = 128 if ctx.role is not None else 32
+        unit = WARPGROUP_THREADS if ctx.role is not None else WARP_THREADS
         if s.threads < 1 or s.threads % unit:
-            what = "whole warpgroups inside a role" if unit == 128 else "whole warps"
+            what = "whole warpgroups inside a role" if unit == WARPGROUP_THREADS else "whole warps"
             self.r.at(path, f"{verb} {expr_text(s.id)}, {s.threads}: the thread count must be a multiple of "
                             f"{unit} ({what})")
         if s.threads > self.k.threads:

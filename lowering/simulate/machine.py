@@ -1,8 +1,8 @@
 """The simulator's machine: CTAs launched in waves of `num_sms`, one coroutine (generator) per
 warpgroup, the seeded scheduler that steps coroutines and asynchronous operations, deadlock and
 livelock reports, statement execution and the control-flow handlers. The handlers of the other
-statements come from one mixin per concern (`simulate_prepare`, `simulate_sync`,
-`simulate_async`, `simulate_tiles`); a node's handler is the method `_h_<Stmt class name>`."""
+statements come from one mixin per concern (`prepare`, `sync`, `async_proxy`, `tiles`); a node's
+handler is the method `_h_<Stmt class name>`."""
 
 from __future__ import annotations
 
@@ -13,14 +13,18 @@ from typing import Callable, Iterator
 
 import torch
 
-from . import ir
-from .simulate import DeadlockError, ProtocolError, SimReport, SimulationError
-from .simulate_async import AsyncHandlers
-from .simulate_expr import ExprError, Undefined, compile_expr, expr_text, stmt_text
-from .simulate_prepare import KernelPreparation
-from .simulate_state import TORCH_DTYPES, Cell, Co, Cta, Node
-from .simulate_sync import BarrierHandlers
-from .simulate_tiles import TileHandlers
+from wsched.target import SETMAXNREG_MAX, SETMAXNREG_MIN, SETMAXNREG_STEP, TORCH_DTYPES, WARPGROUP_THREADS
+
+from .. import ir
+from ..evaluate import ExprError, Undefined, compile_expr
+from ..printer import expr_text
+from .async_proxy import AsyncHandlers
+from .errors import DeadlockError, ProtocolError, SimulationError, SimulatorInternalError, check_verified
+from .prepare import KernelPreparation
+from .report import SimReport
+from .state import Cell, Co, Cta, Node
+from .sync import BarrierHandlers
+from .tiles import TileHandlers
 
 
 class _ReturnSignal(Exception):
@@ -43,13 +47,14 @@ class Machine(KernelPreparation, BarrierHandlers, AsyncHandlers, TileHandlers):
         genv = dict(self.scalars, num_sms=num_sms)
         try:
             grid = compile_expr(kernel.grid)(genv)
-        except Undefined as u:
-            raise SimulationError(f"grid {expr_text(kernel.grid)}: undefined name {u.name!r}") from None
+        except Undefined:
+            raise SimulatorInternalError("the verifier should have rejected this kernel: the grid reads "
+                                         "scalar params and num_sms only") from None
         if type(grid) is not int or grid < 1:
             raise SimulationError(f"grid {expr_text(kernel.grid)} = {grid!r}: need a positive integer")
         self.grid = grid
         self.report.num_ctas = grid
-        self.warpgroups = kernel.threads // 128
+        self.warpgroups = kernel.threads // WARPGROUP_THREADS
         self.role_start: dict[int, int] = {}
         start = 0
         for role in kernel.roles():
@@ -211,22 +216,14 @@ class Machine(KernelPreparation, BarrierHandlers, AsyncHandlers, TileHandlers):
             try:
                 r = node.fn(co, node)
             except Undefined as u:
-                raise self._undefined(co, node, u.name) from None
+                raise SimulatorInternalError(f"the verifier should have rejected this kernel: {u.name!r} is "
+                                             f"not in scope at {co.where(node)}") from None
             except ExprError as x:
                 raise ProtocolError(f"{x} in {co.where(node)}") from None
             if r is None:
                 yield
             else:
                 yield from r
-
-    def _undefined(self, co: Co, node: Node, name: str) -> ProtocolError:
-        hint = ""
-        if name == "num_sms":
-            hint = " (num_sms is host side: usable in the grid expression only; use num_ctas in the body)"
-        elif name == "wg":
-            hint = " (wg is bound only inside a role)"
-        return ProtocolError(f"undefined name {name!r} in CTA {co.cta.cta_id} {co.label}: "
-                             f"{stmt_text(node.stmt)}{hint}")
 
     def _int(self, co: Co, node: Node, value, what: str) -> int:
         if type(value) is not int:
@@ -239,10 +236,7 @@ class Machine(KernelPreparation, BarrierHandlers, AsyncHandlers, TileHandlers):
 
     def _h_Assign(self, co, node):
         name = node.stmt.name
-        if name not in co.env:
-            raise Undefined(name)
-        if name not in self.mutable:
-            raise ProtocolError(f"set of {name!r}, which is not declared with `var`: {co.where(node)}")
+        check_verified(name in co.env and name in self.mutable, "`set` updates a `var` in scope")
         co.env[name] = node.ex(co.env)
 
     def _h_For(self, co, node):
@@ -291,10 +285,8 @@ class Machine(KernelPreparation, BarrierHandlers, AsyncHandlers, TileHandlers):
 
     def _h_Setmaxnreg(self, co, node):
         s = node.stmt
-        if s.action not in ("inc", "dec") or s.registers % 8 or not 24 <= s.registers <= 256:
-            raise ProtocolError(f"setmaxnreg needs inc/dec and a multiple of 8 in [24, 256]: {co.where(node)}")
-        if co.role is not None:
-            role = next(r for r in self.kernel.roles() if r.name == co.role)
-            if role.registers != s.registers:
-                raise ProtocolError(f"{stmt_text(s)} in role {role.name} declared registers({role.registers}): "
-                                    f"{co.where(node)}")
+        check_verified(s.action in ir.SETMAXNREG_ACTIONS and s.registers % SETMAXNREG_STEP == 0
+                       and SETMAXNREG_MIN <= s.registers <= SETMAXNREG_MAX and co.role is not None,
+                       "setmaxnreg is inside a role, with an action and a count setmaxnreg accepts")
+        role = next(r for r in self.kernel.roles() if r.name == co.role)
+        check_verified(role.registers == s.registers, "setmaxnreg sets its role's registers")

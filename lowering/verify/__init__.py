@@ -13,50 +13,37 @@ Two layers, so that `verify(kernel, contract=False)` can check a partially lower
 
 * structural checks: names and scopes, references to declarations, shapes and dtypes of every
   copy, MMA and tile op, the order of barrier initialisation, warpgroup-collective statements
-  kept out of elect_one, and the hardware limits of DESIGN.md §6 (registers, threads, shared
-  memory, named barriers, setmaxnreg, TMA boxes);
-* the contract between the load and compute nests (DESIGN.md §3): expect_tx bytes, stage and
-  barrier slot agreement, barrier arrival counts, the same (tile, k) traversal with the same
-  stage and phase on both sides, no stage released (and no smem overwritten) while a wgmma
+  kept out of elect_one, and the hardware limits of `wsched/target.py` (registers, threads,
+  shared memory, named barriers, setmaxnreg, TMA boxes);
+* the contract between the load and compute nests (docs/architecture.md): expect_tx bytes,
+  stage and barrier slot agreement, barrier arrival counts, the same (tile, k) traversal with
+  the same stage and phase on both sides, no stage released (and no smem overwritten) while a wgmma
   reading it may be pending, and generic smem writes fenced before TMA or wgmma read them.
   The dynamic half runs each role's control flow on the host for a few sample problem sizes
   and CTAs and checks the recorded barrier operations, wgmma groups and smem accesses.
 
-This module is the entry point; the work is done in
+This package's entry is `verify`; the work is done in
 
-* `verify_lines`: IR line numbers, traversal paths and the location text of every message;
-* `verify_structure`: the structural walk (names, scopes, barriers, limits);
-* `verify_tiles`: its shape checks of TMA copies, wgmma operands and tile ops;
-* `verify_contract`: the load/compute contract, static and on host-run traces.
+* `lines`: IR line numbers, traversal paths and the location text of every message;
+* `structure`: the structural walk (names, scopes, barriers, limits);
+* `tiles`: its shape checks of TMA copies, wgmma operands and tile ops;
+* `contract`: the load/compute contract, static and on host-run traces;
+* `errors`: `VerifyError`.
+
+The simulator runs the structural layer before every simulation and trusts what it checks.
 """
 
 from __future__ import annotations
 
-from . import ir
-from .verify_contract import ContractCheck
-from .verify_lines import Diagnostic, Report, children, statement_at, statement_lines
-from .verify_structure import MAX_THREADS, REGISTER_FILE, SMEM_LIMIT, StructureCheck
-from .verify_tiles import SWIZZLES
+from .. import ir
+from .contract import ContractCheck
+from .errors import VerifyError
+from .lines import Diagnostic, Report, children, statement_at, statement_lines
+from .structure import StructureCheck
 
 __all__ = [
     "Diagnostic", "VerifyError", "verify", "verify_all", "children", "statement_at", "statement_lines",
-    "SMEM_LIMIT", "REGISTER_FILE", "MAX_THREADS", "SWIZZLES",
 ]
-
-# The structural checker under its former name: tests/test_verify.py looks up its per-statement
-# methods (`_<StmtType>`) here.
-_Structure = StructureCheck
-
-
-class VerifyError(ValueError):
-    """The kernel breaks a rule of the IR; `diagnostics` holds every problem found."""
-
-    def __init__(self, diagnostics):
-        self.diagnostics = tuple(diagnostics)
-        super().__init__("\n".join(d.message for d in self.diagnostics))
-
-    def __reduce__(self):
-        return (type(self), (self.diagnostics,))
 
 
 def verify(kernel: ir.Kernel, *, contract: bool = True) -> None:

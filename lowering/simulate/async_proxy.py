@@ -1,4 +1,4 @@
-"""The simulator's asynchronous-proxy handlers (mixed into `simulate_machine.Machine`): smem
+"""The simulator's asynchronous-proxy handlers (mixed into `machine.Machine`): smem
 references and the happens-before race checks on their cells, TMA loads and stores with their
 bulk groups and waits, and wgmma with its commit groups (the math lands at `wgmma.wait`)."""
 
@@ -6,11 +6,16 @@ from __future__ import annotations
 
 import math
 
-from . import ir
-from .simulate import ProtocolError, RaceError
-from .simulate_expr import loops_text
-from .simulate_state import (TORCH_DTYPES, Co, Ctx, MBarrier, Node, Read, TmaLoadOp, TmaStoreOp, WgmmaOp,
-                             Write, box_to_subarray, is_chunked_box, read_box, tile_of)
+from wsched.target import (
+    TORCH_DTYPES, WGMMA_ACCUMULATOR_DTYPE, WGMMA_K, WGMMA_M, WGMMA_N, WGMMA_OPERAND_DTYPES,
+)
+
+from .. import ir
+from ..spelling import keyword
+from .errors import ProtocolError, RaceError, check_verified
+from .state import (Co, Ctx, MBarrier, Node, Read, TmaLoadOp, TmaStoreOp, WgmmaOp, Write, box_to_subarray,
+                    is_chunked_box, read_box, tile_of)
+from .text import loops_text
 
 
 class AsyncHandlers:
@@ -45,7 +50,7 @@ class AsyncHandlers:
             if w is None:
                 raise RaceError(f"read of slot {label} before any write to it (did the reader wait on the right "
                                 f"barrier and phase?): reader {co.where(node)}")
-            if w.kind == "tma":
+            if w.proxy == "async":
                 if not w.landed:
                     raise RaceError(f"read of slot {label} before its TMA load completed (did the reader wait on "
                                     f"the right barrier and phase?): reader {co.where(node)}; pending writer {w.ctx}")
@@ -70,17 +75,17 @@ class AsyncHandlers:
         for cell in cells:
             w = cell.write
             if w is not None:
-                if w.kind == "tma" and not w.landed:
+                if w.proxy == "async" and not w.landed:
                     raise RaceError(f"{writer} into slot {label} while an earlier TMA load into it is still in "
                                     f"flight: writer {co.where(node)}; earlier load {w.ctx}")
-                unordered = (vc.get(w.bar, 0) <= w.phase) if w.kind == "tma" else \
+                unordered = (vc.get(w.bar, 0) <= w.phase) if w.proxy == "async" else \
                     (w.co is not co and vc.get(w.co, 0) < w.epoch)
                 if unordered:
                     raise RaceError(f"{writer} into slot {label} is not ordered after the previous write to it: "
                                     f"writer {co.where(node)}; previous {w.ctx}")
             for r in cell.reads:
-                what = "wgmma" if r.kind == "wgmma" else "TMA store"
-                wait = "wgmma.wait" if r.kind == "wgmma" else "tma.wait.read"
+                what = "wgmma" if r.reader == "wgmma" else "TMA store"
+                wait = "wgmma.wait" if r.reader == "wgmma" else "tma.wait.read"
                 if r.pending:
                     raise RaceError(f"{writer} overwrites slot {label} while a {what} may still be reading it "
                                     f"(the slot was released before {wait} covered the read): writer "
@@ -93,42 +98,37 @@ class AsyncHandlers:
     # TMA
     def _tensormap(self, co, node, name: str):
         entry = self.tensors.get(name)
-        if entry is None or not isinstance(entry[0], ir.TensorMapParam):
-            raise ProtocolError(f"{name!r} is not a tensormap parameter: {co.where(node)}")
+        check_verified(entry is not None and isinstance(entry[0], ir.TensorMapParam),
+                       "tma.load and tma.store reach tensormap params")
         return entry
 
-    def _coords(self, co, node, closures, rank: int, what: str) -> tuple[int, ...]:
+    def _coords(self, co, node, closures, rank: int) -> tuple[int, ...]:
         coords = tuple(self._int(co, node, f(co.env), "coordinate") for f in closures)
-        if len(coords) != rank:
-            raise ProtocolError(f"{what} has rank {rank} but {len(coords)} coordinates: {co.where(node)}")
+        check_verified(len(coords) == rank, "a tensor access gives one coordinate per dim")
         return coords
 
-    def _check_box(self, co, node, param, decl, sub_shape, label: str) -> bool:
-        if decl.dtype != param.dtype:
-            raise ProtocolError(f"tensormap {param.name} is {param.dtype} but smem {label} is {decl.dtype}: "
-                                f"{co.where(node)}")
-        if decl.swizzle != param.swizzle:
-            raise ProtocolError(f"tensormap {param.name} has swizzle({param.swizzle}) but smem {decl.name} has "
-                                f"swizzle({decl.swizzle}): {co.where(node)}")
-        if math.prod(param.box) != math.prod(sub_shape):
-            raise ProtocolError(f"box {list(param.box)} of {param.name} ({math.prod(param.box)} elements) does not "
-                                f"fill smem {label} of shape {list(sub_shape)} ({math.prod(sub_shape)} elements): "
-                                f"{co.where(node)}")
+    @staticmethod
+    def _chunked_box(param, decl, sub_shape) -> bool:
+        """Whether the box fills the sub-array as column chunks (`state.is_chunked_box`)."""
+        check_verified(decl.dtype == param.dtype and decl.swizzle == param.swizzle
+                       and math.prod(param.box) == math.prod(sub_shape),
+                       "a TMA copy moves one box between a tensormap and a smem sub-array of its dtype, "
+                       "swizzle and size")
         return is_chunked_box(param.box, sub_shape)
 
     def _h_TmaLoad(self, co, node):
         s = node.stmt
         dst_idx, coord_fns, bar_idx = node.ex
         param, tensor = self._tensormap(co, node, s.tensor)
-        coords = self._coords(co, node, coord_fns, len(param.box), f"tensormap {param.name}")
+        coords = self._coords(co, node, coord_fns, len(param.box))
         decl, view, cells, label = self._smem(co, node, s.dst, dst_idx)
-        chunked = self._check_box(co, node, param, decl, view.shape, label)
+        chunked = self._chunked_box(param, decl, view.shape)
         bar = self._barrier(co, node, s.bar.barrier, bar_idx(co.env))
         nbytes = math.prod(param.box) * ir.DTYPE_BYTES[param.dtype]
         self._check_tx(co, node, bar, nbytes)
         self._check_write(co, node, cells, label, "TMA load")
         ctx = Ctx(co, node)
-        write = Write("tma", co, ctx)
+        write = Write("async", co, ctx)
         write.bar = bar
         for cell in cells:
             cell.write = write
@@ -184,9 +184,9 @@ class AsyncHandlers:
         s = node.stmt
         src_idx, coord_fns = node.ex
         param, tensor = self._tensormap(co, node, s.tensor)
-        coords = self._coords(co, node, coord_fns, len(param.box), f"tensormap {param.name}")
+        coords = self._coords(co, node, coord_fns, len(param.box))
         decl, view, cells, label = self._smem(co, node, s.src, src_idx)
-        chunked = self._check_box(co, node, param, decl, view.shape, label)
+        chunked = self._chunked_box(param, decl, view.shape)
         self._check_async_read(co, node, cells, label, "TMA store")
         ctx = Ctx(co, node)
         op = TmaStoreOp()
@@ -212,7 +212,7 @@ class AsyncHandlers:
         if self._bulk_ready(co, s.pending, s.read):
             self._bulk_finish(co, s.pending, s.read)
             return None
-        return self._wait_bulk(co, s.pending, s.read)
+        return self._wait_bulk(co, s)
 
     @staticmethod
     def _older_groups(co: Co, pending: int) -> list:
@@ -237,12 +237,13 @@ class AsyncHandlers:
                         r.end = epoch
         co.bulk_groups = [g for g in co.bulk_groups if not all(op.done and op.reads_ended for op in g)]
 
-    def _wait_bulk(self, co, pending: int, read: bool):
+    def _wait_bulk(self, co, s):
         env, loops = co.env, tuple(co.loops)
-        kind = "tma.wait.read" if read else "tma.wait"
+        pending, read = s.pending, s.read
 
         def describe():
-            return f"{kind} {pending} — {len(co.bulk_groups)} bulk group(s) committed{loops_text(loops, env)}"
+            return (f"{keyword(s)} {pending} — {len(co.bulk_groups)} bulk group(s) committed"
+                    f"{loops_text(loops, env)}")
         while not self._bulk_ready(co, pending, read):
             self._park(co, co.bulk_waiters, describe)
             yield
@@ -257,17 +258,12 @@ class AsyncHandlers:
         s = node.stmt
         a_idx, b_idx, accumulate_fn = node.ex
         acc = self._reg(co, node, s.acc)
-        if acc.dtype != "f32" or len(acc.shape) != 2 or acc.shape[0] != 64:
-            raise ProtocolError(f"wgmma accumulator {s.acc} must be f32[64, N], is {acc.dtype}{list(acc.shape)}: "
-                                f"{co.where(node)}")
         op = WgmmaOp()
         op.reads = []
         ctx = Ctx(co, node)
         reads = []  # (cells, label) to check and record
         if isinstance(s.a, str):
             a = self._reg(co, node, s.a)
-            if s.a_major != "k":
-                raise ProtocolError(f"register A operand must be major k: {co.where(node)}")
             a_dtype, a_shape = a.dtype, a.shape
             op.a_name, op.a_reg, op.a_view, op.a_trans = s.a, a, None, False
             fenced = (s.acc, s.a)
@@ -281,17 +277,14 @@ class AsyncHandlers:
         bdecl, bview, bcells, blabel = self._smem(co, node, s.b, b_idx)
         reads.append((bcells, blabel))
         btile = ir.tile_shape_of_subarray(tuple(bview.shape))
-        if s.a_major not in ("k", "n") or s.b_major not in ("k", "n"):
-            raise ProtocolError(f"wgmma majors must be k or n: {co.where(node)}")
         op.b_view, op.b_trans = bview, s.b_major == "k"
         k, n = btile[::-1] if op.b_trans else btile
-        if (a_dtype != bdecl.dtype or a_dtype not in ("bf16", "f16") or len(a_shape) != 2
-                or a_shape[0] != 64 or a_shape[1] != k or acc.shape[1] != n or n % 8 or not 8 <= n <= 256
-                or k % 16):
-            raise ProtocolError(
-                f"wgmma shapes: acc {list(acc.shape)} = A {a_dtype}{list(a_shape)} @ B {bdecl.dtype}[{k}, {n}] "
-                f"(from {blabel} {list(bview.shape)}, major {s.b_major}) needs 16-bit A and B of one dtype, "
-                f"M = 64, K a multiple of 16, N a multiple of 8 in [8, 256]: {co.where(node)}")
+        check_verified(s.a_major in ir.MMA_MAJORS and s.b_major in ir.MMA_MAJORS
+                       and (isinstance(s.a, ir.SmemRef) or s.a_major == "k")
+                       and acc.dtype == WGMMA_ACCUMULATOR_DTYPE and acc.shape == (WGMMA_M, n) and n in WGMMA_N
+                       and a_dtype == bdecl.dtype and a_dtype in WGMMA_OPERAND_DTYPES
+                       and tuple(a_shape) == (WGMMA_M, k) and k % WGMMA_K == 0,
+                       "wgmma's operands have the shapes and dtypes of one wgmma.mma_async")
         for name in fenced:
             if name in co.touched:
                 raise ProtocolError(f"missing wgmma.fence: register tile {name} was accessed by a tile op "
