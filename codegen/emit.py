@@ -18,7 +18,7 @@ Execution-model mapping (see `lowering/ir.py`):
   arrival per warpgroup, made by the warpgroup's first thread; `mbarrier.wait` by every thread.
 * `elect_one`: one thread of the warpgroup's first warp; TMA issue, commit and wait must be
   inside one (bulk async-groups belong to the issuing thread).
-* register tiles use the wgmma accumulator fragment layout (`emit_tiles.py`).
+* register tiles use the wgmma accumulator fragment layout (`fragment.py`).
 
 Spellings chosen so that ptxas keeps a 128x256 consumer (128 accumulator registers plus a
 64-register bf16 output tile) inside its setmaxnreg budget without spilling:
@@ -35,6 +35,7 @@ elect_one) and control flow; the other node kinds are spelled in
 
     emit_async.py        mbarrier, named barriers, TMA, wgmma
     emit_tiles.py        register tiles: declarations, elementwise ops, reductions, masks
+    fragment.py          the register-tile fragment layout and the C++ names of its elements
     emit_tile_memory.py  tile loads / stores to global memory, tile stores to shared memory
     emit_context.py      the emitter's state: text, scopes, names, expressions, references
 """
@@ -45,9 +46,10 @@ from dataclasses import dataclass
 from typing import Callable
 
 from wsched.lowering import ir
+from wsched.target import ELEMENT_TYPES, SMEM_ALIGN, WARPGROUP_THREADS
 
 from . import emit_async, emit_tile_memory, emit_tiles
-from .emit_context import CTYPE, ELECT, KERNEL, ROLE, EmitError, Emitter, RoleInfo, describe, names_in
+from .emit_context import ELECT, KERNEL, ROLE, EmitError, Emitter, RoleInfo, names_in
 
 __all__ = ["EmitError", "EmittedKernel", "emit_kernel", "EMITTERS"]
 
@@ -94,14 +96,13 @@ def _emit_let(em: Emitter, s: ir.Let) -> None:
 
 
 def _emit_assign(em: Emitter, s: ir.Assign) -> None:
-    if em.scope.lookup(s.name) is None:
-        raise EmitError(f"`set {s.name}`: no `var {s.name}` in scope")
+    assert em.scope.lookup(s.name) is not None, s  # verifier _Assign: a var in scope
     em.line(f"{em.c(s.name)} = {em.expr(s.value)};")
 
 
 def _emit_for(em: Emitter, s: ir.For) -> None:
-    if s.iteration not in ("serial", "persistent", "unroll"):
-        raise EmitError(f"for {s.var}: unknown loop kind {s.iteration!r} (serial | persistent | unroll)")
+    # verifier _For: the iteration is serial, persistent or unroll
+    assert s.iteration in ("serial", "persistent", "unroll"), s
     start, stop = em.expr(s.start), em.expr(s.stop)
     var = em.c(s.var)
     step = "++" + var if s.step == ir.IntConst(1) else f"{var} += {em.expr(s.step)}"
@@ -152,7 +153,7 @@ def _emit_role(em: Emitter, s: ir.Role) -> None:
     em.next_wg += s.warpgroups
     if not em.role_chain_open:
         em.line()
-        em.line("const int wg_index = __shfl_sync(0xffffffff, threadIdx.x / 128, 0);")
+        em.line(f"const int wg_index = __shfl_sync(0xffffffff, threadIdx.x / {WARPGROUP_THREADS}, 0);")
         em.line(f"if (wg_index < {em.next_wg}) {{")
         em.role_chain_open = True
     else:
@@ -189,9 +190,8 @@ def _emit_return(em: Emitter, s: ir.Return) -> None:
 
 
 def _emit_setmaxnreg(em: Emitter, s: ir.Setmaxnreg) -> None:
-    em.require(s, level=(ROLE,), what="is warpgroup-wide and must be in a role outside elect_one")
-    if s.action not in ("inc", "dec"):
-        raise EmitError(f"{describe(s)}: action must be inc or dec")
+    # verifier _Setmaxnreg and _block: inc or dec, in a role, not inside elect_one
+    assert em.level == ROLE and s.action in ("inc", "dec"), s
     em.line(f"wsp::setmaxnreg_{s.action}<{s.registers}>();")
 
 
@@ -243,11 +243,11 @@ def _param_decl(em: Emitter, p: ir.Param) -> str:
     if isinstance(p, ir.TensorMapParam):
         return f"const __grid_constant__ CUtensorMap {em.c(p.name)}"
     if isinstance(p, ir.GlobalParam):
-        return f"{CTYPE[p.dtype]}* __restrict__ {em.c(p.name)}"
+        return f"{ELEMENT_TYPES[p.dtype].cuda}* __restrict__ {em.c(p.name)}"
     if isinstance(p, ir.ScalarParam):
         if p.dtype not in ("i32", "f32"):
             raise EmitError(f"scalar parameter {p.name}: dtype {p.dtype} (i32 or f32)")
-        return f"{CTYPE[p.dtype]} {em.c(p.name)}"
+        return f"{ELEMENT_TYPES[p.dtype].cuda} {em.c(p.name)}"
     raise EmitError(f"no CUDA spelling for parameter {p!r}")
 
 
@@ -290,16 +290,17 @@ def emit_kernel(kernel: ir.Kernel) -> EmittedKernel:
     em = Emitter(kernel)
     for p in kernel.params:
         if isinstance(p, ir.ScalarParam):
-            em.scope.declare(p.name, CTYPE[p.dtype] if p.dtype in CTYPE else "int")
+            em.scope.declare(p.name, ELEMENT_TYPES[p.dtype].cuda if p.dtype in ELEMENT_TYPES else "int")
         else:
             em.scope.declare(p.name, "tensor")
 
     # setup: shared memory carve-up in the layout ir.Kernel.smem_bytes assumes
     em.line("// setup")
-    em.line("extern __shared__ __align__(1024) uint8_t wsp_smem_raw[];")
-    em.line("// the dynamic smem base, aligned up to 1024 bytes (128B-swizzle atoms need it)")
+    em.line(f"extern __shared__ __align__({SMEM_ALIGN}) uint8_t wsp_smem_raw[];")
+    em.line(f"// the dynamic smem base, aligned up to {SMEM_ALIGN} bytes (128B-swizzle atoms need it)")
+    mask = SMEM_ALIGN - 1
     em.line("uint8_t* const smem = reinterpret_cast<uint8_t*>("
-            "(reinterpret_cast<uintptr_t>(wsp_smem_raw) + 1023) & ~uintptr_t(1023));")
+            f"(reinterpret_cast<uintptr_t>(wsp_smem_raw) + {mask}) & ~uintptr_t({mask}));")
     for buf in kernel.smem:
         em.line(f"uint8_t* const smem_{buf.name} = smem + {em.smem_offsets[buf.name]};"
                 f"  // {buf.dtype}{list(buf.shape)} swizzle({buf.swizzle})")

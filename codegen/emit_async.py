@@ -19,10 +19,12 @@ import math
 from typing import Callable
 
 from wsched.lowering import ir
+from wsched.target import (DTYPE_BYTES, SWIZZLE_ROW_BYTES, WGMMA_ACCUMULATOR_DTYPE, WGMMA_K, WGMMA_M,
+                           WGMMA_N, WGMMA_OPERAND_DTYPES)
 
 from .emit_context import ELECT, KERNEL, EmitError, Emitter, describe
-from .emit_tiles import FULL
-from .wgmma import VALID_N, wgmma_function
+from .fragment import FULL
+from .wgmma import wgmma_function
 
 # --- mbarriers and CTA / named barriers -------------------------------------------------------------
 
@@ -40,10 +42,9 @@ def emit_mbarrier_inval(em: Emitter, s: ir.MbarrierInval) -> None:
 
 
 def _barrier_slots(em: Emitter, name: str) -> int:
-    for b in em.kernel.barriers:
-        if b.name == name:
-            return b.slots
-    raise EmitError(f"barrier {name!r} is not declared (have {[b.name for b in em.kernel.barriers]})")
+    # verifier _MbarrierInit / _MbarrierInval: a declared barrier
+    (slots,) = [b.slots for b in em.kernel.barriers if b.name == name]
+    return slots
 
 
 def emit_fence_mbarrier_init(em: Emitter, s: ir.FenceMbarrierInit) -> None:
@@ -68,8 +69,8 @@ def emit_fence_proxy_async(em: Emitter, s: ir.FenceProxyAsync) -> None:
 
 
 def emit_syncthreads(em: Emitter, s: ir.SyncThreads) -> None:
-    em.require(s, level=(KERNEL,), what="is a whole-CTA barrier and must be at kernel level "
-                                        "(use bar.sync inside roles)")
+    # verifier _SyncThreads and _block: at kernel level, not inside elect_one
+    assert em.level == KERNEL, s
     em.line("__syncthreads();")
 
 
@@ -89,21 +90,13 @@ def _require_elected(em: Emitter, s: ir.Stmt) -> None:
                                        "waited on by one thread)")
 
 
-def _check_box(s: ir.Stmt, p: ir.TensorMapParam, decl: ir.SmemDecl, sub: tuple[int, ...]) -> None:
-    box_bytes = math.prod(p.box) * ir.DTYPE_BYTES[p.dtype]
-    sub_bytes = math.prod(sub) * ir.DTYPE_BYTES[decl.dtype]
-    if box_bytes != sub_bytes or p.dtype != decl.dtype:
-        raise EmitError(f"{describe(s)}: the box of {p.name} ({p.dtype}{list(p.box)}, {box_bytes} "
-                        f"bytes) does not fill the smem sub-array {decl.dtype}{list(sub)} "
-                        f"({sub_bytes} bytes)")
-
-
 def _tma_operands(em: Emitter, s: ir.TmaLoad | ir.TmaStore, ref: ir.SmemRef) -> tuple[str, str, str]:
     """(smem pointer, &tensor map, coordinates innermost first) of a TMA copy."""
     _require_elected(em, s)
     p = em.tensormap_param(s.tensor, s, s.coords)
     ptr, decl, sub = em.smem_ref(ref)
-    _check_box(s, p, decl, sub)
+    # verifier _tma: the sub-array holds exactly one box of the map's dtype
+    assert p.dtype == decl.dtype and math.prod(p.box) == math.prod(sub), s
     # IR coordinates are outermost first; the hardware (and wsp::tma_*) take innermost first.
     return ptr, f"&{em.c(s.tensor)}", em.coords_text(tuple(reversed(s.coords)))
 
@@ -173,40 +166,35 @@ def emit_wgmma_wait(em: Emitter, s: ir.WgmmaWait) -> None:
     _fence_operands(em)
 
 
-_SWIZZLE_SPAN = 128  # the only operand layout implemented: 128-byte swizzle, 64 x 16-bit per row
-
-
-def _k_major_operand(em: Emitter, s: ir.Wgmma, ref: ir.SmemRef, rows: int | None,
+# The only operand layout implemented: rows of SWIZZLE_ROW_BYTES (64 x 16-bit), 128-byte swizzle.
+def _k_major_operand(em: Emitter, s: ir.Wgmma, ref: ir.SmemRef, rows: int,
                      what: str) -> tuple[str, int, Callable[[int], int]]:
     """(start pointer text, K, byte offset of k16 step ks) of a K-major operand: sub-array
     [rows, K] (K * bytes <= 128) or column chunks (K / 64, rows, 64)."""
     ptr, decl, sub = em.smem_ref(ref)
     _check_operand_swizzle(s, decl, what)
+    assert len(sub) in (2, 3), s  # verifier _smem_tile: [rows, K] or (chunks, rows, width)
     if len(sub) == 2:
         r, k = sub
         w = k
-    elif len(sub) == 3:
+    else:
         chunks, r, w = sub
         k = chunks * w
-    else:
-        raise EmitError(f"{describe(s)}: {what} sub-array {list(sub)} is not [rows, K] or (chunks, rows, 64)")
-    nbytes = ir.DTYPE_BYTES[decl.dtype]
-    if w * nbytes > _SWIZZLE_SPAN or (len(sub) == 3 and w * nbytes != _SWIZZLE_SPAN):
+    nbytes = DTYPE_BYTES[decl.dtype]
+    if w * nbytes > SWIZZLE_ROW_BYTES or (len(sub) == 3 and w * nbytes != SWIZZLE_ROW_BYTES):
         raise EmitError(f"{describe(s)}: {what} rows of {w} {decl.dtype} exceed the 128-byte swizzle span")
-    if rows is not None and r != rows:
-        raise EmitError(f"{describe(s)}: {what} sub-array {list(sub)} has {r} rows, expected {rows}")
-    if k % 16:
-        raise EmitError(f"{describe(s)}: K = {k} is not a multiple of 16")
+    # verifier _Wgmma: A is [64, K], B [N, K], K a multiple of 16
+    assert r == rows and k % WGMMA_K == 0, s
 
     def step(ks: int) -> int:
-        col = 16 * ks
-        return (col // w) * r * _SWIZZLE_SPAN + (col % w) * nbytes
+        col = WGMMA_K * ks
+        return (col // w) * r * SWIZZLE_ROW_BYTES + (col % w) * nbytes
 
     return ptr, k, step
 
 
 def _check_operand_swizzle(s: ir.Wgmma, decl: ir.SmemDecl, what: str) -> None:
-    if decl.swizzle != 128 or decl.dtype not in ("bf16", "f16"):
+    if decl.swizzle != SWIZZLE_ROW_BYTES or decl.dtype not in WGMMA_OPERAND_DTYPES:
         raise EmitError(f"{describe(s)}: {what} buffer {decl.name} is {decl.dtype} swizzle({decl.swizzle}); "
                         "wgmma operands are implemented for bf16/f16 with swizzle(128) only")
 
@@ -214,9 +202,8 @@ def _check_operand_swizzle(s: ir.Wgmma, decl: ir.SmemDecl, what: str) -> None:
 def emit_wgmma(em: Emitter, s: ir.Wgmma) -> None:
     em.require_warpgroup(s)
     acc = em.tile(s.acc, s)
-    if acc.kind != FULL or acc.dtype != "f32" or acc.cols not in VALID_N:
-        raise EmitError(f"{describe(s)}: the accumulator must be an f32[64, N] tile with N a "
-                        f"multiple of 8 in [8, 256]; {acc.name} is {acc.dtype}[{acc.rows}, {acc.cols}]")
+    # verifier _Wgmma: the accumulator is an f32[64, N] tile with N one of WGMMA_N
+    assert acc.layout == FULL and acc.dtype == WGMMA_ACCUMULATOR_DTYPE and acc.cols in WGMMA_N, s
     n = acc.cols
     b_ptr, b_decl, b_sub = em.smem_ref(s.b)
     _check_operand_swizzle(s, b_decl, "B")
@@ -229,14 +216,14 @@ def emit_wgmma(em: Emitter, s: ir.Wgmma) -> None:
         b_note = "B K-major [N, K]: rows of 128 bytes, SBO = 1024 (8-row group), LBO unused (1)"
     elif s.b_major == "n":
         sub = b_sub if len(b_sub) == 3 else (1,) + tuple(b_sub)
-        if len(sub) != 3 or sub[2] * ir.DTYPE_BYTES[dtype] != _SWIZZLE_SPAN or sub[0] * sub[2] != n:
+        if len(sub) != 3 or sub[2] * DTYPE_BYTES[dtype] != SWIZZLE_ROW_BYTES or sub[0] * sub[2] != n:
             raise EmitError(f"{describe(s)}: N-major B must be a (N/64, K, 64) sub-array with "
                             f"N = {n}; got {list(b_sub)}")
         k_b = sub[1]
-        chunk_bytes = k_b * _SWIZZLE_SPAN
+        chunk_bytes = k_b * SWIZZLE_ROW_BYTES
 
         def b_step(ks: int) -> int:
-            return 16 * ks * _SWIZZLE_SPAN
+            return WGMMA_K * ks * SWIZZLE_ROW_BYTES
 
         # MN-major, 128B swizzle (PTX ISA "Shared Memory Matrix Layout" / strides table; CUTLASS
         # make_gmma_desc<Major::MN>, canonical B128 layout ((8,n),(8,k)):((1,LBO),(8,SBO)) in
@@ -246,29 +233,26 @@ def emit_wgmma(em: Emitter, s: ir.Wgmma) -> None:
         b_note = (f"B N-major (N/64, K, 64): LBO = {chunk_bytes} (next 64-column chunk), "
                   "SBO = 1024 (next 8 k-rows)")
     else:
-        raise EmitError(f"{describe(s)}: b_major must be 'k' or 'n', not {s.b_major!r}")
+        raise AssertionError(s)  # verifier _Wgmma: B is K- or N-major
 
     if isinstance(s.a, ir.SmemRef):
         if s.a_major != "k":
             raise EmitError(f"{describe(s)}: only K-major A in shared memory is implemented")
-        a_ptr, k, a_step = _k_major_operand(em, s, s.a, 64, "A")
-        if em.smem_decl(s.a.buffer).dtype != dtype:
-            raise EmitError(f"{describe(s)}: A and B have different dtypes")
+        a_ptr, k, a_step = _k_major_operand(em, s, s.a, WGMMA_M, "A")
+        a_dtype = em.kernel.smem_decl(s.a.buffer).dtype
         name, text = wgmma_function(n, dtype, "smem", s.b_major == "n")
         lines.append(f"const uint64_t desc_a = wsp::make_smem_desc({a_ptr}, 128, 16, 1024);")
     else:
         a_tile = em.tile(s.a, s)
-        if a_tile.kind != FULL or not a_tile.packed or a_tile.dtype != dtype or s.a_major != "k":
-            raise EmitError(f"{describe(s)}: a register A operand must be a K-major {dtype}[64, K] "
-                            f"tile; {a_tile.name} is {a_tile.dtype}[{a_tile.rows}, {a_tile.cols}]")
-        k = a_tile.cols
+        # verifier _Wgmma: a K-major [64, K] bf16 or f16 tile (so packed pairs)
+        assert a_tile.layout == FULL and a_tile.packed and s.a_major == "k", s
+        k, a_dtype = a_tile.cols, a_tile.dtype
         name, text = wgmma_function(n, dtype, "regs", s.b_major == "n")
-    if k != k_b:
-        raise EmitError(f"{describe(s)}: A has K = {k} but B has K = {k_b}")
+    assert (a_dtype, k) == (dtype, k_b), s  # verifier _Wgmma: A and B have one dtype and one K
     em.wgmma.setdefault(name, text)
     lines.append(f"const uint64_t desc_b = {b_desc};  // {b_note}")
 
-    for ks in range(k // 16):
+    for ks in range(k // WGMMA_K):
         scale = em.expr(s.accumulate) if ks == 0 else "1"
         if isinstance(s.a, ir.SmemRef):
             a_arg = "desc_a" if ks == 0 else f"wsp::smem_desc_add(desc_a, {a_step(ks)})"
@@ -280,6 +264,6 @@ def emit_wgmma(em: Emitter, s: ir.Wgmma) -> None:
     a_text = s.a if isinstance(s.a, str) else em.ref_text(s.a)
     b_text = em.ref_text(s.b)
     with em.block(f"{{  // wgmma: {acc.name}[64, {n}] (+)= {a_text} x {b_text}, "
-                  f"{k // 16} x m64n{n}k16"):
+                  f"{k // WGMMA_K} x m64n{n}k16"):
         for ln in lines:
             em.line(ln)

@@ -12,6 +12,12 @@ It also knows where the emitter stands in the execution model (`level`: kernel, 
 elect_one) so that an emit function can say why a statement is misplaced, and the C++ spelling
 of every IR name (`c`): IR names that clash with C++ keywords or the emitter's own locals take a
 trailing underscore.
+
+The emitter spells verified IR: the verifier runs at the end of every lowering. A rule the
+verifier already checks is only asserted here, with a comment naming the verifier's check
+(`verifier _Wgmma`: the `_Wgmma` method of its structural walk). `EmitError` is for what only the
+emitter knows: IR that is valid but has no CUDA spelling (yet), and statements placed where
+their CUDA spelling cannot run.
 """
 
 from __future__ import annotations
@@ -19,20 +25,17 @@ from __future__ import annotations
 import math
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Iterator
+from typing import Iterator
 
 from wsched.lowering import ir
+from wsched.target import BARRIER_BYTES, DTYPE_BYTES, TMA_MAX_RANK, WARPGROUP_THREADS, smem_round
 
-if TYPE_CHECKING:
-    from .emit_tiles import Tile
+from .fragment import Tile
 
 
 class EmitError(ValueError):
     """The IR cannot be spelled in CUDA as it stands (names the statement and what is wrong)."""
 
-
-# C++ spellings of IR element types.
-CTYPE = {"bf16": "__nv_bfloat16", "f16": "__half", "f32": "float", "i32": "int"}
 
 # C++ names an IR name must not take: the emitter's own locals and helpers, CUDA builtins and
 # C++ keywords. An IR name that would is spelled with a trailing underscore (`_cpp_names`).
@@ -172,7 +175,8 @@ class Emitter:
 
     def one_thread(self) -> str | None:
         """The guard that makes one thread of the current executing group run a statement."""
-        return {KERNEL: "threadIdx.x == 0", ROLE: "threadIdx.x % 128 == 0", ELECT: None}[self.level]
+        return {KERNEL: "threadIdx.x == 0", ROLE: f"threadIdx.x % {WARPGROUP_THREADS} == 0",
+                ELECT: None}[self.level]
 
     # -- placement rules ---------------------------------------------------------------------------
     def require(self, s: ir.Stmt, *, level: tuple[str, ...], what: str) -> None:
@@ -218,22 +222,16 @@ class Emitter:
         """Builtins and declared scalars keep their IR names in C++ (setup declares cta_id and
         num_ctas, each role branch wg)."""
         declared = self.scope.lookup(name)
-        if declared == "tensor":
-            raise EmitError(f"expression uses the tensor {name!r} as a scalar")
-        if name == "num_sms" and not self.host:
-            raise EmitError("num_sms is a host-side builtin (grid expressions only); "
-                            "device code must use num_ctas")
-        if name == "wg" and self.role is None:
-            raise EmitError("the builtin wg is defined only inside a role")
-        if declared is None and name not in ir.BUILTINS:
-            raise EmitError(f"expression uses {name!r}, which is neither a parameter, a builtin "
-                            "nor a let/var/loop variable in scope")
+        # verifier _expr: every name read is a scalar in scope (num_sms in the grid
+        # only, wg inside a role)
+        assert declared != "tensor", f"the tensor {name!r} read as a scalar"
+        assert declared is not None or name in ir.BUILTINS, f"{name!r} is not in scope"
+        assert name != "num_sms" or self.host, "num_sms read in device code"
+        assert name != "wg" or self.role is not None, "wg read outside a role"
         return name if declared is None else self.c(name)
 
     def _binop(self, e: ir.BinOp) -> tuple[str, int, str]:
-        if e.op not in _CPP_PREC:
-            raise EmitError(f"unknown binary operator {e.op!r} in {e!r}")
-        prec = _CPP_PREC[e.op]
+        prec = _CPP_PREC[e.op]  # verifier _expr: an operator of the IR
         lhs, lprec, ltype = self.expr_prec(e.lhs)
         rhs, rprec, rtype = self.expr_prec(e.rhs)
         ctype = "int" if e.op in _BOOLEAN or ltype == rtype == "int" else "float"
@@ -254,8 +252,7 @@ class Emitter:
         return text, prec, ctype
 
     def _call(self, e: ir.Call) -> tuple[str, int, str]:
-        if ir.CALLS.get(e.func) != len(e.args):
-            raise EmitError(f"unknown call {e.func}/{len(e.args)} in {e!r}; known: {ir.CALLS}")
+        assert ir.CALLS.get(e.func) == len(e.args), e  # verifier _expr: a call of the IR
         args = [self.expr_prec(a) for a in e.args]
         if e.func == "select":
             (c, cp, _), (a, ap, at), (b, bp, bt) = args
@@ -274,14 +271,11 @@ class Emitter:
     # -- references --------------------------------------------------------------------------------
     def smem_ref(self, ref: ir.SmemRef) -> tuple[str, ir.SmemDecl, tuple[int, ...]]:
         """(`smem_X + byte offset` text, declaration, sub-array shape)."""
-        decl = self.smem_decl(ref.buffer)
-        if len(ref.index) > len(decl.shape):
-            raise EmitError(f"smem reference {ref.buffer}[{len(ref.index)} indices] has more "
-                            f"indices than {ref.buffer}'s {len(decl.shape)} dims")
+        decl = self.kernel.smem_decl(ref.buffer)  # verifier _smem: declared, indices in range
         sub = ir.smem_subshape(decl, ref)
         terms = []
         for d, idx in enumerate(ref.index):
-            stride = ir.DTYPE_BYTES[decl.dtype] * math.prod(decl.shape[d + 1:])
+            stride = DTYPE_BYTES[decl.dtype] * math.prod(decl.shape[d + 1:])
             if isinstance(idx, ir.IntConst):
                 terms.append(idx.value * stride)
             else:
@@ -295,37 +289,27 @@ class Emitter:
         """`buffer[index, ...]` as the IR writes it, for comments."""
         return f"{ref.buffer}[{self.coords_text(ref.index)}]" if ref.index else ref.buffer
 
-    def smem_decl(self, name: str) -> ir.SmemDecl:
-        try:
-            return self.kernel.smem_decl(name)
-        except KeyError:
-            raise EmitError(f"shared buffer {name!r} is not declared (have "
-                            f"{[s.name for s in self.kernel.smem]})") from None
-
     def bar_ref(self, ref: ir.BarRef) -> str:
-        if ref.barrier not in self.barrier_offsets:
-            raise EmitError(f"barrier {ref.barrier!r} is not declared (have "
-                            f"{list(self.barrier_offsets)})")
+        assert ref.barrier in self.barrier_offsets, ref  # verifier _bar: declared
         return f"&{ref.barrier}_bar[{self.expr(ref.index)}]"
 
     def tile(self, name: str, s: ir.Stmt) -> Tile:
-        if self.role is None or name not in self.role.tiles:
-            raise EmitError(f"{describe(s)}: register tile {name!r} is not declared in this role")
+        # verifier _tile: a register tile declared in this role, in scope
+        assert self.role is not None and name in self.role.tiles, (name, s)
         return self.role.tiles[name]
 
     def global_param(self, name: str, s: ir.Stmt) -> ir.GlobalParam:
-        p = _param(self.kernel, name, s)
-        if not isinstance(p, ir.GlobalParam):
-            raise EmitError(f"{describe(s)}: {name!r} is a {type(p).__name__}, not a global tensor")
+        p = self.kernel.param(name)
+        assert isinstance(p, ir.GlobalParam), s  # verifier _global_tile: a global param
         return p
 
     def tensormap_param(self, name: str, s: ir.Stmt, coords: tuple[ir.Expr, ...]) -> ir.TensorMapParam:
-        p = _param(self.kernel, name, s)
-        if not isinstance(p, ir.TensorMapParam):
-            raise EmitError(f"{describe(s)}: {name!r} is a {type(p).__name__}, not a tensor map")
-        if len(coords) != len(p.shape) or not 1 <= len(coords) <= 5:
+        p = self.kernel.param(name)
+        # verifier _tma: a tensormap param, one coordinate per dim
+        assert isinstance(p, ir.TensorMapParam) and len(coords) == len(p.shape), s
+        if not 1 <= len(coords) <= TMA_MAX_RANK:
             raise EmitError(f"{describe(s)}: {len(coords)} coordinates for the rank-{len(p.shape)} "
-                            f"tensor map {name!r} (TMA takes 1 to 5)")
+                            f"tensor map {name!r} (TMA takes 1 to {TMA_MAX_RANK})")
         return p
 
 
@@ -350,13 +334,6 @@ def describe(s: ir.Stmt) -> str:
     return f"`{_KEYWORDS.get(type(s), type(s).__name__)}` {text}"
 
 
-def _param(kernel: ir.Kernel, name: str, s: ir.Stmt) -> ir.Param:
-    try:
-        return kernel.param(name)
-    except KeyError:
-        raise EmitError(f"{describe(s)}: no kernel parameter named {name!r}") from None
-
-
 def names_in(body: tuple[ir.Stmt, ...], wanted: str) -> Iterator[bool]:
     """True for every expression of `body` that reads `wanted` (used to skip unused builtins)."""
     for s in ir.walk(body):
@@ -377,16 +354,17 @@ def _exprs_of(value) -> Iterator[ir.Expr]:
 
 
 def _layout(kernel: ir.Kernel) -> tuple[dict[str, int], dict[str, int]]:
-    """Byte offsets from the 1024-aligned smem base, exactly as `ir.Kernel.smem_bytes` counts."""
+    """Byte offsets from the SMEM_ALIGN-aligned smem base, exactly as `ir.Kernel.smem_bytes`
+    counts: each buffer on a SMEM_ALIGN boundary, then the mbarriers."""
     offset, smem, bars = 0, {}, {}
     for buf in kernel.smem:
-        offset = ir._align(offset, 1024)
+        offset = smem_round(offset)
         smem[buf.name] = offset
         offset += buf.nbytes
-    offset = ir._align(offset, 8)
+    offset = -(-offset // BARRIER_BYTES) * BARRIER_BYTES
     for b in kernel.barriers:
         bars[b.name] = offset
-        offset += 8 * b.slots
+        offset += BARRIER_BYTES * b.slots
     return smem, bars
 
 

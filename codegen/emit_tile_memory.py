@@ -21,11 +21,11 @@ from dataclasses import dataclass
 from typing import Callable
 
 from wsched.lowering import ir
+from wsched.target import DTYPE_BYTES, ELEMENT_TYPES, WARPGROUP_THREADS
 
-from .emit_context import CTYPE, EmitError, Emitter, describe, paren
-from .emit_tiles import (
-    COL, CPAIR, FROM_FLOAT, FULL, PACK, ROW, SCALAR, TO_FLOAT, Tile, assignments, fragment_loop,
-)
+from .emit_context import EmitError, Emitter, describe, paren
+from .emit_tiles import assignments, fragment_loop
+from .fragment import COL, FULL, ROW, SCALAR, Tile
 
 
 @dataclass(frozen=True)
@@ -42,10 +42,8 @@ class _Addressing:
 def _global_addressing(em: Emitter, s: ir.Stmt, p: ir.GlobalParam, t: Tile,
                        coords: tuple[ir.Expr, ...]) -> _Addressing:
     rank = len(p.shape)
-    if len(coords) != rank:
-        raise EmitError(f"{describe(s)}: {len(coords)} coordinates for {p.name}, a rank-{rank} tensor")
-    if rank == 1 and t.rows != 1:
-        raise EmitError(f"{describe(s)}: a [{t.rows}, {t.cols}] tile does not fit the 1-D tensor {p.name}")
+    # verifier _global_tile: one coordinate per dim; a tile of a 1-D tensor is one row
+    assert len(coords) == rank and (rank > 1 or t.rows == 1), s
     dims = [paren(text, prec, 13) for text, prec, _ in (em.expr_prec(d) for d in p.shape)]
 
     def at(coord: ir.Expr, frag: str | None) -> str:
@@ -59,10 +57,10 @@ def _global_addressing(em: Emitter, s: ir.Stmt, p: ir.GlobalParam, t: Tile,
         checks.append(f"{paren(text, prec, 10)} < {dims[d]}")
     row0 = None
     if rank >= 2:
-        row0 = at(coords[-2], "wsp::frag_row()" if t.kind in (FULL, COL) else None)
+        row0 = at(coords[-2], "wsp::frag_row()" if t.layout in (FULL, COL) else None)
         checks.insert(0, f"row < {dims[-2]}")
         offsets.append(f"static_cast<long long>(row) * {dims[-1]}")
-    col0 = at(coords[-1], "wsp::frag_col()" if t.kind in (FULL, ROW) else None)
+    col0 = at(coords[-1], "wsp::frag_col()" if t.layout in (FULL, ROW) else None)
     return _Addressing(row0, col0, tuple(checks), " + ".join(offsets + ["col0"]), dims[-1])
 
 
@@ -70,18 +68,19 @@ def _global_loop(em: Emitter, t: Tile, a: _Addressing, p: ir.GlobalParam, writes
                  access: Callable[[str, str], str]) -> None:
     """Fragment loop of a tile load/store: rows outside (`row_ok`, and `ptr` = this thread's
     first element of the row: one 64-bit address per row, constant offsets per column),
-    columns inside. `access(kind, ok)` spells the access of one fragment position at
-    `ptr + 8 * fj`: kind "pair" (one 32/64-bit access, predicate `ok`), "split" (two element
+    columns inside. `access(form, ok)` spells the access of one fragment position at
+    `ptr + 8 * fj`: form "pair" (one 32/64-bit access, predicate `ok`), "split" (two element
     accesses, predicates `ok0, ok1`) or "one" (a column tile's element)."""
     if a.row0 is not None:
         em.line(f"const int row0 = {a.row0};")
     em.line(f"const int col0 = {a.col0};")
-    with fragment_loop(em, COL if t.kind in (FULL, COL) else SCALAR, 1):
+    with fragment_loop(em, COL if t.layout in (FULL, COL) else SCALAR, 1):
         if a.row0 is not None:
-            em.line("const int row = row0 + 8 * fi;" if t.kind in (FULL, COL) else "const int row = row0;")
+            em.line("const int row = row0 + 8 * fi;" if t.layout in (FULL, COL) else "const int row = row0;")
         em.line(f"const bool row_ok = {' && '.join(a.checks) or 'true'};")
-        em.line(f"{'' if writes else 'const '}{CTYPE[p.dtype]}* const ptr = {em.c(p.name)} + {a.base};")
-        if t.kind not in (FULL, ROW):
+        em.line(f"{'' if writes else 'const '}{ELEMENT_TYPES[p.dtype].cuda}* const ptr = "
+                f"{em.c(p.name)} + {a.base};")
+        if t.layout not in (FULL, ROW):
             em.line(access("one", f"row_ok && col0 < {a.cols}"))
             return
         col = "col0 + 8 * fj"
@@ -106,13 +105,13 @@ def emit_tile_load_global(em: Emitter, s: ir.TileLoadGlobal) -> None:
     t = em.tile(s.dst, s)
     p = em.global_param(s.tensor, s)
 
-    def access(kind: str, ok: str) -> str:
-        if kind == "one":
+    def access(form: str, ok: str) -> str:
+        if form == "one":
             load = f"wsp::load_one(ptr, {ok})"
             if t.dtype == p.dtype:
                 return f"{t.index(0)} = {load};"
-            return assignments(t, [TO_FLOAT[p.dtype].format(load)])[0]
-        return _pair_assign(t, p, f"wsp::load_{kind}(ptr + 8 * fj, {ok})")
+            return assignments(t, [ELEMENT_TYPES[p.dtype].to_float.format(load)])[0]
+        return _pair_assign(t, p, f"wsp::load_{form}(ptr + 8 * fj, {ok})")
 
     with em.block(f"{{  // tile.load {t.name} <- {p.name}[{em.coords_text(s.coords)}], zero outside"):
         _global_loop(em, t, _global_addressing(em, s, p, t, s.coords), p, False, access)
@@ -124,25 +123,27 @@ def _pair_assign(t: Tile, p: ir.GlobalParam, load: str) -> str:
         return f"{t.index()} = {load};"
     if not t.packed and t.dtype == p.dtype == "f32":
         return f"{{ const float2 v = {load}; {t.index(0)} = v.x; {t.index(1)} = v.y; }}"
-    values = [TO_FLOAT[p.dtype].format(f"v.{xy}") for xy in "xy"]
-    return f"{{ const {CPAIR[p.dtype]} v = {load}; {' '.join(assignments(t, values))} }}"
+    element = ELEMENT_TYPES[p.dtype]
+    values = [element.to_float.format(f"v.{xy}") for xy in "xy"]
+    return f"{{ const {element.cuda_pair} v = {load}; {' '.join(assignments(t, values))} }}"
 
 
 def emit_tile_store_global(em: Emitter, s: ir.TileStoreGlobal) -> None:
     em.require_warpgroup(s)
     t = em.tile(s.src, s)
     p = em.global_param(s.tensor, s)
-    value = t.index() if t.packed and t.dtype == p.dtype else PACK[p.dtype].format(t.read(0), t.read(1))
+    element = ELEMENT_TYPES[p.dtype]
+    value = t.index() if t.packed and t.dtype == p.dtype else element.pack.format(t.read(0), t.read(1))
 
-    def access(kind: str, ok: str) -> str:
-        if kind == "one":
-            one = t.index(0) if t.dtype == p.dtype else FROM_FLOAT[p.dtype].format(t.read(0))
+    def access(form: str, ok: str) -> str:
+        if form == "one":
+            one = t.index(0) if t.dtype == p.dtype else element.from_float.format(t.read(0))
             return f"if ({ok}) *ptr = {one};"
-        return f"wsp::store_{kind}(ptr + 8 * fj, {ok}, {value});"
+        return f"wsp::store_{form}(ptr + 8 * fj, {ok}, {value});"
 
     # Row (column) tiles are replicated over the threads sharing columns (rows): one copy stores.
-    owner = {ROW: "threadIdx.x % 128 < 4", COL: "threadIdx.x % 4 == 0",
-             SCALAR: "threadIdx.x % 128 == 0"}.get(t.kind)
+    owner = {ROW: f"threadIdx.x % {WARPGROUP_THREADS} < 4", COL: "threadIdx.x % 4 == 0",
+             SCALAR: f"threadIdx.x % {WARPGROUP_THREADS} == 0"}.get(t.layout)
     head = f"if ({owner}) {{" if owner else "{"
     with em.block(f"{head}  // tile.store {p.name}[{em.coords_text(s.coords)}] <- {t.name}, "
                   "bounds-checked"):
@@ -153,15 +154,13 @@ def emit_tile_store_smem(em: Emitter, s: ir.TileStoreSmem) -> None:
     em.require_warpgroup(s)
     t = em.tile(s.src, s)
     ptr, decl, sub = em.smem_ref(s.dst)
-    if t.kind != FULL:
+    if t.layout != FULL:
         raise EmitError(f"{describe(s)}: only [64, N] tiles are stored to shared memory")
     rows, cols = ir.tile_shape_of_subarray(sub)
-    if (rows, cols) != (t.rows, t.cols):
-        raise EmitError(f"{describe(s)}: tile {t.name} [{t.rows}, {t.cols}] does not match the "
-                        f"smem sub-array {list(sub)} ([{rows}, {cols}])")
-    b = ir.DTYPE_BYTES[decl.dtype]
+    assert (rows, cols) == (t.rows, t.cols), s  # verifier _TileStoreSmem: one shape
+    b = DTYPE_BYTES[decl.dtype]
     value = t.index() if t.packed and t.dtype == decl.dtype else \
-        PACK[decl.dtype].format(t.read(0), t.read(1))
+        ELEMENT_TYPES[decl.dtype].pack.format(t.read(0), t.read(1))
     bits = "uint32_t" if b == 2 else "uint2"
     with em.block(f"{{  // tile.store_smem {em.ref_text(s.dst)} <- {t.name}: one st.shared per "
                   "pair (stmatrix is a later optimisation)"):

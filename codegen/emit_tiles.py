@@ -1,13 +1,7 @@
-"""Register tiles in CUDA: the fragment layout, declarations and the computing tile ops.
+"""Register tiles in CUDA: declarations and the computing tile ops.
 
-A register tile is spread over the 128 threads of a warpgroup in the wgmma accumulator layout
-(see `include/fragment.cuh`): thread t (warp w = t / 32, lane l, g = l / 4, q = l % 4) holds
-element d[4j + 2i + c] of a [64, N] tile at row 16w + g + 8i, column 8j + 2q + c. f32 tiles are
-`float[N/2]`; 16-bit tiles are packed pairs (the c = 0, 1 elements) `__nv_bfloat162[N/4]` /
-`__half2[N/4]`. A row tile [1, N] holds columns 8j + 2q + c (pairs when 16-bit), a column tile
-[64, 1] rows g + 8i, a scalar tile one value.
-
-Each op is spelled as a fully unrolled loop over this thread's fragment positions (fj, fi):
+A register tile lies in the wgmma accumulator fragment layout (`fragment.py`). Each op is
+spelled as a fully unrolled loop over this thread's fragment positions (fj, fi):
 
     reg acc: f32[64, 256]            float acc[128];
     tile.add acc, acc, bias_t        #pragma unroll / for (fj ...) #pragma unroll / for (fi ...)
@@ -21,22 +15,15 @@ Loads and stores of tiles are in `emit_tile_memory.py`.
 from __future__ import annotations
 
 from contextlib import contextmanager
-from dataclasses import dataclass
 from typing import Callable, Iterator, Union
 
 from wsched.lowering import ir
+from wsched.target import ELEMENT_TYPES, WGMMA_M
 
-from .emit_context import CTYPE, ROLE, EmitError, Emitter, describe, paren
+from .emit_context import ROLE, EmitError, Emitter, describe, paren
+from .fragment import COL, FULL, ROW, SCALAR, Tile
 
-# Fragment kinds: [64, N], [1, N], [64, 1] and [1, 1] tiles.
-FULL, ROW, COL, SCALAR = "full", "row", "col", "scalar"
-
-CPAIR = {"bf16": "__nv_bfloat162", "f16": "__half2", "f32": "float2"}
-TO_FLOAT = {"bf16": "__bfloat162float({})", "f16": "__half2float({})", "f32": "{}"}
-FROM_FLOAT = {"bf16": "__float2bfloat16_rn({})", "f16": "__float2half_rn({})", "f32": "{}"}
-PACK = {"bf16": "__floats2bfloat162_rn({}, {})", "f16": "__floats2half2_rn({}, {})",
-        "f32": "make_float2({}, {})"}
-
+# The CUDA spelling of each of target.UNARY_OPS / BINARY_OPS, computed in fp32.
 _UNARY = {
     "neg": "-{}", "exp": "expf({})", "exp2": "exp2f({})", "log": "logf({})",
     "relu": "fmaxf({}, 0.0f)", "gelu": "wsp::gelu({})", "silu": "wsp::silu({})",
@@ -46,60 +33,6 @@ _BINARY = {
     "add": "{} + {}", "sub": "{} - {}", "mul": "{} * {}", "div": "{} / {}",
     "maximum": "fmaxf({}, {})", "minimum": "fminf({}, {})",
 }
-
-
-@dataclass(frozen=True)
-class Tile:
-    name: str
-    dtype: str
-    rows: int
-    cols: int
-
-    @property
-    def kind(self) -> str:
-        if self.rows == 64 and self.cols > 1:
-            return FULL
-        if self.rows == 1 and self.cols > 1:
-            return ROW
-        if self.rows == 64 and self.cols == 1:
-            return COL
-        return SCALAR
-
-    @property
-    def packed(self) -> bool:
-        """16-bit full and row tiles store the c = 0, 1 elements as one packed pair."""
-        return self.dtype in ("bf16", "f16") and self.kind in (FULL, ROW)
-
-    @property
-    def length(self) -> int:
-        per_thread = {FULL: self.cols // 2, ROW: self.cols // 4, COL: 2, SCALAR: 1}[self.kind]
-        return per_thread // 2 if self.packed else per_thread
-
-    def declaration(self) -> str:
-        ctype = CPAIR[self.dtype] if self.packed else CTYPE[self.dtype]
-        return f"{ctype} {self.name}[{self.length}];"
-
-    def index(self, c: int | None = None) -> str:
-        """The C++ element (c given) or packed pair (c None) at fragment position (fj, fi)."""
-        if self.kind == FULL:
-            if self.packed:
-                base = f"{self.name}[2 * fj + fi]"
-            else:
-                return f"{self.name}[4 * fj + 2 * fi + {c}]"
-        elif self.kind == ROW:
-            if self.packed:
-                base = f"{self.name}[fj]"
-            else:
-                return f"{self.name}[2 * fj + {c}]"
-        elif self.kind == COL:
-            return f"{self.name}[fi]"
-        else:
-            return f"{self.name}[0]"
-        return base if c is None else f"{base}.{'xy'[c]}"
-
-    def read(self, c: int) -> str:
-        """Element c of fragment position (fj, fi) as a float expression."""
-        return TO_FLOAT[self.dtype].format(self.index(c))
 
 
 def _tile_from_decl(d: ir.RegDecl, cpp_name: str) -> Tile:
@@ -113,7 +46,7 @@ def _tile_from_decl(d: ir.RegDecl, cpp_name: str) -> Tile:
     rows, cols = shape
     if d.dtype == "i32":
         raise EmitError(f"reg {d.name}: i32 register tiles have no CUDA spelling yet")
-    if rows not in (1, 64) or (cols > 1 and cols % 8):
+    if rows not in (1, WGMMA_M) or (cols > 1 and cols % 8):
         raise EmitError(f"reg {d.name}: {d.dtype}{list(d.shape)} does not fit the warpgroup "
                         "fragment layout (rows 64 or 1, columns 1 or a multiple of 8)")
     return Tile(cpp_name, d.dtype, rows, cols)
@@ -122,21 +55,20 @@ def _tile_from_decl(d: ir.RegDecl, cpp_name: str) -> Tile:
 def emit_reg_decl(em: Emitter, s: ir.RegDecl) -> None:
     em.require(s, level=(ROLE,), what="declares a per-warpgroup register tile and must be in a role")
     t = _tile_from_decl(s, em.c(s.name))
-    if s.name in em.role.tiles:
-        raise EmitError(f"reg {s.name} is declared twice in role {em.role.role.name}")
+    assert s.name not in em.role.tiles, s  # verifier _declare: names are unique
     em.role.tiles[s.name] = t
     layout = {FULL: "wgmma fragment", ROW: "row fragment", COL: "column fragment",
-              SCALAR: "per-thread scalar"}[t.kind]
+              SCALAR: "per-thread scalar"}[t.layout]
     packed = ", packed pairs" if t.packed else ""
     em.line(f"{t.declaration():<32}// {s.name}: {s.dtype}{list(s.shape)}, {layout}{packed}")
 
 
 @contextmanager
-def fragment_loop(em: Emitter, kind: str, cols: int) -> Iterator[None]:
-    """Loop over this thread's fragment positions (fj, fi) of a tile of the given kind; every
+def fragment_loop(em: Emitter, layout: str, cols: int) -> Iterator[None]:
+    """Loop over this thread's fragment positions (fj, fi) of a tile of the given layout; every
     index is a compile-time constant once unrolled."""
     loops = {FULL: [("fj", cols // 8), ("fi", 2)], ROW: [("fj", cols // 8)],
-             COL: [("fi", 2)], SCALAR: []}[kind]
+             COL: [("fi", 2)], SCALAR: []}[layout]
     opened = 0
     try:
         for var, n in loops:
@@ -152,15 +84,16 @@ def fragment_loop(em: Emitter, kind: str, cols: int) -> Iterator[None]:
             em.raw("}")
 
 
-def _elems(kind: str) -> tuple[int, ...]:
-    return (0, 1) if kind in (FULL, ROW) else (0,)
+def _elems(layout: str) -> tuple[int, ...]:
+    return (0, 1) if layout in (FULL, ROW) else (0,)
 
 
 def assignments(dst: Tile, values: list[str]) -> list[str]:
     """Statements writing float values (one per element c of the fragment position) into dst."""
+    element = ELEMENT_TYPES[dst.dtype]
     if dst.packed:
-        return [f"{dst.index()} = {PACK[dst.dtype].format(*values)};"]
-    return [f"{dst.index(c)} = {FROM_FLOAT[dst.dtype].format(v)};" for c, v in enumerate(values)]
+        return [f"{dst.index()} = {element.pack.format(*values)};"]
+    return [f"{dst.index(c)} = {element.from_float.format(v)};" for c, v in enumerate(values)]
 
 
 def _operand(em: Emitter, s: ir.Stmt, dst: Tile, op: Union[str, ir.Expr]) -> Callable[[int], str]:
@@ -169,14 +102,8 @@ def _operand(em: Emitter, s: ir.Stmt, dst: Tile, op: Union[str, ir.Expr]) -> Cal
         text = em.float_expr(op)
         return lambda c: text
     t = em.tile(op, s)
-    ok = {
-        FULL: {FULL, ROW, COL, SCALAR}, ROW: {ROW, SCALAR}, COL: {COL, SCALAR},
-        SCALAR: {SCALAR},
-    }[dst.kind]
-    same_cols = t.kind in (COL, SCALAR) or t.cols == dst.cols
-    if t.kind not in ok or not same_cols or (t.kind in (FULL, COL) and t.rows != dst.rows):
-        raise EmitError(f"{describe(s)}: {t.name} [{t.rows}, {t.cols}] does not broadcast to "
-                        f"{dst.name} [{dst.rows}, {dst.cols}]")
+    # verifier _TileUnary / _TileBinary: the operand has dst's shape or broadcasts to it
+    assert t.rows in (1, dst.rows) and t.cols in (1, dst.cols), s
     return t.read
 
 
@@ -191,24 +118,20 @@ def _operand(em: Emitter, s: ir.Stmt, dst: Tile, op: Union[str, ir.Expr]) -> Cal
 def _tile_fill_lines(em: Emitter, s: ir.TileFill) -> tuple[Tile, list[str], str]:
     dst = em.tile(s.dst, s)
     value = em.float_expr(s.value)
-    return dst, assignments(dst, [value for _ in _elems(dst.kind)]), f"tile.fill {s.dst}, {em.expr(s.value)}"
+    return dst, assignments(dst, [value for _ in _elems(dst.layout)]), f"tile.fill {s.dst}, {em.expr(s.value)}"
 
 
 def _tile_unary_lines(em: Emitter, s: ir.TileUnary) -> tuple[Tile, list[str], str]:
-    if s.op not in _UNARY:
-        raise EmitError(f"{describe(s)}: unknown unary tile op {s.op!r}; known: {sorted(_UNARY)}")
     dst = em.tile(s.dst, s)
     src = _operand(em, s, dst, s.src)
-    lines = assignments(dst, [_UNARY[s.op].format(src(c)) for c in _elems(dst.kind)])
+    lines = assignments(dst, [_UNARY[s.op].format(src(c)) for c in _elems(dst.layout)])
     return dst, lines, f"tile.{s.op} {s.dst}, {s.src}"
 
 
 def _tile_binary_lines(em: Emitter, s: ir.TileBinary) -> tuple[Tile, list[str], str]:
-    if s.op not in _BINARY:
-        raise EmitError(f"{describe(s)}: unknown binary tile op {s.op!r}; known: {sorted(_BINARY)}")
     dst = em.tile(s.dst, s)
     lhs, rhs = _operand(em, s, dst, s.lhs), _operand(em, s, dst, s.rhs)
-    lines = assignments(dst, [_BINARY[s.op].format(lhs(c), rhs(c)) for c in _elems(dst.kind)])
+    lines = assignments(dst, [_BINARY[s.op].format(lhs(c), rhs(c)) for c in _elems(dst.layout)])
     operands = ", ".join(o if isinstance(o, str) else em.expr(o) for o in (s.lhs, s.rhs))
     return dst, lines, f"tile.{s.op} {s.dst}, {operands}"
 
@@ -219,12 +142,12 @@ ELEMENTWISE = {ir.TileFill: _tile_fill_lines, ir.TileUnary: _tile_unary_lines,
 
 def emit_elementwise_run(em: Emitter, body: tuple[ir.Stmt, ...], i: int) -> int:
     """Emit body[i] and the elementwise ops after it over the same fragment space (the same
-    destination kind and width) as one loop; return how many statements that took."""
+    destination layout and width) as one loop; return how many statements that took."""
     first = em.tile(body[i].dst, body[i])
     n = 1
     while i + n < len(body) and type(body[i + n]) in ELEMENTWISE:
         t = em.role.tiles.get(body[i + n].dst) if em.role else None
-        if t is None or (t.kind, t.cols) != (first.kind, first.cols):
+        if t is None or (t.layout, t.cols) != (first.layout, first.cols):
             break
         n += 1
     emit_elementwise(em, *body[i:i + n])
@@ -238,7 +161,7 @@ def emit_elementwise(em: Emitter, *run: ir.Stmt) -> None:
     parts = [ELEMENTWISE[type(s)](em, s) for s in run]
     dst = parts[0][0]
     em.line("// " + "; ".join(text for _, _, text in parts))
-    with fragment_loop(em, dst.kind, dst.cols):
+    with fragment_loop(em, dst.layout, dst.cols):
         for _, lines, _ in parts:
             for ln in lines:
                 em.line(ln)
@@ -247,12 +170,11 @@ def emit_elementwise(em: Emitter, *run: ir.Stmt) -> None:
 def emit_tile_reduce(em: Emitter, s: ir.TileReduce) -> None:
     em.require_warpgroup(s)
     src, dst = em.tile(s.src, s), em.tile(s.dst, s)
-    if s.op not in ir.REDUCE_OPS:
-        raise EmitError(f"{describe(s)}: unknown reduction {s.op!r}")
-    if s.axis != 1 or src.kind != FULL or dst.kind != COL:
+    if s.axis != 1 or src.layout != FULL or dst.layout != COL:
         raise EmitError(f"{describe(s)}: only axis(1) of a [64, N] tile into a [64, 1] tile is "
                         "implemented (a reduction over rows would cross warps)")
-    init, combine = ("-INFINITY", "fmaxf(fr, {})") if s.op == "max" else ("0.0f", "fr + {}")
+    # verifier _TileReduce: one of target.REDUCE_OPS
+    init, combine = {"max": ("-INFINITY", "fmaxf(fr, {})"), "sum": ("0.0f", "fr + {}")}[s.op]
     # The 4 threads of a quad (lanes 4g .. 4g+3) hold the columns of the same two rows.
     with fragment_loop(em, COL, 1):
         em.line(f"float fr = {init};")
@@ -268,7 +190,7 @@ def emit_tile_reduce(em: Emitter, s: ir.TileReduce) -> None:
 def emit_tile_mask(em: Emitter, s: ir.TileMask) -> None:
     em.require_warpgroup(s)
     t = em.tile(s.dst, s)
-    if t.kind != FULL:
+    if t.layout != FULL:
         raise EmitError(f"{describe(s)}: tile.mask needs a [64, N] tile; {t.name} is "
                         f"[{t.rows}, {t.cols}]")
     limit = em.expr(s.limit)

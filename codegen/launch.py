@@ -2,144 +2,33 @@
 
 This is the host side of a generated kernel: checking the torch tensors a user passes in,
 loading the cubin into torch's primary context (per device, on first launch), raising the
-dynamic shared-memory limit, packing the parameter list and launching — with or without a
-thread-block cluster. Every driver call goes through `check_cuda`, so a failure names the call
-and the driver's error, never a bare integer.
+dynamic shared-memory limit, packing the argument list and launching — with or without a
+thread-block cluster. Every driver call goes through `check_cuda` (`cuda_driver.py`), so a
+failure names the call and the driver's error, never a bare integer.
 
 Launches are asynchronous on torch's current stream; `LoadedKernel.last_error_check()`
 synchronizes and turns a faulted kernel into a `CudaError` (tests use it).
 
 The driver is only touched on first launch, so everything here that does not launch —
-argument checks, parameter packing, grid and cluster checks, launch configs — runs on a
+argument checks, argument packing, grid and cluster checks, launch configs — runs on a
 machine without a GPU.
 """
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import functools
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Iterator, Mapping, Sequence
+from typing import Iterable, Sequence
 
 import torch
 from cuda.bindings import driver
 
-__all__ = [
-    "CudaError",
-    "KernelParam",
-    "LoadedKernel",
-    "bind_kernel_args",
-    "check_cuda",
-    "check_tensor_args",
-    "init_driver",
-    "sm_count",
-    "torch_context",
-]
+from wsched.target import (MAX_GRID, MAX_PORTABLE_CLUSTER, MAX_THREADS, TMA_GLOBAL_ADDRESS_ALIGNMENT,
+                           TMA_STRIDE_ALIGNMENT)
 
+from .cuda_driver import CudaError, check_cuda, device_index, torch_context
 
-# ----------------------------------------------------------------------------- driver errors
-
-
-class CudaError(RuntimeError):
-    """A driver call failed. `call` names it; `error` is the CUresult; `name` its enum name."""
-
-    def __init__(self, message: str, call: str = "", error: object = None, name: str = ""):
-        super().__init__(message)
-        self.call = call
-        self.error = error
-        self.name = name
-
-
-def _error_name_and_text(error: object) -> tuple[str, str]:
-    """(enum name, description) of a CUresult; the driver's strings when it can give them."""
-    name = getattr(error, "name", None) or f"CUresult {int(error)}"
-    text = ""
-    # cuGetErrorName/String need libcuda; without a driver (CI) the enum name must do.
-    try:
-        err, driver_name = driver.cuGetErrorName(error)
-        if err == driver.CUresult.CUDA_SUCCESS and driver_name:
-            name = driver_name.decode() if isinstance(driver_name, bytes) else str(driver_name)
-        err, driver_text = driver.cuGetErrorString(error)
-        if err == driver.CUresult.CUDA_SUCCESS and driver_text:
-            text = driver_text.decode() if isinstance(driver_text, bytes) else str(driver_text)
-    except Exception:  # noqa: BLE001 - any failure here must not hide the original error
-        pass
-    return name, text
-
-
-def check_cuda(result: object, what: str):
-    """Unwrap a cuda-python result `(CUresult, *values)`; raise `CudaError` naming `what`.
-
-    Returns None when the call returns no values, the value when it returns one, and the tuple
-    of values otherwise.
-    """
-    if isinstance(result, tuple):
-        error, values = result[0], result[1:]
-    else:
-        error, values = result, ()
-    if error != driver.CUresult.CUDA_SUCCESS:
-        name, text = _error_name_and_text(error)
-        detail = f" ({text})" if text else ""
-        raise CudaError(f"{what} failed: {name}{detail}", call=what, error=error, name=name)
-    if not values:
-        return None
-    return values[0] if len(values) == 1 else values
-
-
-# ----------------------------------------------------------------------------- devices
-
-
-def _device_index(device: object = None) -> int:
-    """CUDA device index of None (torch's current device), an int, a str or a torch.device."""
-    if device is None:
-        return torch.cuda.current_device()
-    if isinstance(device, int):
-        return device
-    dev = torch.device(device)
-    if dev.type != "cuda":
-        raise ValueError(f"expected a CUDA device, got {dev}")
-    return torch.cuda.current_device() if dev.index is None else dev.index
-
-
-_initialized_devices: set[int] = set()
-
-
-def init_driver(device: object = None) -> int:
-    """Create torch's context on `device` (touching a CUDA tensor) and cuInit; return the index.
-
-    torch creates its primary context lazily, and the driver calls that follow (module loads,
-    tensor-map encodes) must land in the very context torch launches into.
-    """
-    index = _device_index(device)
-    if index not in _initialized_devices:
-        with torch.cuda.device(index):
-            torch.empty(1, device=f"cuda:{index}")
-        check_cuda(driver.cuInit(0), "cuInit(0)")
-        _initialized_devices.add(index)
-    return index
-
-
-@contextlib.contextmanager
-def torch_context(device: object = None) -> Iterator[int]:
-    """Run driver calls in torch's primary context of `device`; yields the device index.
-
-    torch.cuda.device makes the device current for the runtime, which normally makes its
-    primary context current too; a thread that never made a runtime call may still have no
-    context, so the primary context (the one torch uses) is bound explicitly then.
-    """
-    index = init_driver(device)
-    with torch.cuda.device(index):
-        context = check_cuda(driver.cuCtxGetCurrent(), "cuCtxGetCurrent")
-        current = None
-        if context is not None and int(context) != 0:
-            current = int(check_cuda(driver.cuCtxGetDevice(), "cuCtxGetDevice"))
-        if current != index:
-            handle = check_cuda(driver.cuDeviceGet(index), f"cuDeviceGet({index})")
-            primary = check_cuda(driver.cuDevicePrimaryCtxRetain(handle),
-                                 f"cuDevicePrimaryCtxRetain(cuda:{index})")
-            check_cuda(driver.cuCtxSetCurrent(primary), f"cuCtxSetCurrent(cuda:{index} primary)")
-        yield index
+__all__ = ["ARG_TYPES", "LoadedKernel", "check_tensor", "sm_count"]
 
 
 @functools.cache
@@ -149,13 +38,10 @@ def _sm_count_of(index: int) -> int:
 
 def sm_count(device: object = None) -> int:
     """Number of SMs of `device` (default: torch's current device); sizes persistent grids."""
-    return _sm_count_of(_device_index(device))
+    return _sm_count_of(device_index(device))
 
 
 # ----------------------------------------------------------------------------- tensor checks
-
-# TMA reads rows with 16-byte transactions from a 16-byte aligned base (DESIGN.md §6).
-TMA_ALIGNMENT_BYTES = 16
 
 
 def _shape_text(shape: Iterable[int]) -> str:
@@ -194,13 +80,13 @@ def check_tensor(
 
     if require_cuda:
         if tensor.device.type != "cuda":
-            target = "cuda" if device is None else f"cuda:{_device_index(device)}"
+            target = "cuda" if device is None else f"cuda:{device_index(device)}"
             raise ValueError(
                 f"{where} is on {tensor.device}; the kernel runs on {target} — "
                 f"move it with .to('{target}')"
             )
-        if device is not None and tensor.device.index != _device_index(device):
-            target = f"cuda:{_device_index(device)}"
+        if device is not None and tensor.device.index != device_index(device):
+            target = f"cuda:{device_index(device)}"
             raise ValueError(
                 f"{where} is on {tensor.device} but the kernel runs on {target}; all arguments "
                 f"must be on one GPU — move it with .to('{target}')"
@@ -238,11 +124,12 @@ def check_tensor(
         )
 
     element = tensor.element_size()
-    offset = tensor.data_ptr() % TMA_ALIGNMENT_BYTES
+    offset = tensor.data_ptr() % TMA_GLOBAL_ADDRESS_ALIGNMENT
     if offset:
         raise ValueError(
-            f"{where} has data_ptr {tensor.data_ptr():#x}, {offset} bytes past a 16-byte boundary; "
-            "TMA needs a 16-byte aligned base address — a view that starts mid-row "
+            f"{where} has data_ptr {tensor.data_ptr():#x}, {offset} bytes past a "
+            f"{TMA_GLOBAL_ADDRESS_ALIGNMENT}-byte boundary; TMA needs a "
+            f"{TMA_GLOBAL_ADDRESS_ALIGNMENT}-byte aligned base address — a view that starts mid-row "
             "(e.g. t[:, 3:]) must be copied with .contiguous() or .clone()"
         )
 
@@ -250,106 +137,21 @@ def check_tensor(
         if tensor.shape[dim] == 1:
             continue  # never stepped, so its stride is free (tensor_map_for normalises it)
         stride_bytes = tensor.stride(dim) * element
-        if stride_bytes % TMA_ALIGNMENT_BYTES:
-            row_elems = TMA_ALIGNMENT_BYTES // element
+        if stride_bytes % TMA_STRIDE_ALIGNMENT:
+            row_elems = TMA_STRIDE_ALIGNMENT // element
             raise ValueError(
                 f"{where} has stride {tensor.stride(dim)} elements = {stride_bytes} bytes in dim "
-                f"{dim} (shape {_shape_text(tensor.shape)}); TMA needs 16-byte aligned rows: "
-                f"every stride but the innermost must be a multiple of 16 bytes — pad the inner "
-                f"dimension to a multiple of {row_elems} {tensor.dtype} elements"
+                f"{dim} (shape {_shape_text(tensor.shape)}); TMA needs {TMA_STRIDE_ALIGNMENT}-byte "
+                f"aligned rows: every stride but the innermost must be a multiple of "
+                f"{TMA_STRIDE_ALIGNMENT} bytes — pad the inner dimension to a multiple of {row_elems} "
+                f"{tensor.dtype} elements"
             )
 
 
-def check_tensor_args(
-    names: Sequence[str],
-    tensors: Sequence[object],
-    expected: Sequence[tuple[object, int | Sequence[int | None] | None]],
-    device: object = None,
-    require_cuda: bool = True,
-) -> None:
-    """Check every kernel argument; `expected[i]` is (dtype, rank or shape) for `tensors[i]`.
+# ----------------------------------------------------------------------------- arguments
 
-    `device` None means: the device of the first CUDA tensor; all must share it.
-    """
-    if not len(names) == len(tensors) == len(expected):
-        raise TypeError(
-            f"expected {len(expected)} tensor arguments ({', '.join(names)}), "
-            f"got {len(tensors)}"
-        )
-    if require_cuda and device is None:
-        device = next(
-            (t.device for t in tensors if isinstance(t, torch.Tensor) and t.device.type == "cuda"),
-            None,
-        )
-    for name, tensor, (dtype, rank) in zip(names, tensors, expected):
-        check_tensor(name, tensor, dtype, rank, device, require_cuda)
-
-
-# ----------------------------------------------------------------------------- parameters
-
-PARAM_KINDS = ("tensor_map", "ptr", "i32", "f32")
-_SWIZZLE_BYTES = (0, 32, 64, 128)
-
-
-@dataclass(frozen=True)
-class KernelParam:
-    """One kernel parameter, in declaration order.
-
-    kind "tensor_map": a `const __grid_constant__ CUtensorMap` over input `source`, with `box`
-        (outermost first) and `swizzle` bytes;
-    kind "ptr": the data pointer of input `source`;
-    kind "i32" / "f32": a scalar named `name` (its value comes from the scalars at bind time).
-    """
-
-    name: str
-    kind: str
-    source: str | None = None
-    box: tuple[int, ...] = ()
-    swizzle: int = 0
-
-    def __post_init__(self) -> None:
-        where = f"kernel parameter '{self.name}'"
-        if self.kind not in PARAM_KINDS:
-            raise ValueError(f"{where}: kind must be one of {', '.join(PARAM_KINDS)}, got {self.kind!r}")
-        if self.kind in ("tensor_map", "ptr") and not self.source:
-            raise ValueError(f"{where}: a {self.kind} parameter needs source= (the input it reads)")
-        if self.kind == "tensor_map":
-            if not self.box:
-                raise ValueError(f"{where}: a tensor_map parameter needs box= (tile extents)")
-            if self.swizzle not in _SWIZZLE_BYTES:
-                raise ValueError(f"{where}: swizzle must be one of 0, 32, 64, 128, got {self.swizzle}")
-        elif self.box or self.swizzle:
-            raise ValueError(f"{where}: box/swizzle only apply to tensor_map parameters, not {self.kind}")
-
-
-def bind_kernel_args(
-    params: Sequence[KernelParam],
-    tensors: Mapping[str, torch.Tensor],
-    scalars: Mapping[str, int | float] | None = None,
-) -> list[tuple[str, object]]:
-    """The `launch` argument list for `params`: tensor maps encoded, pointers and scalars read."""
-    from .tma import tensor_map_for  # tma builds on this module's driver helpers
-
-    scalars = scalars or {}
-    args: list[tuple[str, object]] = []
-    for param in params:
-        if param.kind in ("tensor_map", "ptr"):
-            if param.source not in tensors:
-                raise KeyError(f"kernel parameter '{param.name}' reads input '{param.source}', "
-                               f"which is not among the inputs ({', '.join(tensors)})")
-            tensor = tensors[param.source]
-            if param.kind == "tensor_map":
-                args.append(("tensor_map", tensor_map_for(tensor, param.box, param.swizzle, param.name)))
-            else:
-                args.append(("ptr", tensor.data_ptr()))
-        else:
-            if param.name not in scalars:
-                raise KeyError(f"kernel parameter '{param.name}' ({param.kind}) has no value among "
-                               f"the scalars ({', '.join(scalars) or 'none'})")
-            args.append((param.kind, scalars[param.name]))
-    return args
-
-
+# The argument types a kernel takes, as `launch` receives them: (type, value) pairs.
+ARG_TYPES = ("tensor_map", "ptr", "i32", "f32")
 _I32_MIN, _I32_MAX = -(2**31), 2**31 - 1
 
 
@@ -364,15 +166,15 @@ def _marshal_args(args: Sequence[tuple[str, object]]) -> tuple[tuple, tuple]:
     for position, arg in enumerate(args):
         if not (isinstance(arg, tuple) and len(arg) == 2 and isinstance(arg[0], str)):
             raise TypeError(f"kernel argument {position}: expected a (kind, value) pair, got {arg!r}")
-        kind, value = arg
-        where = f"kernel argument {position} ({kind})"
-        if kind == "tensor_map":
+        arg_type, value = arg
+        where = f"kernel argument {position} ({arg_type})"
+        if arg_type == "tensor_map":
             if not isinstance(value, driver.CUtensorMap):
                 raise TypeError(f"{where}: expected a driver.CUtensorMap (from tensor_map_for), "
                                 f"got {type(value).__name__}")
             values.append(value)
             types.append(None)
-        elif kind == "ptr":
+        elif arg_type == "ptr":
             if isinstance(value, torch.Tensor):
                 raise TypeError(f"{where}: expected an int device address, got a torch.Tensor — "
                                 "pass tensor.data_ptr()")
@@ -382,7 +184,7 @@ def _marshal_args(args: Sequence[tuple[str, object]]) -> tuple[tuple, tuple]:
                 raise TypeError(f"{where}: expected a non-negative int device address, got {value!r}")
             values.append(value)
             types.append(ctypes.c_void_p)
-        elif kind == "i32":
+        elif arg_type == "i32":
             if not isinstance(value, int) or isinstance(value, bool):
                 raise TypeError(f"{where}: expected an int, got {type(value).__name__} {value!r}")
             if not _I32_MIN <= value <= _I32_MAX:
@@ -390,22 +192,18 @@ def _marshal_args(args: Sequence[tuple[str, object]]) -> tuple[tuple, tuple]:
                                  f"[{_I32_MIN}, {_I32_MAX}]")
             values.append(value)
             types.append(ctypes.c_int)
-        elif kind == "f32":
+        elif arg_type == "f32":
             if not isinstance(value, (int, float)) or isinstance(value, bool):
                 raise TypeError(f"{where}: expected a float, got {type(value).__name__} {value!r}")
             values.append(float(value))
             types.append(ctypes.c_float)
         else:
             raise ValueError(f"kernel argument {position}: kind must be one of "
-                             f"{', '.join(PARAM_KINDS)}, got {kind!r}")
+                             f"{', '.join(ARG_TYPES)}, got {arg_type!r}")
     return tuple(values), tuple(types)
 
 
 # ----------------------------------------------------------------------------- grid / cluster
-
-_MAX_GRID = (2**31 - 1, 65535, 65535)
-_MAX_PORTABLE_CLUSTER = 8
-_MAX_THREADS = 1024
 
 
 def _dim3(value: int | Sequence[int], what: str) -> tuple[int, int, int]:
@@ -419,7 +217,7 @@ def _dim3(value: int | Sequence[int], what: str) -> tuple[int, int, int]:
 
 def _grid3(grid: int | Sequence[int]) -> tuple[int, int, int]:
     dims = _dim3(grid, "grid")
-    for axis, (extent, limit) in enumerate(zip(dims, _MAX_GRID)):
+    for axis, (extent, limit) in enumerate(zip(dims, MAX_GRID)):
         if extent > limit:
             raise ValueError(f"grid {'xyz'[axis]} extent {extent} exceeds the CUDA limit {limit}")
     return dims
@@ -428,9 +226,9 @@ def _grid3(grid: int | Sequence[int]) -> tuple[int, int, int]:
 def _check_cluster(grid: tuple[int, int, int], cluster: int | Sequence[int]) -> tuple[int, int, int]:
     dims = _dim3(cluster, "cluster")
     size = dims[0] * dims[1] * dims[2]
-    if size > _MAX_PORTABLE_CLUSTER:
+    if size > MAX_PORTABLE_CLUSTER:
         raise ValueError(f"cluster {dims} has {size} CTAs; the portable limit is "
-                         f"{_MAX_PORTABLE_CLUSTER} (non-portable sizes are not enabled)")
+                         f"{MAX_PORTABLE_CLUSTER} (non-portable sizes are not enabled)")
     for axis in range(3):
         if grid[axis] % dims[axis]:
             raise ValueError(f"grid {grid} is not divisible by cluster {dims} along "
@@ -476,8 +274,8 @@ class LoadedKernel:
     def __init__(self, cubin_path: Path, kernel_name: str, smem_bytes: int, threads: int):
         self.cubin_path = Path(cubin_path)
         self.kernel_name = kernel_name
-        if not isinstance(threads, int) or not 1 <= threads <= _MAX_THREADS:
-            raise ValueError(f"kernel '{kernel_name}': threads must be in [1, {_MAX_THREADS}], got {threads!r}")
+        if not isinstance(threads, int) or not 1 <= threads <= MAX_THREADS:
+            raise ValueError(f"kernel '{kernel_name}': threads must be in [1, {MAX_THREADS}], got {threads!r}")
         if not isinstance(smem_bytes, int) or smem_bytes < 0:
             raise ValueError(f"kernel '{kernel_name}': smem_bytes must be a non-negative int, got {smem_bytes!r}")
         if not self.cubin_path.is_file():

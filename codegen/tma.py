@@ -1,10 +1,11 @@
 """TMA tensor maps: our own validation in front of cuTensorMapEncodeTiled.
 
 The driver answers every broken tensor map with CUDA_ERROR_INVALID_VALUE and nothing else
-(GPU.md: a 256-byte inner box with 128B swizzle). So a `TensorMapSpec` — written the way torch
+(e.g. for a 256-byte inner box with 128B swizzle). So a `TensorMapSpec` — written the way torch
 and the rest of wsched think, outermost dimension first, strides in elements — is checked here
-against every rule of the driver documentation and DESIGN.md §6, and a failure names the
-kernel parameter, the rule, the offending value and what would be right. Only then is it
+against every rule of the driver documentation (the limits are `wsched.target`'s TMA_*; see
+docs/architecture.md), and a failure names the kernel parameter, the rule, the offending value
+and what would be right. Only then is it
 turned around for the driver (innermost first, byte strides without the innermost one) and
 encoded.
 
@@ -19,7 +20,12 @@ from typing import Sequence
 import torch
 from cuda.bindings import driver
 
-from .launch import CudaError, check_cuda, check_tensor, torch_context
+from wsched.target import (DTYPE_BYTES, DTYPE_OF_TORCH, ELEMENT_TYPES, TMA_DTYPES, TMA_GLOBAL_ADDRESS_ALIGNMENT,
+                           TMA_INNER_BOX_ALIGNMENT, TMA_MAX_BOX_DIM, TMA_MAX_GLOBAL_DIM, TMA_MAX_RANK,
+                           TMA_MAX_STRIDE_BYTES, TMA_STRIDE_ALIGNMENT, TMA_SWIZZLES, TORCH_DTYPES)
+
+from .cuda_driver import CudaError, check_cuda, torch_context
+from .launch import check_tensor
 
 __all__ = [
     "TensorMapError",
@@ -47,30 +53,21 @@ class TensorMapSpec:
     swizzle: int              # 0, 32, 64 or 128 (bytes)
 
 
-_DTYPES = {  # name -> (driver data type, bytes per element)
-    "bf16": (driver.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2),
-    "f16": (driver.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 2),
-    "f32": (driver.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 4),
-}
-_TORCH_DTYPES = {torch.bfloat16: "bf16", torch.float16: "f16", torch.float32: "f32"}
-_SWIZZLES = {
-    0: driver.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_NONE,
-    32: driver.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_32B,
-    64: driver.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_64B,
-    128: driver.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B,
+_SWIZZLES = {  # the driver's spelling of each swizzle span
+    span: getattr(driver.CUtensorMapSwizzle, f"CU_TENSOR_MAP_SWIZZLE_{span}B" if span else
+                  "CU_TENSOR_MAP_SWIZZLE_NONE")
+    for span in TMA_SWIZZLES
 }
 _INTERLEAVE = driver.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE
 _L2_PROMOTION = driver.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_256B
 _OOB_FILL = driver.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE
 
-# Limits from the cuTensorMapEncodeTiled documentation (interleave NONE).
-MAX_RANK = 5
-GLOBAL_ADDRESS_ALIGNMENT = 16
-STRIDE_ALIGNMENT = 16
-MAX_GLOBAL_DIM = 2**32
-MAX_STRIDE_BYTES = 2**40  # exclusive
-MAX_BOX_DIM = 256
-INNER_BOX_ALIGNMENT = 16
+
+def _data_type(dtype: str) -> driver.CUtensorMapDataType:
+    """The driver's data type of a TMA element type; KeyError for any other dtype."""
+    if dtype not in TMA_DTYPES:
+        raise KeyError(dtype)
+    return getattr(driver.CUtensorMapDataType, ELEMENT_TYPES[dtype].tma)
 
 
 def _fail(spec: TensorMapSpec, rule: str, got: str, fix: str) -> TensorMapError:
@@ -83,15 +80,15 @@ def _round_up(value: int, multiple: int) -> int:
 
 def validate_tensor_map(spec: TensorMapSpec, data_ptr: int) -> None:
     """Raise TensorMapError for the first TMA rule `spec` at `data_ptr` breaks."""
-    if spec.dtype not in _DTYPES:
-        raise _fail(spec, "dtype must be one of bf16, f16, f32", repr(spec.dtype),
+    if spec.dtype not in TMA_DTYPES:
+        raise _fail(spec, f"dtype must be one of {', '.join(TMA_DTYPES)}", repr(spec.dtype),
                     "TMA maps are only built for these element types")
-    element = _DTYPES[spec.dtype][1]
+    element = DTYPE_BYTES[spec.dtype]
 
     rank = len(spec.shape)
-    if not 1 <= rank <= MAX_RANK:
-        raise _fail(spec, f"rank must be between 1 and {MAX_RANK}", f"rank {rank} (shape {spec.shape})",
-                    "merge or split dimensions so the tensor has 1 to 5")
+    if not 1 <= rank <= TMA_MAX_RANK:
+        raise _fail(spec, f"rank must be between 1 and {TMA_MAX_RANK}", f"rank {rank} (shape {spec.shape})",
+                    f"merge or split dimensions so the tensor has 1 to {TMA_MAX_RANK}")
     if not len(spec.strides) == len(spec.box) == rank:
         raise _fail(spec, "shape, strides and box must have one entry per dimension",
                     f"shape {spec.shape}, strides {spec.strides}, box {spec.box}",
@@ -105,7 +102,7 @@ def validate_tensor_map(spec: TensorMapSpec, data_ptr: int) -> None:
                     "pick one of the four swizzle spans")
 
     for dim, extent in enumerate(spec.shape):
-        if not 1 <= extent <= MAX_GLOBAL_DIM:
+        if not 1 <= extent <= TMA_MAX_GLOBAL_DIM:
             raise _fail(spec, "global dims must be in [1, 2^32]", f"shape[{dim}] = {extent}",
                         "empty tensors cannot be mapped; larger ones must be split")
 
@@ -114,9 +111,9 @@ def validate_tensor_map(spec: TensorMapSpec, data_ptr: int) -> None:
                     "pass tensor.data_ptr()")
     if data_ptr == 0:
         raise _fail(spec, "global address must not be null", "0x0", "pass the tensor's data_ptr()")
-    if data_ptr % GLOBAL_ADDRESS_ALIGNMENT:
-        raise _fail(spec, f"global address must be {GLOBAL_ADDRESS_ALIGNMENT}-byte aligned",
-                    f"{data_ptr:#x} ({data_ptr % GLOBAL_ADDRESS_ALIGNMENT} bytes past a boundary)",
+    if data_ptr % TMA_GLOBAL_ADDRESS_ALIGNMENT:
+        raise _fail(spec, f"global address must be {TMA_GLOBAL_ADDRESS_ALIGNMENT}-byte aligned",
+                    f"{data_ptr:#x} ({data_ptr % TMA_GLOBAL_ADDRESS_ALIGNMENT} bytes past a boundary)",
                     "a view starting mid-row must be copied (.contiguous() / .clone())")
 
     if spec.strides[-1] != 1:
@@ -128,26 +125,26 @@ def validate_tensor_map(spec: TensorMapSpec, data_ptr: int) -> None:
             # The driver encodes a 0 stride, but what TMA loads from one is unverified: refuse.
             raise _fail(spec, "global strides must be positive", f"strides[{dim}] = {spec.strides[dim]}",
                         "wsched does not map broadcast (expanded) dimensions — call .contiguous()")
-        if stride_bytes % STRIDE_ALIGNMENT:
-            padded = _round_up(stride_bytes, STRIDE_ALIGNMENT) // element
-            raise _fail(spec, f"global strides must be multiples of {STRIDE_ALIGNMENT} bytes",
+        if stride_bytes % TMA_STRIDE_ALIGNMENT:
+            padded = _round_up(stride_bytes, TMA_STRIDE_ALIGNMENT)
+            raise _fail(spec, f"global strides must be multiples of {TMA_STRIDE_ALIGNMENT} bytes",
                         f"strides[{dim}] = {spec.strides[dim]} elements = {stride_bytes} bytes",
-                        f"pad that stride to {padded} elements ({_round_up(stride_bytes, STRIDE_ALIGNMENT)} bytes)")
-        if stride_bytes >= MAX_STRIDE_BYTES:
+                        f"pad that stride to {padded // element} elements ({padded} bytes)")
+        if stride_bytes >= TMA_MAX_STRIDE_BYTES:
             raise _fail(spec, "global strides must be below 2^40 bytes",
                         f"strides[{dim}] = {spec.strides[dim]} elements = {stride_bytes} bytes",
                         "split the tensor into smaller pieces")
 
     for dim, extent in enumerate(spec.box):
-        if not 1 <= extent <= MAX_BOX_DIM:
-            raise _fail(spec, f"box dims must be in [1, {MAX_BOX_DIM}]", f"box[{dim}] = {extent}",
-                        "tile that dimension with several boxes of at most 256")
+        if not 1 <= extent <= TMA_MAX_BOX_DIM:
+            raise _fail(spec, f"box dims must be in [1, {TMA_MAX_BOX_DIM}]", f"box[{dim}] = {extent}",
+                        f"tile that dimension with several boxes of at most {TMA_MAX_BOX_DIM}")
     inner_bytes = spec.box[-1] * element
-    if inner_bytes % INNER_BOX_ALIGNMENT:
-        fixed = _round_up(inner_bytes, INNER_BOX_ALIGNMENT) // element
-        raise _fail(spec, f"inner box extent must be a multiple of {INNER_BOX_ALIGNMENT} bytes",
+    if inner_bytes % TMA_INNER_BOX_ALIGNMENT:
+        fixed = _round_up(inner_bytes, TMA_INNER_BOX_ALIGNMENT) // element
+        raise _fail(spec, f"inner box extent must be a multiple of {TMA_INNER_BOX_ALIGNMENT} bytes",
                     f"box[-1] = {spec.box[-1]} {spec.dtype} = {inner_bytes} bytes",
-                    f"use a multiple of {INNER_BOX_ALIGNMENT // element} elements, e.g. {fixed}")
+                    f"use a multiple of {TMA_INNER_BOX_ALIGNMENT // element} elements, e.g. {fixed}")
     if spec.swizzle and inner_bytes > spec.swizzle:
         limit = spec.swizzle // element
         raise _fail(spec, "inner box extent must not exceed the swizzle span",
@@ -158,7 +155,7 @@ def validate_tensor_map(spec: TensorMapSpec, data_ptr: int) -> None:
 def driver_arguments(spec: TensorMapSpec) -> dict[str, object]:
     """cuTensorMapEncodeTiled's arguments for `spec`, as plain ints: innermost dimension first,
     byte strides of dimensions 1..rank-1 only (the innermost one is implicitly one element)."""
-    data_type, element = _DTYPES[spec.dtype]
+    data_type, element = _data_type(spec.dtype), DTYPE_BYTES[spec.dtype]
     rank = len(spec.shape)
     return {
         "tensorDataType": data_type,
@@ -231,16 +228,18 @@ def _normalised_strides(shape: Sequence[int], strides: Sequence[int], element: i
             result[dim] = 1
         else:
             span_bytes = shape[dim + 1] * result[dim + 1] * element
-            result[dim] = _round_up(max(span_bytes, STRIDE_ALIGNMENT), STRIDE_ALIGNMENT) // element
+            stride_bytes = _round_up(max(span_bytes, TMA_STRIDE_ALIGNMENT), TMA_STRIDE_ALIGNMENT)
+            result[dim] = stride_bytes // element
     return tuple(result)
 
 
 def spec_for_tensor(tensor: torch.Tensor, box: Sequence[int], swizzle: int, name: str,
                     require_cuda: bool = True) -> TensorMapSpec:
     """The validated TensorMapSpec of `tensor` (device, dtype, inner contiguity checked first)."""
-    check_tensor(name, tensor, dtype=tuple(_TORCH_DTYPES), device=None, require_cuda=require_cuda)
-    dtype = _TORCH_DTYPES[tensor.dtype]
-    element = _DTYPES[dtype][1]
+    check_tensor(name, tensor, dtype=tuple(TORCH_DTYPES[d] for d in TMA_DTYPES), device=None,
+                 require_cuda=require_cuda)
+    dtype = DTYPE_OF_TORCH[tensor.dtype]
+    element = DTYPE_BYTES[dtype]
     shape = tuple(int(s) for s in tensor.shape)
     spec = TensorMapSpec(
         name=name,

@@ -28,21 +28,22 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-__all__ = ["wgmma_function", "wgmma_name", "VALID_N"]
+from wsched.target import WGMMA_N, WGMMA_OPERAND_DTYPES
 
-_AB_DTYPES = ("bf16", "f16")
+__all__ = ["wgmma_function", "wgmma_name"]
+
 _A_FROM = ("smem", "regs")
-VALID_N = tuple(range(8, 257, 8))
 
 
 def _check(n: int, ab_dtype: str, a_from: str, trans_a: bool) -> None:
-    if isinstance(n, bool) or not isinstance(n, int) or n % 8 != 0 or not 8 <= n <= 256:
+    if isinstance(n, bool) or not isinstance(n, int) or n not in WGMMA_N:
         raise ValueError(
             f"wgmma m64nNk16: N={n!r} is invalid; N must be a multiple of 8 in [8, 256] "
             f"(dense wgmma with 16-bit A/B and f32 accumulators)"
         )
-    if ab_dtype not in _AB_DTYPES:
-        raise ValueError(f"wgmma: ab_dtype={ab_dtype!r} is not supported; expected one of {_AB_DTYPES}")
+    if ab_dtype not in WGMMA_OPERAND_DTYPES:
+        raise ValueError(f"wgmma: ab_dtype={ab_dtype!r} is not supported; expected one of "
+                         f"{WGMMA_OPERAND_DTYPES}")
     if a_from not in _A_FROM:
         raise ValueError(f"wgmma: a_from={a_from!r} is invalid; expected one of {_A_FROM}")
     if trans_a and a_from != "smem":

@@ -1,4 +1,5 @@
-"""nvcc driver and on-disk cache: keys, hits, corruption, concurrency, errors, log parsing."""
+"""nvcc driver, on-disk cache and ptxas report: keys, hits, corruption, concurrency, errors,
+log parsing."""
 
 from __future__ import annotations
 
@@ -10,19 +11,16 @@ from pathlib import Path
 
 import pytest
 
-from wsched.codegen import build
-from wsched.codegen.build import (
-    NVCC_FLAGS,
-    BuildError,
-    BuildResult,
+from wsched.codegen import build, nvcc
+from wsched.codegen.build import BuildError, BuildResult, compile_cuda
+from wsched.codegen.build_cache import cache_key
+from wsched.codegen.nvcc import NVCC_FLAGS
+from wsched.codegen.ptxas_report import (
     KernelResources,
     ResourceTable,
-    cache_key,
     check_ptxas_log,
     check_resources,
-    compile_cuda,
     parse_ptxas_log,
-    short_kernel_name,
 )
 
 needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not on PATH")
@@ -37,11 +35,8 @@ extern "C" __global__ void scale(float* x, float s, int n) {{
   int i = blockIdx.x * blockDim.x + threadIdx.x;
   if (i < n) x[i] = wsp::ex2_approx(x[i]) * s;
 }}
-namespace demo {{
-template <int K> __global__ void add_k(float* x) {{ __shared__ float t[32]; t[threadIdx.x % 32] = K;
+extern "C" __global__ void add_k(float* x) {{ __shared__ float t[32]; t[threadIdx.x % 32] = 3;
   __syncthreads(); x[threadIdx.x] += t[(threadIdx.x + 1) % 32]; }}
-template __global__ void add_k<3>(float*);
-}}
 """
 
 
@@ -54,8 +49,8 @@ def _entries(cache: Path) -> list[Path]:
 
 CANNED_LOG = """\
 ptxas info    : 0 bytes gmem
-ptxas info    : Compiling entry function '_ZN4demo5add_kILi3EEEvPf' for 'sm_90a'
-ptxas info    : Function properties for _ZN4demo5add_kILi3EEEvPf
+ptxas info    : Compiling entry function 'add_k' for 'sm_90a'
+ptxas info    : Function properties for add_k
     0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
 ptxas info    : Used 10 registers, used 1 barriers, 128 bytes smem
 ptxas info    : Compile time = 1.702 ms
@@ -67,26 +62,17 @@ ptxas info    : Compile time = 20.066 ms
 """
 
 
-def _canned_result(log: str) -> BuildResult:
-    return BuildResult(cubin_path=Path("/x/kernel.cubin"), cu_path=Path("/x/kernel.cu"),
-                       resources=ResourceTable(parse_ptxas_log(log)), log=log,
-                       command=("nvcc", "/x/kernel.cu"), cache_hit=False, name="canned")
-
-
 def test_parse_ptxas_log():
     res = parse_ptxas_log(CANNED_LOG)
-    assert list(res) == ["_ZN4demo5add_kILi3EEEvPf", "consumer_kernel"]
-    assert res["_ZN4demo5add_kILi3EEEvPf"] == KernelResources(
+    assert isinstance(res, ResourceTable)
+    assert list(res) == ["add_k", "consumer_kernel"]  # extern "C" kernels: plain names
+    assert res["add_k"] == KernelResources(
         registers=10, smem_bytes=128, spill_stores=0, spill_loads=0, stack_bytes=0, barriers=1)
     assert res["consumer_kernel"] == KernelResources(
         registers=232, smem_bytes=0, spill_stores=16, spill_loads=8, stack_bytes=24, barriers=4)
-    table = ResourceTable(res)
-    # by mangled, qualified and short name
-    assert table["demo::add_k"] is table["add_k"] is table["_ZN4demo5add_kILi3EEEvPf"]
-    assert "add_k" in table and "nope" not in table
-    assert short_kernel_name("_Z1tILi3EEvPf") == "t"
-    assert short_kernel_name("_ZN3foo1gEPfi") == "g"
-    assert len(table) == 2 and set(table) == set(res)
+    assert "add_k" in res and "nope" not in res
+    with pytest.raises(KeyError, match=r"no kernel named 'nope'; kernels: \['add_k', 'consumer_kernel'\]"):
+        res["nope"]
 
 
 def test_c7508_in_log_raises():
@@ -104,16 +90,16 @@ def test_c7508_in_log_raises():
 
 
 def test_spills_raise_via_check_resources():
-    result = _canned_result(CANNED_LOG)
+    where = dict(cu_path=Path("/x/kernel.cu"), command=("nvcc", "/x/kernel.cu"), name="canned")
     with pytest.raises(BuildError) as ei:
-        check_resources(result)
+        check_resources(parse_ptxas_log(CANNED_LOG), **where, log=CANNED_LOG)
     msg = str(ei.value)
+    assert msg.startswith("register spills in 'canned' (spills are an error; allow_spills=True")
     assert "consumer_kernel" in msg and "16 bytes spill stores" in msg and "8 bytes spill loads" in msg
     assert "24 bytes stack frame" in msg and "/x/kernel.cu" in msg
-    assert "add_k" not in msg
-    assert check_resources(result, allow_spills=True) is result
-    clean = _canned_result(CANNED_LOG.split("ptxas info    : Compiling entry function 'consumer")[0])
-    assert check_resources(clean) is clean
+    assert "add_k" not in msg and ei.value.kernel == "consumer_kernel"
+    clean = CANNED_LOG.split("ptxas info    : Compiling entry function 'consumer")[0]
+    check_resources(parse_ptxas_log(clean), **where)
 
 
 def test_key_changes_with_source_flags_and_extra_key():
@@ -138,9 +124,9 @@ def test_miss_then_hit_with_artifacts(tmp_path, monkeypatch):
     assert r1.cubin_path.read_bytes()[:4] == b"\x7fELF"
     assert r1.cu_path.read_text() == f'#line 1 "{r1.cu_path}"\n' + src
     assert r1.resources["scale"].registers > 0
-    assert r1.resources["demo::add_k"].smem_bytes == 128
+    assert r1.resources["add_k"].smem_bytes == 128
     assert r1.resources["add_k"].barriers == 1
-    assert r1.command[0] == build.nvcc_path() and str(r1.cu_path) in r1.command
+    assert r1.command[0] == nvcc.nvcc_path() and str(r1.cu_path) in r1.command
     meta = json.loads((r1.entry_dir / "meta.json").read_text())
     assert meta["nvcc_version"].startswith(("12.", "13."))
 
@@ -148,8 +134,8 @@ def test_miss_then_hit_with_artifacts(tmp_path, monkeypatch):
     def no_subprocess(*a, **k):
         raise AssertionError("subprocess on a cache hit")
 
-    monkeypatch.setattr(build.subprocess, "run", no_subprocess)
-    monkeypatch.setattr(build, "nvcc_version", no_subprocess)
+    monkeypatch.setattr(nvcc.subprocess, "run", no_subprocess)
+    monkeypatch.setattr(nvcc, "nvcc_version", no_subprocess)
     r2 = compile_cuda(src, name="scale", cache_dir=tmp_path)   # its time: benchmarks/compile_time.py
     assert r2.cache_hit
     assert r2.cubin_path == r1.cubin_path and r2.resources["scale"] == r1.resources["scale"]
@@ -214,7 +200,7 @@ def test_syntax_error_raises_with_path_and_repro(tmp_path):
     assert f"{e.cu_path}(" in msg  # nvcc diagnostics name the kept file
     assert "nvcc" in msg and "-gencode=arch=compute_90a,code=sm_90a" in msg
     assert "repro:" in msg and "error" in msg  # nvcc's own diagnostic tail
-    assert e.command[0] == build.nvcc_path() and str(e.cu_path) in e.command
+    assert e.command[0] == nvcc.nvcc_path() and str(e.cu_path) in e.command
     assert not _entries(tmp_path)  # nothing cached for a failed build
 
 

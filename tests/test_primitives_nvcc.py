@@ -11,13 +11,8 @@ import shutil
 
 import pytest
 
-from wsched.codegen.build import (
-    NVCC_FLAGS,
-    PTX_FLAGS,
-    BuildError,
-    compile_cuda,
-    compile_ptx,
-)
+from wsched.codegen.build import BuildError, compile_cuda, compile_ptx
+from wsched.codegen.nvcc import NVCC_FLAGS, PTX_FLAGS
 from wsched.codegen.wgmma import wgmma_function
 
 needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not on PATH")

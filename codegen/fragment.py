@@ -1,0 +1,76 @@
+"""The register-tile fragment layout (the wgmma accumulator layout) and the C++ names of a
+tile's elements; `include/fragment.cuh` is its device side.
+
+A register tile is spread over the 128 threads of a warpgroup: thread t (warp w = t / 32, lane l,
+g = l / 4, q = l % 4) holds element d[4j + 2i + c] of a [64, N] tile at row 16w + g + 8i,
+column 8j + 2q + c. f32 tiles are `float[N/2]`; 16-bit tiles are packed pairs (the c = 0, 1
+elements) `__nv_bfloat162[N/4]` / `__half2[N/4]`. A row tile [1, N] holds columns 8j + 2q + c
+(pairs when 16-bit), a column tile [64, 1] rows g + 8i, a scalar tile one value. The emitter
+loops over a thread's fragment positions (fj, fi) = (j, i); `Tile.index` names the element there.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from wsched.target import DTYPE_BYTES, ELEMENT_TYPES, WGMMA_M
+
+__all__ = ["COL", "FULL", "ROW", "SCALAR", "Tile"]
+
+# Fragment layouts of a register tile: [64, N], [1, N], [64, 1] and [1, 1] tiles.
+FULL, ROW, COL, SCALAR = "full", "row", "col", "scalar"
+
+
+@dataclass(frozen=True)
+class Tile:
+    name: str
+    dtype: str
+    rows: int
+    cols: int
+
+    @property
+    def layout(self) -> str:
+        """How the tile is spread over the warpgroup: FULL, ROW, COL or SCALAR."""
+        if self.rows == WGMMA_M and self.cols > 1:
+            return FULL
+        if self.rows == 1 and self.cols > 1:
+            return ROW
+        if self.rows == WGMMA_M and self.cols == 1:
+            return COL
+        return SCALAR
+
+    @property
+    def packed(self) -> bool:
+        """16-bit full and row tiles store the c = 0, 1 elements as one packed pair."""
+        return DTYPE_BYTES[self.dtype] == 2 and self.layout in (FULL, ROW)
+
+    @property
+    def length(self) -> int:
+        per_thread = {FULL: self.cols // 2, ROW: self.cols // 4, COL: 2, SCALAR: 1}[self.layout]
+        return per_thread // 2 if self.packed else per_thread
+
+    def declaration(self) -> str:
+        element = ELEMENT_TYPES[self.dtype]
+        return f"{element.cuda_pair if self.packed else element.cuda} {self.name}[{self.length}];"
+
+    def index(self, c: int | None = None) -> str:
+        """The C++ element (c given) or packed pair (c None) at fragment position (fj, fi)."""
+        if self.layout == FULL:
+            if self.packed:
+                base = f"{self.name}[2 * fj + fi]"
+            else:
+                return f"{self.name}[4 * fj + 2 * fi + {c}]"
+        elif self.layout == ROW:
+            if self.packed:
+                base = f"{self.name}[fj]"
+            else:
+                return f"{self.name}[2 * fj + {c}]"
+        elif self.layout == COL:
+            return f"{self.name}[fi]"
+        else:
+            return f"{self.name}[0]"
+        return base if c is None else f"{base}.{'xy'[c]}"
+
+    def read(self, c: int) -> str:
+        """Element c of fragment position (fj, fi) as a float expression."""
+        return ELEMENT_TYPES[self.dtype].to_float.format(self.index(c))
