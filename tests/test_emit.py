@@ -13,8 +13,8 @@ from wsched.codegen import build
 from wsched.codegen.emit import EMITTERS, EmitError, EmittedKernel, emit_kernel
 from wsched.lowering import ir
 from wsched.lowering.pipeline import lower_partition
-from wsched.partition import partition
-from wsched.schedule import default_schedule
+from wsched.workloads import partition
+from wsched.workloads.matmul.schedule import default_schedule
 
 from attention_fusions import make_attention
 
