@@ -21,7 +21,7 @@ K_COUNT = "kv_tiles"   # k iterations of this tile when it varies per tile (atte
 LOWERING_NAMES = frozenset({
     PRODUCER, CONSUMER, TILE_VAR, K_VAR, ACC, K_BASE, K_COUNT,
     # circular buffer and wgmma protocol
-    "s", "ph", "it", "tile_iter", "prev_s", "last_s", "prev_it", "prev_ph",
+    "s", "ph", "it", "tile_iter", "prev_s", "last_s", "prev_it", "prev_ph", "last_it", "last_ph",
     # tile raster
     "m0", "n0", "tile_m", "tile_n", "tiles_m", "tiles_n", "num_tiles", "k_tiles", "group_size",
     "first_m", "first_n", "group_extent",
