@@ -12,10 +12,6 @@ from wsched.schedule import Schedule
 from . import ir
 
 
-class LoweringError(ValueError):
-    """A pass could not lower the partition with the schedule it was given."""
-
-
 @dataclass(frozen=True)
 class LoweringContext:
     partition: Partition
