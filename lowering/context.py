@@ -1,15 +1,15 @@
-"""What the lowering passes know besides the kernel: the partition and its schedule."""
+"""What the lowering passes know besides the kernel: the partition (its channels, its schedule,
+the workload that made it), and the shape of one step of the pipeline."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 from wsched.partition import Channel, Partition
 from wsched.schedule import Schedule
 
-
-class LoweringError(ValueError):
-    """A pass could not lower the partition with the schedule it was given."""
+from . import ir
 
 
 @dataclass(frozen=True)
@@ -22,23 +22,26 @@ class LoweringContext:
         return self.partition.schedule
 
     @property
-    def kind(self) -> str:
-        return self.partition.kind
-
-    @property
-    def channel(self) -> Channel:
-        """The operand channel of a matmul (its only one)."""
-        return self.partition.channels[0]
+    def workload(self):
+        """The workload plug-in (wsched.workloads) that partitioned the fusion."""
+        return self.partition.workload
 
     def channels(self, level: str | None = None) -> tuple[Channel, ...]:
         return tuple(c for c in self.partition.channels if level is None or c.level == level)
 
 
-# Names the passes agree on (one place, so a pass never guesses another pass's spelling).
-PRODUCER = "producer"
-CONSUMER = "consumer"
-TILE_VAR = "tile"
-K_VAR = "k"
-ACC = "acc"
-K_BASE = "k_base"      # attention: kv iterations before this tile (the ring counter's base)
-K_COUNT = "kv_tiles"   # attention: kv blocks of this tile (varies with the causal diagonal)
+def always(schedule: Schedule) -> bool:
+    return True
+
+
+@dataclass(frozen=True)
+class Step:
+    """One step of a pipeline route: a pass `(kernel, context) -> kernel` under a name (the key
+    of `kernel.ir_after`, `WSCHED_PRINT_IR`), whether the load/compute contract holds after it,
+    and the schedules it runs for (a step that would do nothing is not on the route)."""
+
+    name: str
+    run: Callable[[ir.Kernel | None, LoweringContext], ir.Kernel]
+    contract: bool
+    when: Callable[[Schedule], bool] = always
+    condition: str = ""            # `when` in words, for printed routes

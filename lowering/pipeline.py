@@ -1,9 +1,30 @@
-"""The lowering pipeline: one tuple of passes, each a pure function (Kernel, context) -> Kernel.
+"""The lowering pipeline: one route of passes per workload, each pass a pure function
+(Kernel, context) -> Kernel.
 
-The IR after each pass is kept by name (`kernel.ir_after["insert_barriers"]`); the verifier
-runs after every pass when `WSCHED_DEBUG` is on (always in tests), with the load/compute
-contract checked once the barriers exist. `WSCHED_PRINT_IR=insert_barriers,epilogue` (or
-`all`) prints the IR after the named passes to stderr.
+Every workload takes the same route; the steps marked [workload] are the workload plug-in's own
+(`wsched/workloads/<name>/`), the others are shared and read only the IR and the channels:
+
+    build_loops [workload]   the partition's two loop nests, single-buffered, unsynchronised
+    circular_buffer          stages and the shared linear counter (needs the k loops)
+    insert_barriers          full/empty barriers, indexed by the stage variable
+    lower_tma                the producer's issue loop under elect_one; 128-byte swizzles
+    lower_mma                wgmma fence/commit/wait; the release moves behind its wait
+    <extra passes> [workload] reorderings of the complete wgmma protocol
+    epilogue [workload]      after the k loop is final: normalisation, fused ops, stores
+    reg_realloc              last: it must see every role's final body (register budget)
+
+The routes, step by step (`route(workload, schedule)`; a test keeps this list true):
+
+    matmul:    build_loops, circular_buffer, insert_barriers, lower_tma, lower_mma, epilogue,
+               reg_realloc
+    attention: build_loops, circular_buffer, insert_barriers, lower_tma, lower_mma,
+               overlap_softmax (if mma_inflight=1), pingpong (if mode="pingpong"), epilogue,
+               reg_realloc
+
+The IR after each step is kept by name (`kernel.ir_after["insert_barriers"]`); the verifier
+runs after every step when `WSCHED_DEBUG` is on (always in tests), with the load/compute
+contract checked once the release point is right (after lower_mma). `WSCHED_PRINT_IR=
+insert_barriers,epilogue` (or `all`) prints the IR after the named steps to stderr.
 """
 
 from __future__ import annotations
@@ -14,37 +35,34 @@ from dataclasses import replace
 from wsched import knobs
 
 from . import ir
-from .context import LoweringContext
-from .passes import (build_loops, circular_buffer, epilogue, insert_barriers, lower_mma, lower_tma,
-                     overlap_softmax, pingpong, reg_realloc)
+from .context import LoweringContext, Step
+from .passes import circular_buffer, insert_barriers, lower_mma, lower_tma, reg_realloc
 from .verify import verify
 
-# (name, pass, whether the load/compute contract holds after it: the release point is only
-# right once lower_mma has put it behind the wgmma wait)
-PIPELINE = (
-    # The partition's two loop nests, single-buffered, no synchronisation yet.
-    ("build_loops", build_loops.run, False),
-    # Stages and the shared linear counter; needs the k loops that build_loops made.
-    ("circular_buffer", circular_buffer.run, False),
-    # full/empty barriers index by the stage variable circular_buffer introduced.
-    ("insert_barriers", insert_barriers.run, False),
-    # Wrap the producer's (now complete) issue loop in elect_one; choose swizzles.
-    ("lower_tma", lower_tma.run, False),
-    # wgmma fence/commit/wait, and move the consumer release behind the wait that frees it.
-    ("lower_mma", lower_mma.run, True),
-    # Attention with mma_inflight=1: delay P V by one block so the softmax overlaps it; it
-    # reorders the complete wgmma protocol lower_mma wrote.
-    ("overlap_softmax", overlap_softmax.run, True),
-    # Attention with mode="pingpong": token passing around the GEMM issue that overlap_softmax
-    # grouped together.
-    ("pingpong", pingpong.run, True),
-    # After the k loop is final: the fused epilogue and the output stores.
-    ("epilogue", epilogue.run, True),
-    # Last: it must see every role's final body to check the register budget.
-    ("reg_realloc", reg_realloc.run, True),
-)
+CIRCULAR_BUFFER = Step("circular_buffer", circular_buffer.run, False)
+INSERT_BARRIERS = Step("insert_barriers", insert_barriers.run, False)
+LOWER_TMA = Step("lower_tma", lower_tma.run, False)
+LOWER_MMA = Step("lower_mma", lower_mma.run, True)
+REG_REALLOC = Step("reg_realloc", reg_realloc.run, True)
 
-PASS_NAMES = tuple(name for name, _, _ in PIPELINE)
+
+def route(workload, schedule=None) -> tuple[Step, ...]:
+    """The steps a kernel of `workload` takes (with `schedule`: only those that apply to it)."""
+    steps = (
+        Step("build_loops", workload.build_loops, False),
+        CIRCULAR_BUFFER,
+        INSERT_BARRIERS,
+        LOWER_TMA,
+        LOWER_MMA,
+        *workload.extra_passes,
+        Step("epilogue", workload.epilogue, True),
+        REG_REALLOC,
+    )
+    return steps if schedule is None else tuple(s for s in steps if s.when(schedule))
+
+
+def pass_names(workload, schedule=None) -> tuple[str, ...]:
+    return tuple(step.name for step in route(workload, schedule))
 
 
 def lower_partition(partition, name: str | None = None, *, debug: bool | None = None) -> ir.Kernel:
@@ -53,13 +71,13 @@ def lower_partition(partition, name: str | None = None, *, debug: bool | None = 
     print_after = knobs.print_ir_after()
     kernel = None
     snapshots: dict[str, ir.Kernel] = {}
-    for pass_name, run, contract in PIPELINE:
-        kernel = run(kernel, ctx)
+    for step in route(ctx.workload, ctx.schedule):
+        kernel = step.run(kernel, ctx)
         if debug:
-            verify(kernel, contract=contract)
-        snapshots[pass_name] = kernel
-        if pass_name in print_after or "all" in print_after:
-            print(f"// ----- IR after {pass_name} -----\n{kernel}", file=sys.stderr)
+            verify(kernel, contract=step.contract)
+        snapshots[step.name] = kernel
+        if step.name in print_after or "all" in print_after:
+            print(f"// ----- IR after {step.name} -----\n{kernel}", file=sys.stderr)
     if not debug:
         verify(kernel, contract=True)
     final = replace(kernel)

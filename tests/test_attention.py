@@ -33,8 +33,10 @@ def simulate_and_check(fusion, inputs, seed=0, num_sms=3):
 def test_partition_finds_q_k_v_scale_and_mask():
     f = make_attention(128, causal=True, lse=True)
     p = ws.partition(f, ws.schedule_for(f))
-    assert (p.q.id, p.k.id, p.v.id) == ("q", "k", "v")
-    assert p.causal and p.lse is not None and abs(p.scale - 128 ** -0.5) < 1e-12
+    a = p.payload
+    assert p.workload.name == "attention" and p.output_names == ("o", "lse") and p.nonempty == ("T",)
+    assert (a.q.id, a.k.id, a.v.id) == ("q", "k", "v")
+    assert a.causal and a.lse is not None and abs(a.scale - 128 ** -0.5) < 1e-12
     assert [(c.name, c.level, c.stages, c.bytes_per_stage) for c in p.channels] == [
         ("q", "tile", 1, 128 * 128 * 2), ("k", "k", 3, 128 * 128 * 2), ("v", "k", 3, 128 * 128 * 2)]
     assert p.dims == {"batch0": ("q", 0), "batch1": ("q", 1), "S": ("q", 2), "T": ("k", 2)}
@@ -102,8 +104,8 @@ def test_without_softmax_overlap(causal):
     f = make_attention(64, causal=causal, lse=True)
     sched = ws.schedule_for(f, mma_inflight=0)
     kernel = ws.lower(f, sched)
-    assert "wgmma.wait 1" not in print_kernel(kernel) and "overlap_softmax" in kernel.ir_after
-    assert kernel.ir_after["overlap_softmax"] == kernel.ir_after["lower_mma"]
+    assert "wgmma.wait 1" not in print_kernel(kernel)
+    assert "overlap_softmax" not in kernel.ir_after   # a step that would do nothing is off the route
     ck = ws.CompiledKernel(f, sched, ws.partition(f, sched), kernel, cuda_source="")
     inputs = attention_inputs(1, 2, 200, 333, 64, seed=5)
     o, lse = ck.simulate(*inputs, num_sms=3)

@@ -15,8 +15,8 @@ from wsched.codegen.emit import EMITTERS, EmitError, EmittedKernel, emit_kernel
 from wsched.codegen.nvcc import INCLUDE_DIR
 from wsched.lowering import ir
 from wsched.lowering.pipeline import lower_partition
-from wsched.partition import partition
-from wsched.schedule import default_schedule
+from wsched.workloads import partition
+from wsched.workloads.matmul.schedule import default_schedule
 
 from attention_fusions import make_attention
 

@@ -3,8 +3,9 @@
 import pytest
 
 import wsched as ws
-from wsched.partition import partition
-from wsched.schedule import ScheduleError, default_schedule
+from wsched.schedule import ScheduleError
+from wsched.workloads import partition
+from wsched.workloads.matmul.schedule import default_schedule
 
 from fusions import linear_relu_residual, mlp, scaled_silu_f32
 
@@ -16,9 +17,10 @@ def test_mlp_partition_cuts_the_operands_into_one_channel():
         ("a", "A", "k", (128, 64), 1), ("b", "B", "n", (64, 64), 4)]
     assert ch.bytes_per_stage == 128 * 64 * 2 + 64 * 256 * 2 == 49152
     assert sorted(p.load_dag.nodes) == sorted(["a", "b", "tma_load(a)", "tma_load(b)", "A[stage]", "B[stage]"])
-    assert [n.op for n in p.epilogue] == ["add", "gelu", "cast"]
-    assert [n.id for n in p.side_inputs] == ["bias"]
-    assert p.tiles["bias"].kind == "row"
+    assert p.workload.name == "matmul"
+    assert [n.op for n in p.payload.epilogue] == ["add", "gelu", "cast"]
+    assert [n.id for n in p.payload.side_inputs] == ["bias"]
+    assert p.payload.tiles["bias"].layout == "row"
     assert p.dims == {"M": ("a", 0), "K": ("a", 1), "N": ("b", 1)}
 
 
@@ -31,12 +33,12 @@ def test_transposed_weight_is_loaded_k_major():
     b = p.channels[0].loads[1]
     assert (b.tensor, b.major, b.box, b.boxes) == ("w", "k", (256, 64), 1)
     assert p.dims["N"] == ("w", 0)
-    assert {n.id: p.tiles[n.id].kind for n in p.side_inputs} == {"bias": "row", "res": "full"}
+    assert {n.id: p.payload.tiles[n.id].layout for n in p.payload.side_inputs} == {"bias": "row", "res": "full"}
 
 
 def test_column_vector_side_input():
     p = partition(scaled_silu_f32, default_schedule())
-    assert p.tiles["scale"].kind == "col"
+    assert p.payload.tiles["scale"].layout == "col"
     assert p.outputs[0].dtype.name == "f32"
 
 
@@ -45,7 +47,8 @@ def test_two_matmuls_need_the_attention_schedule():
     def two(a: ws.Tensor[ws.bf16, "M", "K"], b: ws.Tensor[ws.bf16, "K", "N"], c: ws.Tensor[ws.bf16, "N", "P"]):
         return ws.matmul(ws.matmul(a, b).to(ws.bf16), c)
 
-    with pytest.raises(ScheduleError, match="exactly one matmul in two, found 2; attention fusions need kind='attention'"):
+    with pytest.raises(ScheduleError, match="exactly one matmul in two, found 2; a matmul -> softmax -> matmul fusion "
+                                            "is scheduled as attention"):
         partition(two, default_schedule())
 
 

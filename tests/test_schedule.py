@@ -4,7 +4,8 @@ import re
 
 import pytest
 
-from wsched.schedule import Schedule, ScheduleError, default_schedule, max_stages
+from wsched.schedule import ScheduleError, max_stages
+from wsched.workloads.matmul.schedule import MatmulSchedule, default_schedule
 
 
 def test_default_is_the_hopper_heuristic():
@@ -55,4 +56,4 @@ def test_invalid_schedules_say_which_limit_and_by_how_much(kwargs, message):
     base = dict(tile=(128, 256, 64), stages=3)
     base.update(kwargs)
     with pytest.raises(ScheduleError, match=re.escape(message)):
-        Schedule(**base)
+        MatmulSchedule(**base)

@@ -11,5 +11,6 @@ from .fusion import Fusion, Node, fusion
 
 # The pipeline: schedule, lower, compile (see wsched/api.py).
 from .api import CompiledKernel, compile, lower, schedule_for  # noqa: A004 (ws.compile, like torch.compile)
-from .partition import Partition, partition
-from .schedule import Schedule, ScheduleError, default_schedule
+from .partition import Partition
+from .schedule import Schedule, ScheduleError
+from .workloads import WORKLOADS, Workload, partition, workload_for

@@ -14,37 +14,25 @@ from functools import cached_property
 
 import torch
 
-from .partition import Partition, output_names, partition
-from .schedule import Schedule, ScheduleError, default_schedule
-
-TORCH_DTYPES = {"bf16": torch.bfloat16, "f16": torch.float16, "f32": torch.float32}
+from .lowering.pipeline import lower_partition
+from .partition import Partition, param_name
+from .schedule import Schedule, ScheduleError
+from .target import TORCH_DTYPES
+from .workloads import partition, workload_for
 
 
 def schedule_for(fusion, schedule: Schedule | None = None, **overrides) -> Schedule:
-    """The schedule to use: the one given, else the Hopper default with `overrides` applied."""
+    """The schedule to use: the one given, else the default of the workload that takes the
+    fusion, with `overrides` applied."""
     if schedule is not None:
         if overrides:
             raise ScheduleError("pass either a Schedule or keyword overrides, not both")
         return schedule
-    from .attention import head_dim_of, is_attention
-
-    if is_attention(fusion):
-        head_dim = head_dim_of(fusion)
-        if not isinstance(head_dim, int):
-            raise ScheduleError(f"attention schedule for {fusion.name}: the head dim of Q is the symbol "
-                                f"{head_dim!r}; declare it as a number (64, 128 or 256)")
-        overrides.setdefault("head_dim", head_dim)
-        return default_schedule("attention", **overrides)
-    outputs = [fusion.node(o) for o in fusion.outputs]
-    out_bytes = max((o.dtype.bits // 8 for o in outputs), default=2)
-    overrides.setdefault("output_bytes", out_bytes)
-    return default_schedule(**overrides)
+    return workload_for(fusion).default_schedule(fusion, **overrides)
 
 
 def lower(fusion, schedule: Schedule | None = None, **overrides):
     """Lower a fusion to the final loop IR (`Kernel`); `kernel.ir_after[pass]` keeps each step."""
-    from .lowering.pipeline import lower_partition
-
     return lower_partition(partition(fusion, schedule_for(fusion, schedule, **overrides)))
 
 
@@ -81,12 +69,10 @@ class CompiledKernel:
     def _bind(self, tensors) -> tuple[dict, dict, dict]:
         """(inputs by name, scalar params, sizes) for one call; FusionError on bad inputs."""
         sizes = self.fusion.bind(*tensors)
-        from .partition import param_name
-
         by_id = {node.id: t for node, t in zip(self.fusion.inputs, tensors)}
         scalars = {dim: int(by_id[name].shape[axis]) for dim, (name, axis) in self.partition.dims.items()}
         inputs = {param_name(i): t for i, t in by_id.items()}
-        empty = [dim for dim in ("K", "T") if scalars.get(dim, 1) < 1]
+        empty = [dim for dim in self.partition.nonempty if scalars.get(dim, 1) < 1]
         if empty:
             raise ValueError(f"{self.fusion.name}: {empty[0]} is 0; the kernel needs at least one element there")
         return inputs, scalars, sizes
@@ -95,7 +81,7 @@ class CompiledKernel:
         """Fresh output tensors, shaped from the output nodes with the bound sizes."""
         return {name: torch.empty([sizes[d] if isinstance(d, str) else d for d in node.shape],
                                   dtype=TORCH_DTYPES[node.dtype.name], device=device)
-                for node, name in zip(self.partition.outputs, output_names(self.partition))}
+                for node, name in zip(self.partition.outputs, self.partition.output_names)}
 
     def _kernel_views(self, tensors_by_name: dict, scalars: dict) -> dict:
         """Tensors as the kernel's `global` params declare them (LSE [.., S] is read as [.., S, 1])."""
@@ -185,8 +171,8 @@ class CompiledKernel:
         by_name = dict(zip(plan.inputs, tensors))
         by_name.update(outs)
         args = []
-        for kind, p in plan.params:
-            if kind == "tensor_map":
+        for binding, p in plan.params:
+            if binding == "tensor_map":
                 t = by_name[p.name]
                 if t.data_ptr() % 16:
                     raise ValueError(f"argument '{p.name}' has data_ptr {t.data_ptr():#x}, "
@@ -201,10 +187,10 @@ class CompiledKernel:
                     view = t.view(plan.views[p.name]) if tuple(t.shape) != plan.views[p.name] else t
                     self._maps[map_key] = tensor_map_for(view, p.box, p.swizzle, p.name)
                 args.append(("tensor_map", self._maps[map_key]))
-            elif kind == "ptr":
+            elif binding == "ptr":
                 args.append(("ptr", by_name[p.name].data_ptr()))
             else:
-                args.append((kind, p))
+                args.append((binding, p))
         return plan.grid, args, outs
 
     def __call__(self, *tensors, out: dict[str, torch.Tensor] | None = None):
@@ -247,8 +233,6 @@ def compile(fusion, schedule: Schedule | None = None, *, build: bool | None = No
     sched = schedule_for(fusion, schedule, **overrides)
     t0 = time.perf_counter()
     part = partition(fusion, sched)
-    from .lowering.pipeline import lower_partition
-
     kernel = lower_partition(part)
     t1 = time.perf_counter()
     emitted = emit_kernel(kernel)

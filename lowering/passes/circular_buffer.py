@@ -2,9 +2,10 @@
 
 Both nests derive the slot from the same counter `it` = (local tile index) x k_tiles + k, so
 the producer and the consumers walk the ring in lockstep without sharing any state:
-stage = it % S and phase = (it / S) & 1. When the number of k iterations varies per tile
-(causal attention), each role keeps the same running base instead: `var k_base`, advanced
-by the tile's `kv_tiles` after its k loop, and it = k_base + k.
+stage = it % S and phase = (it / S) & 1. When the number of k iterations varies per tile (the k
+loop's bound is computed inside the tile loop, as causal attention's `kv_tiles` is), each role
+keeps the same running base instead: `var k_base`, advanced by the tile's bound after its k
+loop, and it = k_base + k.
 
     before:  for k in serial(0, k_tiles, 1) { tma.load A[0] <- a[m0, k * 64] bar(full[0]) }
     after:   for k in serial(0, k_tiles, 1) {
@@ -19,8 +20,10 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from wsched.names import K_BASE, K_VAR, TILE_VAR
+
 from .. import ir
-from ..context import K_BASE, K_COUNT, K_VAR, TILE_VAR, LoweringContext
+from ..context import LoweringContext
 from ..rewrite import map_loop, transform
 
 V = ir.Var
@@ -33,7 +36,10 @@ def run(kernel: ir.Kernel, ctx: LoweringContext) -> ir.Kernel:
     barrier_names = {n for c in ring for n in (c.full, c.empty)}
     smem = tuple(replace(b, shape=(stages,) + b.shape[1:]) if b.name in buffers else b for b in kernel.smem)
     barriers = tuple(replace(b, slots=stages) if b.name in barrier_names else b for b in kernel.barriers)
-    uniform = ctx.kind == "matmul"   # every tile runs k_tiles iterations
+    k_stop = next(s.stop for s in ir.walk(kernel.body) if isinstance(s, ir.For) and s.var == K_VAR)
+    # Every tile runs the same k iterations when the k loop's bound is a kernel-level value.
+    kernel_level = {p.name for p in kernel.params} | {s.name for s in kernel.body if isinstance(s, ir.Let)}
+    uniform = set(ir.expr_vars(k_stop)) <= kernel_level
     stage = V("s")
 
     def restage(stmt):
@@ -46,7 +52,7 @@ def run(kernel: ir.Kernel, ctx: LoweringContext) -> ir.Kernel:
         return None
 
     def add_counter(loop: ir.For):
-        base = ir.mul("tile_iter", "k_tiles") if uniform else V(K_BASE)
+        base = ir.mul("tile_iter", k_stop) if uniform else V(K_BASE)
         counter = (
             ir.Let("it", ir.add(base, K_VAR)),
             ir.Let("s", ir.mod("it", stages)),
@@ -56,7 +62,7 @@ def run(kernel: ir.Kernel, ctx: LoweringContext) -> ir.Kernel:
 
     def add_tile_iter(loop: ir.For):
         local = ir.Let("tile_iter", ir.div(ir.sub(TILE_VAR, "cta_id"), "num_ctas"))
-        advance = () if uniform else (ir.Assign(K_BASE, ir.add(K_BASE, K_COUNT)),)
+        advance = () if uniform else (ir.Assign(K_BASE, ir.add(K_BASE, k_stop)),)
         tile_loop = replace(loop, body=(local,) + loop.body + advance)
         return tile_loop if uniform else (ir.Let(K_BASE, ir.IntConst(0), mutable=True), tile_loop)
 

@@ -21,8 +21,10 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from wsched.names import CONSUMER, K_VAR, PRODUCER, TILE_VAR
+
 from .. import ir
-from ..context import CONSUMER, K_VAR, PRODUCER, TILE_VAR, LoweringContext
+from ..context import LoweringContext
 from ..rewrite import map_loop, map_role
 
 V = ir.Var

@@ -4,9 +4,14 @@ wgmma is asynchronous: `wgmma.fence` orders the accumulator's register traffic b
 `wgmma.commit` closes a group, `wgmma.wait n` leaves at most n groups in flight. A stage may be
 released only when no wgmma reading it is pending. With `mma_inflight = 1` one group stays in
 flight across iterations, so iteration k releases the stage of iteration k - 1 and the tile's
-last stage is released after the loop's final `wgmma.wait 0`. In a matmul the first k block
-overwrites the accumulator (accumulate(k > 0)), so no zero fill is needed; attention's two
-wgmmas keep the accumulate flags build_loops gave them (S is overwritten, O accumulates).
+last stage is released after the loop's final `wgmma.wait 0`.
+
+Which of the two applies is read from the k loop. One wgmma per k step, accumulating into an
+accumulator zero-filled just before the loop, depends on nothing else in its iteration: its group
+may stay in flight (`mma_inflight`), and the first k step overwrites the accumulator
+(accumulate(k > 0)) so the zero fill goes. Several wgmmas per k step feed each other through
+registers (attention: S = Q K^T, softmax, O += P V): each is waited for at once and keeps its
+accumulate flag; overlapping them is a reordering a workload pass makes afterwards.
 
     before:  tile.fill acc, 0.0
              for k ... { mbarrier.wait full[s] phase(ph)
@@ -29,8 +34,10 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from wsched.names import CONSUMER, K_VAR, TILE_VAR
+
 from .. import ir
-from ..context import ACC, CONSUMER, K_VAR, TILE_VAR, LoweringContext
+from ..context import LoweringContext
 from ..rewrite import map_loop, map_role
 
 V = ir.Var
@@ -39,17 +46,26 @@ C = ir.IntConst
 
 def run(kernel: ir.Kernel, ctx: LoweringContext) -> ir.Kernel:
     stages = ctx.schedule.stages
-    matmul = ctx.kind == "matmul"
-    # Attention's overlap is a reordering of the complete protocol (overlap_softmax): here every
-    # attention wgmma is waited for at once.
-    inflight = ctx.schedule.mma_inflight if matmul else 0
-    empty = ctx.channel.empty
+    consumer_role = next(r for r in kernel.roles() if r.name == CONSUMER)
+    k_loop = next(s for s in ir.walk(consumer_role.body) if isinstance(s, ir.For) and s.var == K_VAR)
+    mmas = [s for s in k_loop.body if isinstance(s, ir.Wgmma)]
+    single = len(mmas) == 1
+    inflight = ctx.schedule.mma_inflight if single else 0
+    acc = empty = it_base = None
+    if single:
+        (mma,) = mmas
+        reads = {mma.b.buffer} | ({mma.a.buffer} if isinstance(mma.a, ir.SmemRef) else set())
+        acc = mma.acc
+        # The k-level channel the wgmma reads: its stage is the one released one step late.
+        empty = next(c.empty for c in ctx.channels("k") if reads & set(c.buffers))
+        # The ring counter's value before the tile's first k step (circular_buffer's `it`).
+        it_base = next(s.value.lhs for s in k_loop.body if isinstance(s, ir.Let) and s.name == "it")
 
     def k_body(loop: ir.For) -> ir.For:
         out: list[ir.Stmt] = []
         for s in loop.body:
             if isinstance(s, ir.Wgmma):
-                mma = replace(s, accumulate=ir.BinOp(">", V(K_VAR), C(0))) if matmul else s
+                mma = replace(s, accumulate=ir.BinOp(">", V(K_VAR), C(0))) if single else s
                 out += [ir.WgmmaFence(), mma, ir.WgmmaCommit(), ir.WgmmaWait(inflight)]
             elif isinstance(s, ir.MbarrierArrive) and s.bar.barrier == empty and inflight:
                 prev = ir.Let("prev_s", ir.mod(ir.sub("it", 1), stages))
@@ -62,17 +78,17 @@ def run(kernel: ir.Kernel, ctx: LoweringContext) -> ir.Kernel:
     def tile_body(loop: ir.For) -> ir.For:
         out: list[ir.Stmt] = []
         for s in loop.body:
-            if isinstance(s, ir.TileFill) and s.dst == ACC:
+            if isinstance(s, ir.TileFill) and s.dst == acc:
                 continue
             out.append(s)
             if isinstance(s, ir.For) and s.var == K_VAR and inflight:
-                last = ir.mod(ir.sub(ir.add(ir.mul("tile_iter", "k_tiles"), "k_tiles"), 1), stages)
+                last = ir.mod(ir.sub(ir.add(it_base, k_loop.stop), 1), stages)
                 out += [ir.WgmmaWait(0), ir.Let("last_s", last),
                         ir.MbarrierArrive(ir.BarRef(empty, V("last_s")))]
         return replace(loop, body=tuple(out))
 
     def consumer(role: ir.Role) -> ir.Role:
         body = map_loop(role.body, K_VAR, k_body)
-        return replace(role, body=map_loop(body, TILE_VAR, tile_body) if matmul else body)
+        return replace(role, body=map_loop(body, TILE_VAR, tile_body) if single else body)
 
     return map_role(kernel, CONSUMER, consumer)

@@ -14,8 +14,11 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from wsched.names import PRODUCER
+from wsched.target import DTYPE_BYTES, SWIZZLE_ROW_BYTES
+
 from .. import ir
-from ..context import PRODUCER, LoweringContext
+from ..context import LoweringContext
 from ..rewrite import map_role
 
 
@@ -27,8 +30,8 @@ def run(kernel: ir.Kernel, ctx: LoweringContext) -> ir.Kernel:
 
     kernel = map_role(kernel, PRODUCER, elect)
     swizzled = {ld.tensor: ld.buffer for c in ctx.channels() for ld in c.loads
-                if ld.box[-1] * ir.DTYPE_BYTES[ld.dtype] == 128}
-    params = tuple(replace(p, swizzle=128) if isinstance(p, ir.TensorMapParam) and p.name in swizzled else p
+                if ld.box[-1] * DTYPE_BYTES[ld.dtype] == SWIZZLE_ROW_BYTES}
+    params = tuple(replace(p, swizzle=SWIZZLE_ROW_BYTES) if isinstance(p, ir.TensorMapParam) and p.name in swizzled else p
                    for p in kernel.params)
-    smem = tuple(replace(b, swizzle=128) if b.name in swizzled.values() else b for b in kernel.smem)
+    smem = tuple(replace(b, swizzle=SWIZZLE_ROW_BYTES) if b.name in swizzled.values() else b for b in kernel.smem)
     return replace(kernel, params=params, smem=smem)

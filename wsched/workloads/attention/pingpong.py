@@ -23,17 +23,16 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from .. import ir
-from ..context import CONSUMER, K_VAR, TILE_VAR, LoweringContext
-from ..rewrite import map_loop, map_role
+from wsched.lowering import ir
+from wsched.lowering.context import LoweringContext
+from wsched.lowering.rewrite import map_loop, map_role
+from wsched.names import CONSUMER, K_VAR, TILE_VAR
 
 FIRST_BARRIER = 3   # named barrier 0 is syncthreads; 1 + wg belong to the matmul epilogue
 THREADS = 256       # both consumer warpgroups
 
 
 def run(kernel: ir.Kernel, ctx: LoweringContext) -> ir.Kernel:
-    if ctx.kind != "attention" or ctx.schedule.mode != "pingpong":
-        return kernel
     wg = ir.Var("wg")
     mine = ir.NamedBarrierSync(ir.add(FIRST_BARRIER, wg), THREADS)
     theirs = ir.NamedBarrierArrive(ir.sub(FIRST_BARRIER + 1, wg), THREADS)

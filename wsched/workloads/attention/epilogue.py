@@ -18,20 +18,23 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from wsched.attention import LN2
+import math
 
-from .. import ir
-from ..context import CONSUMER, TILE_VAR, LoweringContext
-from ..rewrite import map_loop, map_role
+from wsched.lowering import ir
+from wsched.lowering.context import LoweringContext
+from wsched.lowering.rewrite import map_loop, map_role
+from wsched.names import CONSUMER, TILE_VAR
+
+LN2 = math.log(2.0)
 
 V = ir.Var
 C = ir.IntConst
 
 
-def run(kernel: ir.Kernel, ctx: LoweringContext) -> ir.Kernel:
-    part, d = ctx.partition, ctx.schedule.bk
-    coords = tuple(V(f"b{i}") for i in range(part.batch)) + (ir.add("m0", ir.mul("wg", 64)), C(0))
-    if part.causal == "bottom_right":   # a row with no visible key has l = 0: store O = 0
+def epilogue(kernel: ir.Kernel, ctx: LoweringContext) -> ir.Kernel:
+    a, d = ctx.partition.payload, ctx.schedule.head_dim
+    coords = tuple(V(f"b{i}") for i in range(a.batch)) + (ir.add("m0", ir.mul("wg", 64)), C(0))
+    if a.causal == "bottom_right":   # a row with no visible key has l = 0: store O = 0
         normalise = [ir.TileBinary("maximum", "corr", "l_run", ir.FloatConst(1e-30)),
                      ir.TileBinary("div", "o_acc", "o_acc", "corr")]
     else:
@@ -40,7 +43,7 @@ def run(kernel: ir.Kernel, ctx: LoweringContext) -> ir.Kernel:
         ir.TileUnary("cast", "o_t", "o_acc"),
         ir.TileStoreGlobal("o", coords, "o_t"),
     ]
-    if part.lse is not None:
+    if a.lse is not None:
         tail += [ir.TileUnary("log", "l_run", "l_run"),
                  ir.TileBinary("mul", "m_run", "m_run", ir.FloatConst(LN2)),
                  ir.TileBinary("add", "l_run", "l_run", "m_run"),
@@ -50,6 +53,6 @@ def run(kernel: ir.Kernel, ctx: LoweringContext) -> ir.Kernel:
         body = map_loop(role.body, TILE_VAR, lambda loop: replace(loop, body=loop.body + tuple(tail)))
         decls = tuple(x for x in body if isinstance(x, ir.RegDecl))
         rest = tuple(x for x in body if not isinstance(x, ir.RegDecl))
-        return replace(role, body=decls + (ir.RegDecl("o_t", part.out.dtype.name, (64, d)),) + rest)
+        return replace(role, body=decls + (ir.RegDecl("o_t", a.out.dtype.name, (64, d)),) + rest)
 
     return map_role(kernel, CONSUMER, consumer)

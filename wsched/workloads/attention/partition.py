@@ -13,19 +13,21 @@ registers.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import networkx as nx
 
-from .partition import Channel, OperandLoad, param_name
-from .schedule import Schedule, ScheduleError
+from wsched.partition import Channel, OperandLoad, Partition, dag_of_loads, param_name
+from wsched.schedule import ScheduleError
+from wsched.target import WGMMA_OPERAND_DTYPES
+
+from .schedule import HEAD_DIMS, AttentionSchedule
 
 
 @dataclass(frozen=True)
-class AttentionPartition:
-    fusion: object
-    schedule: Schedule
+class AttentionPayload:
+    """What only the attention workload knows about its partition."""
+
     q: object
     k: object
     v: object
@@ -36,54 +38,39 @@ class AttentionPartition:
                                    # "bottom_right" (if j <= i + T - S: the last query sees all keys)
     batch: int                     # number of leading (batch / head) dims of q
     k_broadcast: tuple[bool, ...]  # per batch dim: K and V have extent 1 there (GQA / MQA)
-    channels: tuple[Channel, ...]
-    load_dag: nx.DiGraph
-    compute_dag: nx.DiGraph
-    dims: dict                     # kernel scalar -> (input name, axis)
 
-    kind = "attention"
 
-    @property
-    def outputs(self) -> tuple:
-        return (self.out,) + ((self.lse,) if self.lse is not None else ())
-
-    @property
-    def head_dim(self) -> int:
-        return self.schedule.bk
-
-    def output_names(self) -> list[str]:
-        return ["o"] + (["lse"] if self.lse is not None else [])
-
-    def __str__(self) -> str:
-        s = self.schedule
-        bm, bn, d = s.tile
-        batch = " x ".join(f"batch{i}" for i in range(self.batch))
-        shift = "+T-S" if self.causal == "bottom_right" else ""
-        kv = f"min(ceil(T/{bn}), ceil((m0+{bm}{shift})/{bn}))" if self.causal else f"ceil(T/{bn})"
-        lines = [f"partition of {self.fusion.name} (attention {s.short()})", "",
-                 "load sub-DAG  (producer: 1 warp of 1 warpgroup, elected thread)",
-                 f"  for tile in persistent({batch} x ceil(S/{bm}) tiles):",
-                 f"    tma.load {self.q.id} -> Q   {bm} x {d} once per tile   (channel q)",
-                 f"    for k in range({kv}):",
-                 f"      tma.load {self.k.id} -> K[stage]   {bn} x {d}   (channel k)",
-                 f"      tma.load {self.v.id} -> V[stage]   {bn} x {d}   (channel v)", "",
-                 f"compute sub-DAG  (consumers: {s.consumer_warpgroups} warpgroups x 64 query rows)",
-                 "  for tile in persistent(same tiles, same order):",
-                 f"    for k in range({kv}):",
-                 f"      S = Q K^T * {self.scale:g}" + ("   causal mask on diagonal blocks" if self.causal else "")
-                 + "   key-tail mask on the last block",
-                 *(["      (bottom-right: rows with no visible key keep m = -1e30, store O = 0, LSE = -inf)"]
-                   if self.causal == "bottom_right" else []),
-                 "      online softmax: m = max(m, rowmax S); P = exp(S - m); l = l * c + rowsum P; O *= c",
-                 "      O += P V   (P in registers as the wgmma A operand)",
-                 f"    O /= l ; store {self.out.id} -> o" + (f" ; LSE = m + log l -> lse ({self.lse.id})"
-                                                             if self.lse is not None else ""), "",
-                 "channels"]
-        for c in self.channels:
-            level = "once per tile" if c.level == "tile" else "per kv block"
-            lines.append(f"  {c.name}: {c.stages} stage(s) x {c.bytes_per_stage} bytes, {level}, barriers "
-                         f"{c.full}[{c.stages}] / {c.empty}[{c.stages}] (arrivals {s.consumer_warpgroups})")
-        return "\n".join(lines) + "\n"
+def describe(part: Partition) -> str:
+    """The partition as text: both loop nests and the channels."""
+    a, s = part.payload, part.schedule
+    bm, bn, d = s.tile
+    batch = " x ".join(f"batch{i}" for i in range(a.batch))
+    shift = "+T-S" if a.causal == "bottom_right" else ""
+    kv = f"min(ceil(T/{bn}), ceil((m0+{bm}{shift})/{bn}))" if a.causal else f"ceil(T/{bn})"
+    lines = [f"partition of {part.fusion.name} (attention {s.short()})", "",
+             "load sub-DAG  (producer: 1 warp of 1 warpgroup, elected thread)",
+             f"  for tile in persistent({batch} x ceil(S/{bm}) tiles):",
+             f"    tma.load {a.q.id} -> Q   {bm} x {d} once per tile   (channel q)",
+             f"    for k in range({kv}):",
+             f"      tma.load {a.k.id} -> K[stage]   {bn} x {d}   (channel k)",
+             f"      tma.load {a.v.id} -> V[stage]   {bn} x {d}   (channel v)", "",
+             f"compute sub-DAG  (consumers: {s.consumer_warpgroups} warpgroups x 64 query rows)",
+             "  for tile in persistent(same tiles, same order):",
+             f"    for k in range({kv}):",
+             f"      S = Q K^T * {a.scale:g}" + ("   causal mask on diagonal blocks" if a.causal else "")
+             + "   key-tail mask on the last block",
+             *(["      (bottom-right: rows with no visible key keep m = -1e30, store O = 0, LSE = -inf)"]
+               if a.causal == "bottom_right" else []),
+             "      online softmax: m = max(m, rowmax S); P = exp(S - m); l = l * c + rowsum P; O *= c",
+             "      O += P V   (P in registers as the wgmma A operand)",
+             f"    O /= l ; store {a.out.id} -> o" + (f" ; LSE = m + log l -> lse ({a.lse.id})"
+                                                         if a.lse is not None else ""), "",
+             "channels"]
+    for c in part.channels:
+        level = "once per tile" if c.level == "tile" else "per kv block"
+        lines.append(f"  {c.name}: {c.stages} stage(s) x {c.bytes_per_stage} bytes, {level}, barriers "
+                     f"{c.full}[{c.stages}] / {c.empty}[{c.stages}] (arrivals {s.consumer_warpgroups})")
+    return "\n".join(lines) + "\n"
 
 
 def head_dim_of(fusion):
@@ -98,7 +85,7 @@ def is_attention(fusion) -> bool:
     return any(n.op == "softmax" for n in fusion.nodes()) and sum(n.op == "matmul" for n in fusion.nodes()) == 2
 
 
-def partition_attention(fusion, schedule: Schedule) -> AttentionPartition:
+def partition_attention(workload, fusion, schedule: AttentionSchedule) -> Partition:
     nodes = {n.id: n for n in fusion.nodes()}
 
     def fail(msg: str, node=None):
@@ -147,8 +134,8 @@ def partition_attention(fusion, schedule: Schedule) -> AttentionPartition:
     for name, node in (("Q", q), ("K", k), ("V", v)):
         if node.op != "input":
             fail(f"{name} must be a fusion input (it is loaded by TMA)", node)
-        if node.dtype.name not in ("bf16", "f16"):
-            fail(f"{name} is {node.dtype.name}; wgmma takes bf16 or f16", node)
+        if node.dtype.name not in WGMMA_OPERAND_DTYPES:
+            fail(f"{name} is {node.dtype.name}; wgmma takes {' or '.join(WGMMA_OPERAND_DTYPES)}", node)
     if len({q.dtype.name, k.dtype.name, v.dtype.name}) != 1:
         fail(f"Q, K, V dtypes differ ({q.dtype.name}, {k.dtype.name}, {v.dtype.name})")
     rank = len(q.shape)
@@ -157,14 +144,14 @@ def partition_attention(fusion, schedule: Schedule) -> AttentionPartition:
              f"{len(k.shape)}, {len(v.shape)}")
     d = q.shape[-1]
     if not isinstance(d, int):
-        fail(f"the head dim of Q is the symbol {d!r}; declare it as a number (64, 128 or 256) so the "
-             f"kernel can be specialised for it", q)
+        fail(f"the head dim of Q is the symbol {d!r}; declare it as a number ({_head_dims_text()}) so "
+             f"the kernel can be specialised for it", q)
     if k.shape[-1] != d or v.shape[-1] != d:
         fail(f"head dims differ: Q {d}, K {k.shape[-1]}, V {v.shape[-1]}")
     if k.shape[-2] != v.shape[-2]:
         fail(f"K and V have different key lengths ({k.shape[-2]} vs {v.shape[-2]})")
-    if d != schedule.bk:
-        fail(f"the schedule's head dim (tile[2] = {schedule.bk}) differs from Q's head dim {d}")
+    if d != schedule.head_dim:
+        fail(f"the schedule's head dim (tile[2] = {schedule.head_dim}) differs from Q's head dim {d}")
     batch = rank - 2
     k_broadcast = tuple(k.shape[i] == 1 and q.shape[i] != 1 for i in range(batch))
 
@@ -190,18 +177,17 @@ def partition_attention(fusion, schedule: Schedule) -> AttentionPartition:
     channels = (Channel("q", 1, (q_load,), "q_full", "q_empty", level="tile"),
                 Channel("k", schedule.stages, (k_load,), "k_full", "k_empty"),
                 Channel("v", schedule.stages, (v_load,), "v_full", "v_empty"))
-    load_dag, compute_dag = nx.DiGraph(), nx.DiGraph()
-    for c in channels:
-        for ld in c.loads:
-            load_dag.add_edge(ld.tensor, f"tma_load({ld.tensor})")
-            load_dag.add_edge(f"tma_load({ld.tensor})", f"{ld.buffer}[stage]")
+    compute_dag = nx.DiGraph()
     compute_dag.add_edges_from([("Q", "S"), ("K[stage]", "S"), ("S", "P"), ("P", "O"), ("V[stage]", "O"),
                                 ("O", "store(o)")] + ([("S", "store(lse)")] if lse is not None else []))
     dims = {f"batch{i}": (q.id, i) for i in range(batch)}
     dims.update({"S": (q.id, batch), "T": (k.id, batch)})
-    return AttentionPartition(fusion, schedule, q, k, v, out, lse, scale, causal, batch, k_broadcast,
-                              channels, load_dag, compute_dag, dims)
+    payload = AttentionPayload(q, k, v, out, lse, scale, causal, batch, k_broadcast)
+    outputs = (out,) + ((lse,) if lse is not None else ())
+    names = ("o",) + (("lse",) if lse is not None else ())
+    return Partition(workload, fusion, schedule, channels, dag_of_loads(channels), compute_dag, outputs,
+                     names, dims, ("T",), payload)
 
 
-LOG2E = 1.0 / math.log(2.0)
-LN2 = math.log(2.0)
+def _head_dims_text() -> str:
+    return ", ".join(map(str, HEAD_DIMS[:-1])) + f" or {HEAD_DIMS[-1]}"

@@ -26,24 +26,28 @@ tiles run in reverse m-block order so that, with a causal mask, the longest tile
 
 from __future__ import annotations
 
-from wsched.attention import LOG2E
+import math
 
-from .. import ir
-from ..context import CONSUMER, K_COUNT, K_VAR, PRODUCER, TILE_VAR, LoweringContext
+from wsched.lowering import ir
+from wsched.lowering.context import LoweringContext
+from wsched.names import CONSUMER, K_COUNT, K_VAR, PRODUCER, TILE_VAR
+
+LOG2E = 1.0 / math.log(2.0)
 
 V = ir.Var
 C = ir.IntConst
 
 
-def run(kernel, ctx: LoweringContext) -> ir.Kernel:
+def build_loops(kernel: None, ctx: LoweringContext) -> ir.Kernel:
     part, s = ctx.partition, ctx.schedule
+    a = part.payload
     bm, bn, d = s.tile
     nwg = s.consumer_warpgroups
     chunks = d // 64
-    dt = part.q.dtype.name
-    nb = part.batch
+    dt = a.q.dtype.name
+    nb = a.batch
     batch = [V(f"batch{i}") for i in range(nb)]
-    k_batch = [C(1) if part.k_broadcast[i] else batch[i] for i in range(nb)]
+    k_batch = [C(1) if a.k_broadcast[i] else batch[i] for i in range(nb)]
 
     params: list[ir.Param] = [ir.ScalarParam(f"batch{i}", "i32") for i in range(nb)]
     params += [ir.ScalarParam("S", "i32"), ir.ScalarParam("T", "i32")]
@@ -52,8 +56,8 @@ def run(kernel, ctx: LoweringContext) -> ir.Kernel:
     params.append(ir.TensorMapParam(q_name, dt, tuple(batch) + (V("S"), C(d)), ones + (64, 64), 0))
     for name in (k_name, v_name):
         params.append(ir.TensorMapParam(name, dt, tuple(k_batch) + (V("T"), C(d)), ones + (bn, 64), 0))
-    params.append(ir.GlobalParam("o", part.out.dtype.name, tuple(batch) + (V("S"), C(d))))
-    if part.lse is not None:
+    params.append(ir.GlobalParam("o", a.out.dtype.name, tuple(batch) + (V("S"), C(d))))
+    if a.lse is not None:
         params.append(ir.GlobalParam("lse", "f32", tuple(batch) + (V("S"), C(1))))
 
     smem = (ir.SmemDecl("Q", dt, (1, nwg, chunks, 64, 64), 0),
@@ -72,7 +76,7 @@ def run(kernel, ctx: LoweringContext) -> ir.Kernel:
 
     q_full, k_full, v_full = (ir.BarRef(c.full, C(0)) for c in part.channels)
     b_idx = tuple(V(f"b{i}") for i in range(nb))
-    kb_idx = tuple(C(0) if part.k_broadcast[i] else b_idx[i] for i in range(nb))
+    kb_idx = tuple(C(0) if a.k_broadcast[i] else b_idx[i] for i in range(nb))
     q_loads = tuple(ir.TmaLoad(ir.SmemRef("Q", (C(0), C(w), C(c))), q_name,
                                b_idx + (_plus("m0", w * 64), C(c * 64)), q_full)
                     for w in range(nwg) for c in range(chunks))
@@ -85,27 +89,27 @@ def run(kernel, ctx: LoweringContext) -> ir.Kernel:
     ))
 
     rows0 = ir.add("m0", ir.mul("wg", 64))
-    shift = causal_shift(part)
-    limit = ir.emin("T", _shifted(ir.add(rows0, 1), shift)) if part.causal else V("T")
+    shift = causal_shift(a)
+    limit = ir.emin("T", _shifted(ir.add(rows0, 1), shift)) if a.causal else V("T")
     mask = ir.TileMask("s_acc", rows0, row, V("T"), shift)
     f = ir.FloatConst
     # Bottom-right alignment can hide every key of a row (S > T): keep its max finite so that
     # exp2(S - m) is 0, not NaN.
     finite = ((ir.TileBinary("maximum", "m_blk", "m_blk", f(-1e30)),)
-              if part.causal == "bottom_right" else ())
+              if a.causal == "bottom_right" else ())
     softmax = (
         ir.Wgmma("s_acc", ir.SmemRef("Q", (C(0), V("wg"))), ir.SmemRef("K", (C(0),)), "k", "k", C(0)),
         ir.If(ir.BinOp(">", ir.add(row, bn), limit), (mask,)),
         # The row max is taken on the unscaled scores (the scale is positive), so that the
         # scale and the subtraction below fuse into one multiply-add per element.
         ir.TileReduce("max", "m_blk", "s_acc", 1),
-        ir.TileBinary("mul", "m_blk", "m_blk", f(part.scale * LOG2E)),
+        ir.TileBinary("mul", "m_blk", "m_blk", f(a.scale * LOG2E)),
         ir.TileBinary("maximum", "m_blk", "m_blk", "m_run"),
         *finite,
         ir.TileBinary("sub", "corr", "m_run", "m_blk"),
         ir.TileUnary("exp2", "corr", "corr"),
         ir.TileBinary("maximum", "m_run", "m_run", "m_blk"),
-        ir.TileBinary("mul", "s_acc", "s_acc", f(part.scale * LOG2E)),
+        ir.TileBinary("mul", "s_acc", "s_acc", f(a.scale * LOG2E)),
         ir.TileBinary("sub", "s_acc", "s_acc", "m_blk"),
         ir.TileUnary("exp2", "s_acc", "s_acc"),
         ir.TileReduce("sum", "m_blk", "s_acc", 1),
@@ -130,11 +134,11 @@ def run(kernel, ctx: LoweringContext) -> ir.Kernel:
     return ir.Kernel(ctx.name, tuple(params), grid, (1, 1, 1), smem, barriers, setup + (producer, consumer))
 
 
-def causal_shift(part) -> ir.Expr | None:
+def causal_shift(a) -> ir.Expr | None:
     """How far right of the diagonal the last visible key of a row lies (None: no causal mask)."""
-    if part.causal is None:
+    if a.causal is None:
         return None
-    return C(0) if part.causal == "top_left" else ir.sub("T", "S")
+    return C(0) if a.causal == "top_left" else ir.sub("T", "S")
 
 
 def _shifted(e: ir.Expr, shift: ir.Expr | None) -> ir.Expr:
@@ -151,19 +155,19 @@ def k_loop(body: tuple[ir.Stmt, ...]) -> ir.For:
 
 def tile_loop(ctx: LoweringContext, body: tuple[ir.Stmt, ...]) -> ir.For:
     """Both roles: tile -> (batch indices, m-block), reverse m order; the tile's kv block count."""
-    part, (bm, bn, _) = ctx.partition, ctx.schedule.tile
+    a, (bm, bn, _) = ctx.partition.payload, ctx.schedule.tile
     t = V(TILE_VAR)
     lets = [ir.Let("m_block", ir.sub(ir.sub("m_blocks", 1), ir.mod(t, "m_blocks"))),
             ir.Let("rest", ir.div(t, "m_blocks"))]
-    for i in reversed(range(1, part.batch)):
-        lets += [ir.Let(f"b{i}", ir.mod("rest" if i == part.batch - 1 else f"rest{i + 1}", f"batch{i}")),
-                 ir.Let(f"rest{i}", ir.div("rest" if i == part.batch - 1 else f"rest{i + 1}", f"batch{i}"))]
-    lets.append(ir.Let("b0", V("rest1") if part.batch > 1 else V("rest")))
+    for i in reversed(range(1, a.batch)):
+        lets += [ir.Let(f"b{i}", ir.mod("rest" if i == a.batch - 1 else f"rest{i + 1}", f"batch{i}")),
+                 ir.Let(f"rest{i}", ir.div("rest" if i == a.batch - 1 else f"rest{i + 1}", f"batch{i}"))]
+    lets.append(ir.Let("b0", V("rest1") if a.batch > 1 else V("rest")))
     lets.append(ir.Let("m0", ir.mul("m_block", bm)))
-    shift = causal_shift(part)
+    shift = causal_shift(a)
     visible = _shifted(ir.add("m0", bm), shift)       # keys up to this one are seen by some row
-    if part.causal == "bottom_right":
+    if a.causal == "bottom_right":
         visible = ir.emax(visible, 0)
-    count = ir.emin("kv_blocks", ir.ceil_div(visible, bn)) if part.causal else V("kv_blocks")
+    count = ir.emin("kv_blocks", ir.ceil_div(visible, bn)) if a.causal else V("kv_blocks")
     lets.append(ir.Let(K_COUNT, count))
     return ir.For(TILE_VAR, V("cta_id"), V("num_tiles"), V("num_ctas"), "persistent", tuple(lets) + body)

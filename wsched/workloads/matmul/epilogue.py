@@ -1,4 +1,4 @@
-"""epilogue: the fused elementwise ops on the accumulator, then the stores of the outputs.
+"""epilogue for matmul: the fused elementwise ops on the accumulator, then the stores of the outputs.
 
 Each compute-DAG value after the MMA becomes a register tile of the consumer warpgroup (a full
 [64, BN] tile, a [1, BN] row such as a bias, a [64, 1] column, or a scalar). A result reuses
@@ -24,28 +24,26 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from wsched.partition import output_names, param_name
-
-from .. import ir
-from ..context import ACC, CONSUMER, TILE_VAR, LoweringContext
-from ..rewrite import map_loop, map_role
+from wsched.lowering import ir
+from wsched.lowering.context import LoweringContext
+from wsched.lowering.rewrite import map_loop, map_role
+from wsched.names import ACC, CONSUMER, TILE_VAR
+from wsched.partition import param_name
+from wsched.target import DTYPE_BYTES, SWIZZLE_ROW_BYTES, UNARY_OPS, WARPGROUP_THREADS
 
 V = ir.Var
 C = ir.IntConst
 
 
-def run(kernel: ir.Kernel, ctx: LoweringContext) -> ir.Kernel:
-    if ctx.kind == "attention":
-        from . import attention_epilogue
-
-        return attention_epilogue.run(kernel, ctx)
+def epilogue(kernel: ir.Kernel, ctx: LoweringContext) -> ir.Kernel:
     part, s = ctx.partition, ctx.schedule
+    mm = part.payload
     rows, bn = s.rows_per_consumer, s.bn
     row0 = ir.add("m0", ir.mul("wg", rows))
     shapes = {"full": (rows, bn), "row": (1, bn), "col": (rows, 1)}
 
     # Liveness: the last epilogue step that reads each value (outputs live to the stores).
-    steps = list(part.epilogue)
+    steps = list(mm.epilogue)
     last_use: dict[str, int] = {}
     for i, node in enumerate(steps):
         for src in node.inputs:
@@ -53,31 +51,31 @@ def run(kernel: ir.Kernel, ctx: LoweringContext) -> ir.Kernel:
     for out in part.outputs:
         last_use[out.id] = len(steps)
 
-    tile_of: dict[str, str] = {part.matmul.id: ACC}
+    tile_of: dict[str, str] = {mm.matmul.id: ACC}
     decls: dict[str, ir.RegDecl] = {}
     body: list[ir.Stmt] = []
 
-    def declare(name: str, dtype: str, kind: str) -> str:
-        decls.setdefault(name, ir.RegDecl(name, dtype, shapes[kind]))
+    def declare(name: str, dtype: str, layout: str) -> str:
+        decls.setdefault(name, ir.RegDecl(name, dtype, shapes[layout]))
         return name
 
     def operand(node_id: str):
-        info = part.tiles[node_id]
-        if info.kind == "scalar":
+        info = mm.tiles[node_id]
+        if info.layout == "scalar":
             node = part.fusion.node(node_id)
             return ir.FloatConst(float(node.attr("value")))
         if node_id not in tile_of:   # a side input: load its slice of this tile
             node = part.fusion.node(node_id)
-            name = declare(f"{node_id}_t", info.dtype, info.kind)
-            coords = _side_coords(node, info.kind, row0)
+            name = declare(f"{node_id}_t", info.dtype, info.layout)
+            coords = _side_coords(node, info.layout, row0)
             body.append(ir.TileLoadGlobal(name, param_name(node_id), coords))
             tile_of[node_id] = name
         return tile_of[node_id]
 
     consumers = {n.id: [m for m in steps if n.id in m.inputs] for n in steps}
     for i, node in enumerate(steps):
-        info = part.tiles[node.id]
-        if node.op == "cast" and not consumers[node.id] and part.tiles[node.inputs[0]].kind == "full":
+        info = mm.tiles[node.id]
+        if node.op == "cast" and not consumers[node.id] and mm.tiles[node.inputs[0]].layout == "full":
             # An output cast is done by the store itself (stores round to the tensor's dtype):
             # no second [64, BN] tile stays live beside the accumulator.
             tile_of[node.id] = operand(node.inputs[0])
@@ -85,7 +83,7 @@ def run(kernel: ir.Kernel, ctx: LoweringContext) -> ir.Kernel:
         args = [operand(x) for x in node.inputs]
         dst = None
         for src, arg in zip(node.inputs, args):   # reuse a full tile that dies here
-            if (isinstance(arg, str) and last_use.get(src) == i and part.tiles[src].kind == "full"
+            if (isinstance(arg, str) and last_use.get(src) == i and mm.tiles[src].layout == "full"
                     and _tile_dtype(decls, arg) == info.dtype
                     and not any(t == arg and o != src and last_use.get(o, -1) > i for o, t in tile_of.items())):
                 dst = arg
@@ -93,7 +91,7 @@ def run(kernel: ir.Kernel, ctx: LoweringContext) -> ir.Kernel:
         if dst is None:
             dst = declare(f"{node.id}_t", info.dtype, "full")
         tile_of[node.id] = dst
-        if node.op in ir.UNARY_OPS:
+        if node.op in UNARY_OPS:
             body.append(ir.TileUnary(node.op, dst, args[0]))
         else:
             body.append(ir.TileBinary(node.op, dst, args[0], args[1]))
@@ -101,20 +99,20 @@ def run(kernel: ir.Kernel, ctx: LoweringContext) -> ir.Kernel:
     tail: tuple[ir.Stmt, ...] = ()
     extra_smem: list[ir.SmemDecl] = []
     params = list(kernel.params)
-    for out, name in zip(part.outputs, output_names(part)):
+    for out, name in zip(part.outputs, part.output_names):
         src = tile_of[out.id]
         dtype = out.dtype.name
         if s.epilogue == "direct":
             body.append(ir.TileStoreGlobal(name, (row0, V("n0")), src))
             continue
-        width = min(bn, 128 // ir.DTYPE_BYTES[dtype])
+        width = min(bn, SWIZZLE_ROW_BYTES // DTYPE_BYTES[dtype])
         buf = f"C_{dtype}"
-        swizzle = 128 if width * ir.DTYPE_BYTES[dtype] == 128 else 0
+        swizzle = SWIZZLE_ROW_BYTES if width * DTYPE_BYTES[dtype] == SWIZZLE_ROW_BYTES else 0
         if not any(b.name == buf for b in extra_smem):   # outputs of one dtype share the buffer
             extra_smem.append(ir.SmemDecl(buf, dtype, (s.consumer_warpgroups, bn // width, rows, width), swizzle))
         i = next(j for j, p in enumerate(params) if p.name == name)
         params[i] = ir.TensorMapParam(name, dtype, (V("M"), V("N")), (rows, width), swizzle)
-        sync = ir.NamedBarrierSync(ir.add(1, "wg"), 128)
+        sync = ir.NamedBarrierSync(ir.add(1, "wg"), WARPGROUP_THREADS)
         stores = tuple(ir.TmaStore(name, (row0, V("n0") if j == 0 else ir.add("n0", j * width)),
                                    ir.SmemRef(buf, (V("wg"), C(j))))
                        for j in range(bn // width))
@@ -138,10 +136,10 @@ def _tile_dtype(decls, name) -> str:
     return decls[name].dtype if name in decls else "f32"   # only acc is declared elsewhere
 
 
-def _side_coords(node, kind: str, row0: ir.Expr) -> tuple[ir.Expr, ...]:
+def _side_coords(node, layout: str, row0: ir.Expr) -> tuple[ir.Expr, ...]:
     n0 = V("n0")
-    if kind == "full":
+    if layout == "full":
         return (row0, n0)
-    if kind == "row":
+    if layout == "row":
         return (n0,) if len(node.shape) == 1 else (C(0), n0)
     return (row0, C(0))

@@ -30,17 +30,16 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from .. import ir
-from ..context import CONSUMER, K_BASE, K_COUNT, K_VAR, TILE_VAR, LoweringContext
-from ..rewrite import map_loop, map_role
+from wsched.lowering import ir
+from wsched.lowering.context import LoweringContext
+from wsched.lowering.rewrite import map_loop, map_role
+from wsched.names import CONSUMER, K_BASE, K_COUNT, K_VAR, TILE_VAR
 
 V = ir.Var
 C = ir.IntConst
 
 
 def run(kernel: ir.Kernel, ctx: LoweringContext) -> ir.Kernel:
-    if ctx.kind != "attention" or ctx.schedule.mma_inflight == 0:
-        return kernel
     stages = ctx.schedule.stages
 
     def split(body: tuple[ir.Stmt, ...]):

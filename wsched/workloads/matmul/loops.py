@@ -1,4 +1,4 @@
-"""build_loops: the partition's two loop nests as one kernel with a producer and a consumer role.
+"""build_loops for matmul: the partition's two loop nests as one kernel with a producer and a consumer role.
 
 The load sub-DAG becomes the producer's nest (persistent tile loop x cta-k loop of TMA loads),
 the compute sub-DAG's MMA the consumer's nest (same tile loop x cta-k loop of wgmmas). Buffers
@@ -29,25 +29,22 @@ barriers, the wgmma protocol, the epilogue and register reallocation.
 
 from __future__ import annotations
 
-from wsched.partition import output_names, param_name
-
-from .. import ir
-from ..context import ACC, CONSUMER, K_VAR, PRODUCER, TILE_VAR, LoweringContext
+from wsched.lowering import ir
+from wsched.lowering.context import LoweringContext
+from wsched.names import ACC, CONSUMER, K_VAR, PRODUCER, TILE_VAR
+from wsched.partition import param_name
 
 V = ir.Var
 C = ir.IntConst
 
 
-def run(kernel, ctx: LoweringContext) -> ir.Kernel:
-    if ctx.kind == "attention":
-        from . import build_attention
-
-        return build_attention.run(kernel, ctx)
+def build_loops(kernel: None, ctx: LoweringContext) -> ir.Kernel:
     part, s = ctx.partition, ctx.schedule
+    mm = part.payload
     bm, bn, bk = s.tile
-    ch = ctx.channel
+    (ch,) = part.channels
     a_load, b_load = ch.loads
-    dims = {part.matmul.shape[0]: V("M"), part.matmul.shape[1]: V("N")}
+    dims = {mm.matmul.shape[0]: V("M"), mm.matmul.shape[1]: V("N")}
 
     def shape_expr(shape) -> tuple[ir.Expr, ...]:
         return tuple(dims.get(d, C(d) if isinstance(d, int) else V(str(d))) for d in shape)
@@ -56,9 +53,9 @@ def run(kernel, ctx: LoweringContext) -> ir.Kernel:
     params.append(ir.TensorMapParam(a_load.tensor, a_load.dtype, (V("M"), V("K")), a_load.box, 0))
     b_shape = (V("N"), V("K")) if b_load.major == "k" else (V("K"), V("N"))
     params.append(ir.TensorMapParam(b_load.tensor, b_load.dtype, b_shape, b_load.box, 0))
-    for node in part.side_inputs:
+    for node in mm.side_inputs:
         params.append(ir.GlobalParam(param_name(node.id), node.dtype.name, shape_expr(node.shape)))
-    for out, name in zip(part.outputs, output_names(part)):
+    for out, name in zip(part.outputs, part.output_names):
         params.append(ir.GlobalParam(name, out.dtype.name, (V("M"), V("N"))))
 
     nwg = s.consumer_warpgroups

@@ -1,0 +1,35 @@
+"""Names the lowering gives its own roles, loop variables, lets, register tiles, buffers and
+barriers: their one home.
+
+The passes spell their names from here (or, for short-lived lets, as literals that a test checks
+against `LOWERING_NAMES`: every name a lowered kernel declares that is not a kernel parameter must
+be in this set). A fusion input whose name is one of these is passed to the kernel under
+`<name>_in` (`wsched.partition.param_name`), so the IR never shadows a user's tensor.
+"""
+
+from __future__ import annotations
+
+# Roles and the loop nests both roles run.
+PRODUCER = "producer"
+CONSUMER = "consumer"
+TILE_VAR = "tile"
+K_VAR = "k"
+ACC = "acc"
+K_BASE = "k_base"      # ring counter base when the k-iteration count varies per tile
+K_COUNT = "kv_tiles"   # k iterations of this tile when it varies per tile (attention)
+
+LOWERING_NAMES = frozenset({
+    PRODUCER, CONSUMER, TILE_VAR, K_VAR, ACC, K_BASE, K_COUNT,
+    # circular buffer and wgmma protocol
+    "s", "ph", "it", "tile_iter", "prev_s", "last_s", "prev_it", "prev_ph", "last_it", "last_ph",
+    # tile raster
+    "m0", "n0", "tile_m", "tile_n", "tiles_m", "tiles_n", "num_tiles", "k_tiles", "group_size",
+    "first_m", "first_n", "group_extent",
+    # kernel scalars, builtins
+    "wg", "cta_id", "num_ctas", "num_sms", "M", "N", "K", "S", "T",
+    # attention
+    "m_blocks", "m_block", "kv_blocks", "rest", "s_acc", "p", "o_acc", "m_run", "l_run", "m_blk",
+    "corr", "o_t", "o", "lse",
+    # outputs, buffers, barriers
+    "out", "A", "B", "Q", "V", "full", "empty",
+})

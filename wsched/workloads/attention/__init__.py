@@ -1,0 +1,65 @@
+"""The attention workload: O = softmax(scale * Q K^T [masked]) V as flash attention.
+
+The producer loads Q once per tile and K, V per kv block through their own channels; the
+consumer warpgroups run S = Q K^T, the online softmax in registers and O += P V, then normalise
+and store O (and the log-sum-exp). It takes fusions of the form matmul -> softmax -> matmul
+whose operands are inputs, with scaling by a constant and a causal mask between Q K^T and the
+softmax. Its own passes: overlap_softmax (mma_inflight=1) and pingpong (mode="pingpong").
+"""
+
+from __future__ import annotations
+
+from wsched.lowering.context import Step
+from wsched.schedule import ScheduleError
+from wsched.workloads.base import Workload
+
+from . import epilogue, loops, overlap_softmax, partition, pingpong, schedule
+from .schedule import AttentionSchedule
+
+
+class AttentionWorkload(Workload):
+    name = "attention"
+    schedule_type = AttentionSchedule
+    extra_passes = (
+        # Delay P V by one block so the softmax overlaps it: a reordering of the complete wgmma
+        # protocol lower_mma wrote.
+        Step("overlap_softmax", overlap_softmax.run, True, lambda s: s.mma_inflight == 1, "mma_inflight=1"),
+        # Token passing around the GEMM issue that overlap_softmax grouped together.
+        Step("pingpong", pingpong.run, True, lambda s: s.mode == "pingpong", 'mode="pingpong"'),
+    )
+
+    def matches(self, fusion) -> bool:
+        return partition.is_attention(fusion)
+
+    def mismatch(self, fusion) -> str:
+        nodes = fusion.nodes()
+        return (f"attention needs matmul -> softmax -> matmul (found {sum(n.op == 'matmul' for n in nodes)} "
+                f"matmul(s), {sum(n.op == 'softmax' for n in nodes)} softmax(es))")
+
+    def default_schedule(self, fusion, **overrides) -> AttentionSchedule:
+        head_dim = overrides.pop("head_dim", None) or partition.head_dim_of(fusion)
+        if not isinstance(head_dim, int):
+            raise ScheduleError(f"attention schedule for {fusion.name}: the head dim of Q is the symbol "
+                                f"{head_dim!r}; declare it as a number (64, 128 or 256)")
+        return schedule.default_schedule(head_dim, **overrides)
+
+    def schedule_space(self, fusion):
+        return schedule.schedule_space(partition.head_dim_of(fusion))
+
+    def partition(self, fusion, sched):
+        if not isinstance(sched, AttentionSchedule):
+            raise ScheduleError(f"{fusion.name} is attention; its schedule must be an AttentionSchedule, "
+                                f"not {type(sched).__name__}")
+        return partition.partition_attention(self, fusion, sched)
+
+    def describe(self, part) -> str:
+        return partition.describe(part)
+
+    def build_loops(self, kernel, ctx):
+        return loops.build_loops(kernel, ctx)
+
+    def epilogue(self, kernel, ctx):
+        return epilogue.epilogue(kernel, ctx)
+
+
+ATTENTION = AttentionWorkload()

@@ -1,0 +1,97 @@
+"""The attention workload's schedule: flash attention with an online softmax.
+
+tile = (BM, BN, D): BM query rows per tile (64 per consumer warpgroup), BN keys per kv block
+(the k extent of P @ V), and the head dim D (the k extent of Q @ K^T, so the third entry is the
+k extent of the first GEMM as it is for matmul). `head_dim` names it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Iterator
+
+from wsched.schedule import Schedule, ScheduleError, check_overrides, max_stages
+from wsched.target import WGMMA_K
+
+HEAD_DIMS = (64, 128, 256)
+
+
+@dataclass(frozen=True)
+class AttentionSchedule(Schedule):
+    """A `Schedule` whose tile is (query rows, keys per kv block, head dim). `mma_inflight=1`
+    overlaps the softmax of one kv block with the previous block's P V (the overlap_softmax
+    pass); `mode="pingpong"` makes the two consumer warpgroups take turns issuing their GEMMs."""
+
+    workload = "attention"
+    tile: tuple[int, int, int] = (128, 128, 128)
+    epilogue: str = "direct"
+
+    @property
+    def head_dim(self) -> int:
+        return self.tile[2]
+
+    @property
+    def stage_bytes(self) -> int:
+        """A K block and a V block, each [BN, D]."""
+        return 2 * self.bn * self.head_dim * self.operand_bytes
+
+    @property
+    def epilogue_bytes(self) -> int:
+        """The Q tile [BM, D], loaded once per tile."""
+        return self.bm * self.head_dim * self.operand_bytes
+
+    def _workload_problems(self) -> list[str]:
+        p: list[str] = []
+        bn, d = self.bn, self.head_dim
+        if self.mode == "pingpong" and (self.consumer_warpgroups != 2 or self.mma_inflight != 1):
+            p.append("attention ping-pong alternates 2 consumer warpgroups around the overlapped "
+                     "softmax: it needs consumer_warpgroups=2 and mma_inflight=1")
+        if d not in HEAD_DIMS:
+            p.append(f"head dim (BK) {d} is not one of {', '.join(map(str, HEAD_DIMS))}")
+        if bn % WGMMA_K or bn > 256 or bn % 64 and bn > 64:
+            p.append(f"BN={bn} (keys per block) must be a multiple of {WGMMA_K} (the k extent of "
+                     f"P @ V), at most 256, and a multiple of 64 above 64")
+        if self.epilogue != "direct":
+            p.append("attention stores O and LSE with epilogue='direct' (tma_store is not "
+                     "implemented for attention yet)")
+        if self.mma_inflight not in (0, 1):
+            p.append(f"mma_inflight is {self.mma_inflight}; attention takes 0 (each wgmma waited "
+                     f"for) or 1 (P V of one block overlaps the softmax of the next)")
+        return p
+
+
+def default_schedule(head_dim: int, **overrides) -> AttentionSchedule:
+    """FlashAttention-3-like shape: 128 query rows (2 consumer warpgroups x 64), 128 keys per
+    block (64 for head dim 256, to keep O and S in registers), 3 K/V stages where they fit (2 at
+    head dim 256), 24/240 registers, and the P V product of one block overlapping the softmax of
+    the next (mma_inflight=1)."""
+    check_overrides(AttentionSchedule, overrides)
+    base = dict(tile=(128, 64 if head_dim == 256 else 128, head_dim), stages=1,
+                consumer_warpgroups=2, producer_registers=24, consumer_registers=240,
+                epilogue="direct", mma_inflight=1)
+    # mode="pingpong" (pingpong.py) is correct but measured 1-14% slower than letting the
+    # two warpgroups interleave freely (H200, 2026-11-21): cooperative stays the default.
+    base.update({k: v for k, v in overrides.items() if k != "stages"})
+    probe = AttentionSchedule(**base)
+    # K/V stages: as many as fit beside Q, up to 3 (measured on H200: 3 beats 2 by 1-5% at
+    # head dims 64 and 128; head dim 256 fits only 2).
+    return replace(probe, stages=overrides.get("stages", min(3, max_stages(probe))))
+
+
+def schedule_space(head_dim: int) -> Iterator[AttentionSchedule]:
+    """Every schedule of the space this workload implements today: 64..256 keys per block,
+    1 stage up to as many as fit, the softmax overlapped with P V or not, cooperative or
+    ping-pong consumers."""
+    for bn in (64, 128, 192, 256):
+        for inflight in (0, 1):
+            for mode in ("cooperative", "pingpong"):
+                try:
+                    probe = AttentionSchedule(tile=(128, bn, head_dim), stages=1, mma_inflight=inflight, mode=mode)
+                except ScheduleError:
+                    continue
+                for stages in range(1, max_stages(probe) + 1):
+                    try:
+                        candidate = replace(probe, stages=stages)
+                    except ScheduleError:
+                        continue
+                    yield candidate

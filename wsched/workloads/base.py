@@ -1,0 +1,62 @@
+"""The workload seam: what a workload gives the one lowering pipeline.
+
+A workload (matmul, attention) is a plug-in in the manner of ThunderKittens' load / compute /
+finish template: the pipeline and the shared passes own the warp-specialized protocol (stages,
+full/empty barriers, TMA issue, the wgmma protocol, register reallocation); the workload says
+
+- `matches(fusion)`: whether it can take a fusion (and `mismatch(fusion)`: why not, in words);
+- `default_schedule(fusion, **overrides)` and `schedule_space(fusion)`: its schedules (a
+  subclass of `wsched.schedule.Schedule`, `schedule_type`);
+- `partition(fusion, schedule)`: the load / compute split, one `wsched.partition.Partition`
+  with the workload's own payload, and `describe(partition)` to print it;
+- `build_loops(None, ctx)`: the partition's two loop nests (producer loads, consumer compute),
+  single-buffered and unsynchronised;
+- `extra_passes`: its own steps, run after the shared wgmma protocol is in place;
+- `epilogue(kernel, ctx)`: what the consumers do after the k loop (the stores).
+
+The shared passes never ask which workload they run: they read the IR and the channels.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Iterator
+
+from wsched.lowering import ir
+from wsched.lowering.context import LoweringContext, Step
+from wsched.partition import Partition
+from wsched.schedule import Schedule
+
+
+class Workload(ABC):
+    name: str
+    schedule_type: type[Schedule]
+    extra_passes: tuple[Step, ...] = ()
+
+    @abstractmethod
+    def matches(self, fusion) -> bool: ...
+
+    @abstractmethod
+    def mismatch(self, fusion) -> str:
+        """Why this workload does not take `fusion` (for the error naming every workload)."""
+
+    @abstractmethod
+    def default_schedule(self, fusion, **overrides) -> Schedule: ...
+
+    @abstractmethod
+    def schedule_space(self, fusion) -> Iterator[Schedule]: ...
+
+    @abstractmethod
+    def partition(self, fusion, schedule: Schedule) -> Partition: ...
+
+    @abstractmethod
+    def describe(self, partition: Partition) -> str: ...
+
+    @abstractmethod
+    def build_loops(self, kernel: None, ctx: LoweringContext) -> ir.Kernel: ...
+
+    @abstractmethod
+    def epilogue(self, kernel: ir.Kernel, ctx: LoweringContext) -> ir.Kernel: ...
+
+    def __repr__(self) -> str:
+        return f"<workload {self.name}>"

@@ -1,0 +1,194 @@
+"""Partition a matmul-anchored fusion: A and B through one channel, the fused epilogue on the
+consumers.
+
+    load    : for tile in persistent(tiles): for k in range(k_tiles): tma.load A, B
+    compute : for tile in persistent(tiles): { for k in range(k_tiles): wgmma ; epilogue }
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import networkx as nx
+
+from wsched.partition import Channel, OperandLoad, Partition, dag_of_loads, param_name
+from wsched.schedule import Schedule, ScheduleError
+from wsched.target import ELEMENTWISE_OPS, FLOAT_DTYPES, WGMMA_OPERAND_DTYPES
+
+
+@dataclass(frozen=True)
+class EpilogueTile:
+    """How a compute-DAG value is held per consumer warpgroup: a [rows, cols] register tile
+    ('full' [64, BN], 'row' [1, BN], 'col' [64, 1]) or a scalar."""
+
+    node: str
+    layout: str           # "full" | "row" | "col" | "scalar"
+    dtype: str
+
+
+@dataclass(frozen=True)
+class MatmulPayload:
+    """What only the matmul workload knows about its partition."""
+
+    matmul: object                     # the anchor Node
+    epilogue: tuple[object, ...]       # compute nodes after the mma, topological order
+    tiles: dict                        # node id -> EpilogueTile, for every compute value
+    side_inputs: tuple[object, ...]    # global inputs the epilogue reads (bias, residual)
+
+
+def output_name(fusion, node) -> str:
+    outs = list(fusion.outputs)
+    return "out" if len(outs) == 1 else f"out{outs.index(node.id)}"
+
+
+def partition_matmul(workload, fusion, schedule: Schedule) -> Partition:
+    """Split a matmul-anchored fusion. Raises ScheduleError when it is not of that shape."""
+    nodes = fusion.nodes()
+    matmuls = [n for n in nodes if n.op == "matmul"]
+    if len(matmuls) != 1:
+        raise ScheduleError(f"the matmul schedule needs exactly one matmul in {fusion.name}, found "
+                            f"{len(matmuls)}" + ("; a matmul -> softmax -> matmul fusion is scheduled "
+                                                 "as attention (ws.schedule_for picks it)" if matmuls else ""))
+    mm = matmuls[0]
+    if len(mm.shape) != 2:
+        raise ScheduleError(f"{mm.id} = matmul{tuple(mm.inputs)} at {mm.source} has shape "
+                            f"{list(mm.shape)}: the persistent matmul kernel handles 2-D [M, K] x [K, N] only")
+    a_load, a_dims = _operand(fusion, mm.inputs[0], "a", schedule)
+    b_load, b_dims = _operand(fusion, mm.inputs[1], "b", schedule)
+    dims = {"M": a_dims[0], "K": a_dims[1], "N": b_dims[1]}
+    channel = Channel("ab", schedule.stages, (a_load, b_load))
+
+    # Compute sub-DAG: the mma, then every node downstream of it, plus what those read.
+    downstream = nx.descendants(fusion.graph, mm.id)
+    epilogue = [n for n in nodes if n.id in downstream]
+    m_sym, n_sym = mm.shape
+    tiles = {mm.id: EpilogueTile(mm.id, "full", "f32")}
+    side_inputs = []
+    for node in epilogue:
+        if node.op not in ELEMENTWISE_OPS:
+            raise ScheduleError(f"{node.id} = {node.op}(...) at {node.source}: the matmul epilogue "
+                                f"fuses elementwise ops only ({', '.join(ELEMENTWISE_OPS)})")
+        for src in node.inputs:
+            if src in tiles:
+                continue
+            src_node = fusion.node(src)   # not computed in the epilogue: an input or a scalar
+            tiles[src] = _side_tile(src_node, m_sym, n_sym, node)
+            if src_node.op == "input":
+                side_inputs.append(src_node)
+            elif src_node.op != "const":
+                raise ScheduleError(f"{src_node.id} = {src_node.op}(...) at {src_node.source} is "
+                                    f"computed from inputs outside the matmul; only inputs and "
+                                    f"scalars can join the epilogue")
+        tiles[node.id] = _result_tile(node, tiles)
+    outputs = [fusion.node(o) for o in fusion.outputs]
+    for out in outputs:
+        if out.id != mm.id and out.id not in downstream:
+            raise ScheduleError(f"output {out.id} = {out.op}(...) at {out.source} does not depend "
+                                f"on the matmul; every output of a matmul kernel is an [M, N] tile")
+        if tiles[out.id].layout != "full":
+            raise ScheduleError(f"output {out.id} has shape {list(out.shape)}; the matmul kernel "
+                                f"stores [M, N] outputs only")
+        if out.dtype.name not in FLOAT_DTYPES:
+            raise ScheduleError(f"output {out.id} has dtype {out.dtype.name}; supported: "
+                                f"{', '.join(FLOAT_DTYPES)}")
+
+    compute_dag = nx.DiGraph()
+    for ld in channel.loads:
+        compute_dag.add_edge(f"{ld.buffer}[stage]", mm.id)
+    for node in epilogue:
+        for src in node.inputs:
+            compute_dag.add_edge(src, node.id)
+    for out in outputs:
+        compute_dag.add_edge(out.id, f"store({out.id})")
+    payload = MatmulPayload(mm, tuple(epilogue), tiles, tuple(dict.fromkeys(side_inputs)))
+    return Partition(workload, fusion, schedule, (channel,), dag_of_loads((channel,)), compute_dag,
+                     tuple(outputs), tuple(output_name(fusion, o) for o in outputs), dims, ("K",), payload)
+
+
+def describe(part: Partition) -> str:
+    s, mm = part.schedule, part.payload
+    bm, bn, bk = s.tile
+    ch = part.channels[0]
+    lines = [f"partition of {part.fusion.name} ({s.short()})", "",
+             "load sub-DAG  (producer: 1 warp of 1 warpgroup, elected thread)",
+             f"  for tile in persistent(ceil(M/{bm}) x ceil(N/{bn}) tiles, raster {s.raster},"
+             f" group {s.swizzle_group}):",
+             f"    for k in range(ceil(K/{bk})):"]
+    for ld in ch.loads:
+        lines.append(f"      tma.load {ld.tensor} -> {ld.buffer}[stage]   box {list(ld.box)} x{ld.boxes}, "
+                     f"{ld.major}-major, {ld.bytes} bytes   (channel {ch.name})")
+    lines += ["", f"compute sub-DAG  (consumers: {s.consumer_warpgroups} warpgroups x "
+              f"{s.rows_per_consumer} rows)",
+              "  for tile in persistent(same tiles, same order):",
+              "    for k in range(ceil(K/" + str(bk) + ")):",
+              f"      {mm.matmul.id} = matmul({', '.join(mm.matmul.inputs)})   wgmma "
+              f"{ch.loads[0].buffer} x {ch.loads[1].buffer} -> acc f32[{s.rows_per_consumer}, {bn}]",
+              "    epilogue:"]
+    for node in mm.epilogue:
+        t = mm.tiles[node.id]
+        lines.append(f"      {node.id} = {node.op}({', '.join(node.inputs)})   {t.layout} tile {t.dtype}")
+    for out, name in zip(part.outputs, part.output_names):
+        lines.append(f"      store {out.id} -> {name}   ({s.epilogue})")
+    lines += ["", "channels"]
+    for c in part.channels:
+        parts = " + ".join(f"{ld.buffer} {ld.bytes}" for ld in c.loads)
+        lines.append(f"  {c.name}: {c.stages} stages x {c.bytes_per_stage} bytes ({parts}), "
+                     f"barriers {c.full}[{c.stages}] (arrivals 1 + tx) / {c.empty}[{c.stages}] "
+                     f"(arrivals {s.consumer_warpgroups})")
+    return "\n".join(lines) + "\n"
+
+
+def _operand(fusion, node_id: str, which: str, schedule: Schedule):
+    """The OperandLoad of an MMA operand and where its [rows, cols] sizes come from."""
+    node = fusion.node(node_id)
+    transposed = False
+    if node.op == "transpose":
+        transposed = True
+        node = fusion.node(node.inputs[0])
+    if node.op != "input":
+        raise ScheduleError(f"matmul operand {which} is {node.id} = {node.op}(...) at {node.source}: "
+                            f"an MMA operand must be a fusion input (optionally transposed) so that "
+                            f"it can be loaded by TMA")
+    if len(node.shape) != 2:
+        raise ScheduleError(f"matmul operand {which} ({node.id}) has rank {len(node.shape)}; 2 is needed")
+    if node.dtype.name not in WGMMA_OPERAND_DTYPES:
+        raise ScheduleError(f"matmul operand {which} ({node.id}) is {node.dtype.name}; wgmma takes "
+                            f"{' or '.join(WGMMA_OPERAND_DTYPES)}")
+    bm, bn, bk = schedule.tile
+    if which == "a":
+        if transposed:
+            raise ScheduleError(f"matmul operand a is a transpose of {node.id}: A must be [M, K] with "
+                                f"K contiguous; pass the tensor in that layout")
+        return (OperandLoad(param_name(node.id), "a", "A", "k", node.dtype.name, (bm, bk), 1),
+                ((node.id, 0), (node.id, 1)))
+    if transposed:   # b = w.transpose(): w is [N, K], K contiguous
+        return (OperandLoad(param_name(node.id), "b", "B", "k", node.dtype.name, (bn, bk), 1),
+                ((node.id, 1), (node.id, 0)))
+    chunk = min(bn, 64)
+    return (OperandLoad(param_name(node.id), "b", "B", "n", node.dtype.name, (bk, chunk), bn // chunk),
+            ((node.id, 0), (node.id, 1)))
+
+
+def _side_tile(node, m_sym, n_sym, user) -> EpilogueTile:
+    dtype = node.dtype.name
+    if node.op == "const" or len(node.shape) == 0:
+        return EpilogueTile(node.id, "scalar", dtype)
+    shape = tuple(node.shape)
+    if shape == (m_sym, n_sym):
+        return EpilogueTile(node.id, "full", dtype)
+    if shape in ((n_sym,), (1, n_sym)):
+        return EpilogueTile(node.id, "row", dtype)
+    if shape == (m_sym, 1):
+        return EpilogueTile(node.id, "col", dtype)
+    raise ScheduleError(f"{node.id} has shape {list(shape)} and is read by {user.id} = {user.op}(...) at "
+                        f"{user.source}; the epilogue reads [M, N], [N], [1, N] or [M, 1] tensors "
+                        f"(M={m_sym}, N={n_sym})")
+
+
+def _result_tile(node, tiles) -> EpilogueTile:
+    layouts = {tiles[i].layout for i in node.inputs} - {"scalar"}
+    layout = "full" if "full" in layouts or layouts == {"row", "col"} else (layouts.pop() if layouts else "scalar")
+    if layout != "full":
+        raise ScheduleError(f"{node.id} = {node.op}(...) at {node.source} does not depend on the "
+                            f"matmul result")
+    return EpilogueTile(node.id, layout, node.dtype.name)
