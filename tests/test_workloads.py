@@ -40,7 +40,7 @@ def test_a_fusion_no_workload_takes_names_every_reason():
 
 
 def test_a_schedule_of_another_workload_is_refused():
-    with pytest.raises(ScheduleError, match="mlp is a matmul; its schedule must be a MatmulSchedule, not AttentionSchedule"):
+    with pytest.raises(ScheduleError, match="mlp is taken by the matmul workload; its schedule must be a MatmulSchedule, not AttentionSchedule"):
         MATMUL.partition(mlp, ws.schedule_for(make_attention(128)))
     with pytest.raises(ScheduleError, match=r"unknown workload 'conv'; known: attention, matmul"):
         workload_named("conv")

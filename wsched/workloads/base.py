@@ -20,18 +20,23 @@ The shared passes never ask which workload they run: they read the IR and the ch
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Iterator
+from typing import Callable, Iterator
 
 from wsched.lowering import ir
 from wsched.lowering.context import LoweringContext, Step
 from wsched.partition import Partition
-from wsched.schedule import Schedule
+from wsched.schedule import Schedule, ScheduleError
 
 
 class Workload(ABC):
     name: str
     schedule_type: type[Schedule]
     extra_passes: tuple[Step, ...] = ()
+    # The workload's own functions, set by each subclass as `staticmethod`s:
+    split: Callable[["Workload", object, Schedule], Partition]      # (workload, fusion, schedule)
+    describe: Callable[[Partition], str]
+    build_loops: Callable[[None, LoweringContext], ir.Kernel]
+    epilogue: Callable[[ir.Kernel, LoweringContext], ir.Kernel]
 
     @abstractmethod
     def matches(self, fusion) -> bool: ...
@@ -46,17 +51,11 @@ class Workload(ABC):
     @abstractmethod
     def schedule_space(self, fusion) -> Iterator[Schedule]: ...
 
-    @abstractmethod
-    def partition(self, fusion, schedule: Schedule) -> Partition: ...
-
-    @abstractmethod
-    def describe(self, partition: Partition) -> str: ...
-
-    @abstractmethod
-    def build_loops(self, kernel: None, ctx: LoweringContext) -> ir.Kernel: ...
-
-    @abstractmethod
-    def epilogue(self, kernel: ir.Kernel, ctx: LoweringContext) -> ir.Kernel: ...
+    def partition(self, fusion, schedule: Schedule) -> Partition:
+        if not isinstance(schedule, self.schedule_type):
+            raise ScheduleError(f"{fusion.name} is taken by the {self.name} workload; its schedule must be a "
+                                f"{self.schedule_type.__name__}, not {type(schedule).__name__}")
+        return self.split(self, fusion, schedule)
 
     def __repr__(self) -> str:
         return f"<workload {self.name}>"

@@ -20,6 +20,10 @@ from .schedule import AttentionSchedule
 class AttentionWorkload(Workload):
     name = "attention"
     schedule_type = AttentionSchedule
+    split = staticmethod(partition.partition_attention)
+    describe = staticmethod(partition.describe)
+    build_loops = staticmethod(loops.build_loops)
+    epilogue = staticmethod(epilogue.epilogue)
     extra_passes = (
         # Delay P V by one block so the softmax overlaps it: a reordering of the complete wgmma
         # protocol lower_mma wrote.
@@ -45,21 +49,6 @@ class AttentionWorkload(Workload):
 
     def schedule_space(self, fusion):
         return schedule.schedule_space(partition.head_dim_of(fusion))
-
-    def partition(self, fusion, sched):
-        if not isinstance(sched, AttentionSchedule):
-            raise ScheduleError(f"{fusion.name} is attention; its schedule must be an AttentionSchedule, "
-                                f"not {type(sched).__name__}")
-        return partition.partition_attention(self, fusion, sched)
-
-    def describe(self, part) -> str:
-        return partition.describe(part)
-
-    def build_loops(self, kernel, ctx):
-        return loops.build_loops(kernel, ctx)
-
-    def epilogue(self, kernel, ctx):
-        return epilogue.epilogue(kernel, ctx)
 
 
 ATTENTION = AttentionWorkload()

@@ -8,7 +8,6 @@ inputs, and elementwise ops after it.
 
 from __future__ import annotations
 
-from wsched.schedule import ScheduleError
 from wsched.workloads.base import Workload
 
 from . import epilogue, loops, partition, schedule
@@ -18,6 +17,10 @@ from .schedule import MatmulSchedule
 class MatmulWorkload(Workload):
     name = "matmul"
     schedule_type = MatmulSchedule
+    split = staticmethod(partition.partition_matmul)
+    describe = staticmethod(partition.describe)
+    build_loops = staticmethod(loops.build_loops)
+    epilogue = staticmethod(epilogue.epilogue)
 
     def matches(self, fusion) -> bool:
         return sum(n.op == "matmul" for n in fusion.nodes()) == 1
@@ -35,21 +38,6 @@ class MatmulWorkload(Workload):
     def schedule_space(self, fusion):
         outputs = [fusion.node(o) for o in fusion.outputs]
         return schedule.schedule_space(max((o.dtype.itemsize for o in outputs), default=2))
-
-    def partition(self, fusion, sched):
-        if not isinstance(sched, MatmulSchedule):
-            raise ScheduleError(f"{fusion.name} is a matmul; its schedule must be a MatmulSchedule, "
-                                f"not {type(sched).__name__}")
-        return partition.partition_matmul(self, fusion, sched)
-
-    def describe(self, part) -> str:
-        return partition.describe(part)
-
-    def build_loops(self, kernel, ctx):
-        return loops.build_loops(kernel, ctx)
-
-    def epilogue(self, kernel, ctx):
-        return epilogue.epilogue(kernel, ctx)
 
 
 MATMUL = MatmulWorkload()
