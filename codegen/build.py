@@ -13,7 +13,10 @@ This module composes three of one concern each:
 
 Errors are ``BuildError``: an nvcc failure (message has the .cu path, a copy-pasteable repro
 command and the tail of nvcc's output), ptxas warning C7508 ("setmaxnreg ignored"), and — unless
-``allow_spills=True`` — any register spill or stack frame.
+``allow_spills=True`` — any register spill or stack frame; a cache path that is a file is a
+``CacheError`` (a BuildError).  A cache this process cannot write (read-only, another user's,
+or failing with an OS error midway) is not an error: the build goes to a private temporary
+cache, with a one-line ``CacheWarning`` (``build_cache.usable_root``).
 """
 
 from __future__ import annotations
@@ -23,12 +26,12 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from . import build_cache, nvcc
-from .build_cache import SOURCE, BuildResult
+from .build_cache import SOURCE, BuildResult, CacheError, CacheWarning
 from .nvcc import NVCC_FLAGS, PTX_FLAGS, BuildError
 from .ptxas_report import (ERROR_WARNING_CODES, check_ptxas_log, check_resources, parse_ptxas_log,
                            ptxas_warnings)
 
-__all__ = ["BuildError", "BuildResult", "compile_cuda", "compile_ptx"]
+__all__ = ["BuildError", "BuildResult", "CacheError", "CacheWarning", "compile_cuda", "compile_ptx"]
 
 
 def compile_cuda(
@@ -55,18 +58,33 @@ def compile_cuda(
     flags = tuple(flags)
     artifacts = dict(artifacts or {})
     build_cache.check_artifact_names(artifacts)
-    root = Path(cache_dir) if cache_dir is not None else build_cache.default_cache_dir()
-    root.mkdir(parents=True, exist_ok=True)
+    configured = Path(cache_dir) if cache_dir is not None else build_cache.default_cache_dir()
+    root = build_cache.usable_root(configured)
     key = build_cache.cache_key(source, flags, extra_key)
-    result = build_cache.lookup(root, key, artifacts)
-    if result is None:
-        result = _build(source, name=name, key=key, root=root, flags=flags, artifacts=artifacts)
+    try:
+        result = _lookup_or_build(source, name=name, key=key, root=root, flags=flags, artifacts=artifacts)
+    except OSError as error:
+        # The cache failed midway (a full disk, an entry someone else made unreadable...):
+        # build once more where nothing else writes.
+        private = build_cache.fallback_root(configured, f"failed ({error})")
+        if private == root:
+            raise BuildError(f"building {name!r} in the build cache {root} failed: {error}") from error
+        result = _lookup_or_build(source, name=name, key=key, root=private, flags=flags, artifacts=artifacts)
     # A hit is checked again, so a cached build fails the same way as a fresh one.
     check_ptxas_log(result.log, cu_path=result.cu_path, command=result.command, name=result.name,
                     error_codes=error_codes, allow_wgmma_serialization=allow_wgmma_serialization)
     if not allow_spills:
         check_resources(result.resources, cu_path=result.cu_path, command=result.command,
                         name=result.name, log=result.log)
+    return result
+
+
+def _lookup_or_build(source: str, *, name: str, key: str, root: Path, flags: tuple[str, ...],
+                     artifacts: Mapping[str, str]) -> BuildResult:
+    result = build_cache.lookup(root, key, artifacts)
+    if result is None:
+        build_cache.sweep_stale(root)  # scratch dirs of builds killed midway
+        result = _build(source, name=name, key=key, root=root, flags=flags, artifacts=artifacts)
     return result
 
 
@@ -77,7 +95,12 @@ def _build(source: str, *, name: str, key: str, root: Path, flags: tuple[str, ..
     with build_cache.build_dir(root) as tmp:
         cu_path = build_cache.write_source(tmp, source, lives_in=root / key)
         t0 = time.monotonic()
-        log, rc = nvcc.run(nvcc.command(flags, cu_path, tmp / out_name), cwd=root)
+        argv = nvcc.command(flags, cu_path, tmp / out_name)
+        try:
+            log, rc = nvcc.run(argv, cwd=root)
+        except OSError as error:  # not an OSError of the cache: do not retry elsewhere
+            raise BuildError(f"could not run nvcc ({error}) compiling {name!r}",
+                             cu_path=cu_path, command=argv) from None
         seconds = time.monotonic() - t0
         out_path = tmp / out_name
         if rc != 0 or not out_path.is_file() or out_path.stat().st_size == 0:

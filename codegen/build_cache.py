@@ -10,25 +10,40 @@ not depend on the temporary build dir), kernel.cubin (or kernel.ptx for ``-ptx``
 ptxas.log, meta.json (with the sha256 of the output) and ``artifacts/<name>``.  Default cache
 dir: ``$WSCHED_CACHE_DIR`` or ``~/.cache/wsched``.
 
-Concurrency: an entry is built in ``<cache_dir>/.tmp-*`` and published with one ``os.rename``;
-if the target already exists the other process won and its entry is used.  A corrupt entry
-(missing/short output, checksum mismatch, unreadable meta.json) is moved aside and rebuilt.
-Failed builds are kept under ``<cache_dir>/failed/<key>/`` so the paths in the error message
-stay valid.
+Concurrency: an entry is built in ``<cache_dir>/.tmp-<host>-<pid>-*`` and published with one
+``os.rename``; if the target already exists the other process won and its entry is used.  A
+corrupt entry (missing/short output, checksum mismatch, unreadable meta.json, or meta.json of the
+wrong shape) is moved aside and rebuilt.  Failed builds are kept under
+``<cache_dir>/failed/<key>/`` so the paths in the error message stay valid.
+
+Faults (``usable_root``): a cache path that is a file is a `CacheError` naming the path and
+``WSCHED_CACHE_DIR``; a cache directory this user cannot write, or does not own (its cubins are
+loaded and run, so another user's are not trusted), is replaced by a private temporary cache
+for the process, with a one-line `CacheWarning`.  A build killed midway leaves its ``.tmp-``
+directory behind; the next build removes those whose process is gone, or which are older than
+any build can take (`sweep_stale`).  Entries get the read permissions the cache directory
+gives: a cache the group can read has entries the group can read.
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import dataclasses
 import hashlib
 import json
 import os
 import re
 import shlex
 import shutil
+import socket
+import stat
 import tempfile
+import time
+import warnings
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
+from functools import lru_cache
 from pathlib import Path
 
 from wsched import knobs
@@ -39,6 +54,8 @@ from .ptxas_report import KernelResources, ResourceTable
 __all__ = [
     "SOURCE",
     "BuildResult",
+    "CacheError",
+    "CacheWarning",
     "build_dir",
     "cache_key",
     "check_artifact_names",
@@ -46,6 +63,8 @@ __all__ = [
     "keep_failed",
     "lookup",
     "publish",
+    "sweep_stale",
+    "usable_root",
     "write_source",
 ]
 
@@ -55,6 +74,21 @@ _META = "meta.json"
 _LOG = "ptxas.log"
 _ARTIFACTS = "artifacts"
 _ARTIFACT_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+_OUTPUT_NAMES = ("kernel.cubin", "kernel.ptx", "kernel.fatbin")  # nvcc.output_name's answers
+# Scratch directories: ``<prefix><host>-<pid>-<random>``, so a later build can tell a live one
+# from the leftovers of a killed one.
+_SCRATCH_PREFIXES = (".tmp-", ".trash-")
+# A scratch directory older than this belongs to no live build (nvcc is stopped after
+# nvcc._NVCC_TIMEOUT_S = 15 minutes); it is the rule for one of another host or an old name.
+STALE_SECONDS = 30 * 60
+
+
+class CacheError(nvcc.BuildError):
+    """The build cache cannot be used as configured (e.g. its path is a file)."""
+
+
+class CacheWarning(UserWarning):
+    """The configured build cache is not usable; builds go to a private temporary cache."""
 
 
 @dataclass(frozen=True)
@@ -102,6 +136,173 @@ def default_cache_dir() -> Path:
     return knobs.cache_dir()
 
 
+# --------------------------------------------------------------------------------------------
+# the cache directory under faults
+
+
+def _not_a_directory(root: Path, what: Path) -> CacheError:
+    where = "is a file" if what == root else f"lies under {what}, which is a file"
+    return CacheError(f"build cache {root} {where}, not a directory: remove {what}, or point "
+                      "WSCHED_CACHE_DIR (or cache_dir=) at a directory")
+
+
+def _file_on_path(root: Path) -> Path | None:
+    """`root` or the first of its parents that exists as something other than a directory."""
+    for path in (root, *root.parents):
+        if path.exists() or path.is_symlink():
+            return None if path.is_dir() else path
+    return None
+
+
+def _why_unusable(root: Path) -> str | None:
+    """Why this process must not build into the directory `root`, or None when it may."""
+    info = root.stat()
+    if info.st_uid != os.geteuid():
+        return f"is owned by uid {info.st_uid}, not by this user (uid {os.geteuid()})"
+    mode = os.W_OK | os.X_OK
+    writable = (os.access(root, mode, effective_ids=True) if os.access in os.supports_effective_ids
+                else os.access(root, mode))
+    if not writable:
+        return "is not writable"
+    return None
+
+
+def usable_root(root: Path) -> Path:
+    """The directory to build into for the cache `root`: `root` itself (created if missing);
+    a private temporary cache, with one `CacheWarning`, when `root` is read-only or another
+    user's; `CacheError` when `root` (or a parent) is a file."""
+    root = Path(root)
+    blocking = _file_on_path(root)
+    if blocking is not None:
+        raise _not_a_directory(root, blocking)
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        reason = _why_unusable(root)
+    except (FileExistsError, NotADirectoryError):  # replaced by a file meanwhile
+        raise _not_a_directory(root, _file_on_path(root) or root) from None
+    except OSError as error:
+        reason = f"cannot be created ({error.strerror or error})"
+    if reason is None:
+        return root
+    return fallback_root(root, reason)
+
+
+_warned: set[Path] = set()
+
+
+def fallback_root(root: Path, reason: str) -> Path:
+    """The private temporary cache used instead of `root`, warning once per `root`."""
+    private = _private_cache()
+    if root not in _warned:
+        _warned.add(root)
+        warnings.warn(f"wsched build cache {root} {reason}; building in the private temporary "
+                      f"cache {private} instead (set WSCHED_CACHE_DIR to a directory you own)",
+                      CacheWarning, stacklevel=3)
+    return private
+
+
+@lru_cache(maxsize=None)
+def _host() -> str:
+    return re.sub(r"[^A-Za-z0-9_.]", "_", socket.gethostname())[:64] or "host"
+
+
+def _scratch_tag() -> str:
+    return f"{_host()}-{os.getpid()}-"
+
+
+@lru_cache(maxsize=None)
+def _private_cache_of(pid: int) -> Path:
+    base = Path(tempfile.gettempdir())
+    sweep_stale(base, prefixes=("wsched-cache-",))  # those of killed processes
+    path = Path(tempfile.mkdtemp(prefix="wsched-cache-" + _scratch_tag(), dir=base))
+
+    def remove() -> None:
+        if os.getpid() == pid:  # not from a forked child that inherited the handler
+            shutil.rmtree(path, ignore_errors=True)
+
+    atexit.register(remove)
+    return path
+
+
+def _private_cache() -> Path:
+    """A cache directory of this process alone (mode 0700), removed when it exits."""
+    return _private_cache_of(os.getpid())
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # e.g. EPERM: it exists, as another user's
+        return True
+    return True
+
+
+def _is_stale(path: Path, prefix: str, now: float) -> bool:
+    match = re.match(re.escape(prefix) + r"(?P<host>[A-Za-z0-9_.]+)-(?P<pid>\d+)-", path.name)
+    if match and match["host"] == _host():
+        return not _pid_alive(int(match["pid"]))
+    try:
+        return now - path.lstat().st_mtime > STALE_SECONDS
+    except OSError:
+        return False
+
+
+def sweep_stale(root: Path, prefixes: tuple[str, ...] = _SCRATCH_PREFIXES) -> list[Path]:
+    """Remove the scratch directories in `root` that no live build owns: those of this host
+    whose process is gone, and any older than `STALE_SECONDS`. Returns what was removed."""
+    now = time.time()
+    removed = []
+    try:
+        children = list(os.scandir(root))
+    except OSError:
+        return removed
+    for child in children:
+        prefix = next((p for p in prefixes if child.name.startswith(p)), None)
+        if prefix is None or not child.is_dir(follow_symlinks=False):
+            continue
+        path = Path(child.path)
+        try:
+            if path.lstat().st_uid != os.geteuid():
+                continue  # another user's: not ours to judge or remove
+        except OSError:
+            continue
+        if _is_stale(path, prefix, now):
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+    return removed
+
+
+def _scratch_dir(root: Path, prefix: str) -> Path:
+    return Path(tempfile.mkdtemp(prefix=prefix + _scratch_tag(), dir=root))
+
+
+# --------------------------------------------------------------------------------------------
+# permissions: entries readable by whoever can read the cache
+
+
+def _modes(root: Path) -> tuple[int, int]:
+    """(directory mode, file mode) of entries in `root`: the owner's rw(x), plus the read (and
+    search) bits `root` gives its group and others."""
+    readers = stat.S_IMODE(root.stat().st_mode) & 0o055
+    return 0o700 | readers, 0o600 | (readers & 0o044)
+
+
+def _share(path: Path, root: Path) -> None:
+    """Give `path` (a file, or a directory and all it holds) the modes of `root`'s entries."""
+    dir_mode, file_mode = _modes(root)
+    if path.is_dir():
+        os.chmod(path, dir_mode)
+        for parent, dirs, files in os.walk(path):
+            for name in dirs:
+                os.chmod(os.path.join(parent, name), dir_mode)
+            for name in files:
+                os.chmod(os.path.join(parent, name), file_mode)
+    else:
+        os.chmod(path, file_mode)
+
+
 def cache_key(source: str, flags: tuple[str, ...] = nvcc.NVCC_FLAGS, extra_key: str = "") -> str:
     h = hashlib.sha256()
     for part in ("wsched-build-v1", source, "\x1f".join(flags), nvcc.toolchain_fingerprint(),
@@ -122,7 +323,7 @@ def _sha256_bytes(data: bytes) -> str:
 
 def _discard(path: Path, root: Path) -> None:
     """Move a (corrupt) entry aside atomically, then delete it."""
-    trash = Path(tempfile.mkdtemp(prefix=".trash-", dir=root))
+    trash = _scratch_dir(root, ".trash-")
     try:
         os.rename(path, trash / "entry")
     except FileNotFoundError:
@@ -132,11 +333,46 @@ def _discard(path: Path, root: Path) -> None:
     shutil.rmtree(trash, ignore_errors=True)
 
 
+_RESOURCE_FIELDS = frozenset(f.name for f in dataclasses.fields(KernelResources))
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _is_str_list(value: object) -> bool:
+    return isinstance(value, list) and all(isinstance(v, str) for v in value)
+
+
+def _meta_is_valid(meta: object, key: str) -> bool:
+    """Whether meta.json has the shape `publish` writes: valid JSON of the wrong shape (a list,
+    a string where an int belongs, an output path outside the entry) is a corrupt entry."""
+    if not isinstance(meta, dict):
+        return False
+    resources = meta.get("resources")
+    return (meta.get("format") == _CACHE_FORMAT and meta.get("key") == key
+            and meta.get("output") in _OUTPUT_NAMES
+            and _is_int(meta.get("output_size")) and isinstance(meta.get("output_sha256"), str)
+            and _is_str_list(meta.get("flags")) and _is_str_list(meta.get("warnings", []))
+            and isinstance(meta.get("nvcc_version", ""), str) and isinstance(meta.get("name", ""), str)
+            and isinstance(resources, dict)
+            and all(isinstance(kernel, str) and isinstance(r, dict) and set(r) == _RESOURCE_FIELDS
+                    and all(_is_int(v) for v in r.values()) for kernel, r in resources.items()))
+
+
+def _artifact_files(entry: Path) -> dict[str, Path]:
+    """The entry's artifacts by name (not the scratch files of an interrupted write)."""
+    art_dir = entry / _ARTIFACTS
+    if not art_dir.is_dir():
+        return {}
+    return {p.name: p for p in sorted(art_dir.iterdir()) if _ARTIFACT_NAME.match(p.name) and p.is_file()}
+
+
 def _load_entry(entry: Path, key: str, *, cache_hit: bool) -> BuildResult | None:
     """A BuildResult for a complete, checksum-valid entry; None when missing or corrupt."""
     try:
         meta = json.loads((entry / _META).read_text())
-        if not isinstance(meta, dict) or meta.get("format") != _CACHE_FORMAT or meta.get("key") != key:
+        if not _meta_is_valid(meta, key):
             return None
         out_path = entry / meta["output"]
         data = out_path.read_bytes()
@@ -147,10 +383,7 @@ def _load_entry(entry: Path, key: str, *, cache_hit: bool) -> BuildResult | None
         if not cu_path.is_file():
             return None
         resources = ResourceTable({k: KernelResources(**v) for k, v in meta["resources"].items()})
-        art_dir = entry / _ARTIFACTS
-        artifacts = {}
-        if art_dir.is_dir():
-            artifacts = {p.name: p for p in sorted(art_dir.iterdir()) if p.is_file()}
+        artifacts = _artifact_files(entry)
         return BuildResult(
             cubin_path=out_path, cu_path=cu_path, resources=resources, log=log,
             command=nvcc.command(tuple(meta["flags"]), cu_path, out_path), cache_hit=cache_hit,
@@ -194,6 +427,8 @@ def _write_artifacts(directory: Path, artifacts: Mapping[str, str], *, only_miss
         return
     art_dir = directory / _ARTIFACTS
     art_dir.mkdir(exist_ok=True)
+    dir_mode, file_mode = _modes(directory)
+    os.chmod(art_dir, dir_mode)
     for name, text in artifacts.items():
         target = art_dir / name
         if only_missing and target.exists():
@@ -201,6 +436,7 @@ def _write_artifacts(directory: Path, artifacts: Mapping[str, str], *, only_miss
         fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=art_dir)
         with os.fdopen(fd, "w") as f:
             f.write(text)
+        os.chmod(tmp, file_mode)  # mkstemp makes it 0600
         os.replace(tmp, target)
 
 
@@ -208,8 +444,8 @@ def _write_artifacts(directory: Path, artifacts: Mapping[str, str], *, only_miss
 def build_dir(root: Path) -> Iterator[Path]:
     """A fresh directory under `root` to build an entry in; removed afterwards unless it was
     published (or kept as a failed build)."""
-    tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=root))
-    os.chmod(tmp, 0o755)  # mkdtemp makes it 0700; a shared cache should stay readable
+    tmp = _scratch_dir(root, ".tmp-")
+    os.chmod(tmp, _modes(root)[0])  # mkdtemp makes it 0700; as readable as the cache
     try:
         yield tmp
     finally:
@@ -242,6 +478,7 @@ def publish(tmp: Path, root: Path, key: str, *, meta: Mapping[str, object], log:
     (tmp / _LOG).write_text(log)
     _write_artifacts(tmp, artifacts, only_missing=False)
     (tmp / _META).write_text(json.dumps(meta, indent=1, sort_keys=True))
+    _share(tmp, root)
 
     for _attempt in range(3):
         try:
@@ -274,6 +511,7 @@ def keep_failed(tmp: Path, root: Path, key: str, source: str, log: str) -> tuple
     try:
         write_source(tmp, source, failed)
         (tmp / "nvcc.log").write_text(log)
+        _share(tmp, root)
         os.rename(tmp, failed)
         return failed, log
     except OSError:

@@ -1,8 +1,9 @@
 """Checked CUDA driver calls in torch's context: what the launcher and the tensor maps share.
 
 Every driver call goes through `check_cuda`, so a failure names the call and the driver's
-error, never a bare integer. `torch_context` makes the driver calls that follow (module loads,
-tensor-map encodes) land in the very context torch launches into.
+error, never a bare integer. `torch_context(device)` makes the driver calls that follow (module
+loads, tensor-map encodes, launches) land in the very context torch uses on that device — the
+primary context of the device the tensors live on, whatever the thread's current device is.
 
 The driver is only touched when one of these is called, so importing this module (and the
 modules built on it) works on a machine without a GPU.
@@ -10,6 +11,7 @@ modules built on it) works on a machine without a GPU.
 from __future__ import annotations
 
 import contextlib
+import threading
 from typing import Iterator
 
 import torch
@@ -76,41 +78,60 @@ def device_index(device: object = None) -> int:
     return torch.cuda.current_device() if dev.index is None else dev.index
 
 
-_initialized_devices: set[int] = set()
+_primary_contexts: dict[int, driver.CUcontext] = {}  # device index -> torch's (primary) context
+_init_lock = threading.Lock()
 
 
 def init_driver(device: object = None) -> int:
     """Create torch's context on `device` (touching a CUDA tensor) and cuInit; return the index.
 
     torch creates its primary context lazily, and the driver calls that follow (module loads,
-    tensor-map encodes) must land in the very context torch launches into.
+    tensor-map encodes, launches) must land in the very context torch launches into.
     """
     index = device_index(device)
-    if index not in _initialized_devices:
-        with torch.cuda.device(index):
-            torch.empty(1, device=f"cuda:{index}")
-        check_cuda(driver.cuInit(0), "cuInit(0)")
-        _initialized_devices.add(index)
+    if index not in _primary_contexts:
+        with _init_lock:
+            if index not in _primary_contexts:
+                with torch.cuda.device(index):
+                    torch.empty(1, device=f"cuda:{index}")
+                check_cuda(driver.cuInit(0), "cuInit(0)")
+                handle = check_cuda(driver.cuDeviceGet(index), f"cuDeviceGet({index})")
+                # retained once and never released: torch holds the same context for the
+                # life of the process
+                _primary_contexts[index] = check_cuda(driver.cuDevicePrimaryCtxRetain(handle),
+                                                      f"cuDevicePrimaryCtxRetain(cuda:{index})")
     return index
+
+
+def _current_context() -> int:
+    """The thread's current context as an int (0: none)."""
+    context = check_cuda(driver.cuCtxGetCurrent(), "cuCtxGetCurrent")
+    return 0 if context is None else int(context)
 
 
 @contextlib.contextmanager
 def torch_context(device: object = None) -> Iterator[int]:
     """Run driver calls in torch's primary context of `device`; yields the device index.
 
-    torch.cuda.device makes the device current for the runtime, which normally makes its
-    primary context current too; a thread that never made a runtime call may still have no
-    context, so the primary context (the one torch uses) is bound explicitly then.
+    A CUmodule, the CUfunctions in it and a launch belong to one context, so everything a
+    kernel does on a device happens in that device's primary context — the one torch allocates
+    the device's tensors in and runs its streams on. The thread's current device (and context)
+    is what it was before once the block is left.
     """
     index = init_driver(device)
+    primary = _primary_contexts[index]
+    if torch.cuda.current_device() == index and _current_context() == int(primary):
+        yield index  # the common case: already there
+        return
     with torch.cuda.device(index):
-        context = check_cuda(driver.cuCtxGetCurrent(), "cuCtxGetCurrent")
-        current = None
-        if context is not None and int(context) != 0:
-            current = int(check_cuda(driver.cuCtxGetDevice(), "cuCtxGetDevice"))
-        if current != index:
-            handle = check_cuda(driver.cuDeviceGet(index), f"cuDeviceGet({index})")
-            primary = check_cuda(driver.cuDevicePrimaryCtxRetain(handle),
-                                 f"cuDevicePrimaryCtxRetain(cuda:{index})")
+        # torch.cuda.device normally binds the primary context too; a thread that never made
+        # a runtime call on this device may still have none (or another) current.
+        previous = _current_context()
+        if previous != int(primary):
             check_cuda(driver.cuCtxSetCurrent(primary), f"cuCtxSetCurrent(cuda:{index} primary)")
-        yield index
+        try:
+            yield index
+        finally:
+            if previous not in (0, int(primary)):
+                check_cuda(driver.cuCtxSetCurrent(driver.CUcontext(previous)),
+                           "cuCtxSetCurrent(previous context)")

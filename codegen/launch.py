@@ -6,6 +6,11 @@ dynamic shared-memory limit, packing the argument list and launching — with or
 thread-block cluster. Every driver call goes through `check_cuda` (`cuda_driver.py`), so a
 failure names the call and the driver's error, never a bare integer.
 
+Multi-GPU: a launch names the device of its tensors (`launch(..., device=)`), and everything
+is that device's, whatever the thread's current device is: the module and function (a cubin
+loaded in one context is not valid in another), the context the launch is made in, and the
+stream (torch's current stream *of that device*). Threads may drive different devices at once.
+
 Launches are asynchronous on torch's current stream; `LoadedKernel.last_error_check()`
 synchronizes and turns a faulted kernel into a `CudaError` (tests use it).
 
@@ -17,6 +22,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import threading
 from pathlib import Path
 from typing import Iterable, Sequence
 
@@ -285,6 +291,7 @@ class LoadedKernel:
         self._image = self.cubin_path.read_bytes()
         self._modules: dict[int, object] = {}    # device index -> CUmodule (kept alive)
         self._functions: dict[int, object] = {}  # device index -> CUfunction
+        self._load_lock = threading.Lock()       # one load per device, also from many threads
         self._last_device: int | None = None
 
     def __repr__(self) -> str:
@@ -292,9 +299,18 @@ class LoadedKernel:
                 f"threads={self.threads}, smem_bytes={self.smem_bytes})")
 
     def _function_for(self, device_index: int):
+        """The kernel's CUfunction in the primary context of `device_index`, loaded on first use
+        (call inside `torch_context(device_index)`)."""
         function = self._functions.get(device_index)
         if function is not None:
             return function
+        with self._load_lock:
+            function = self._functions.get(device_index)
+            if function is None:
+                function = self._load(device_index)
+        return function
+
+    def _load(self, device_index: int):
         where = f"kernel '{self.kernel_name}' ({self.cubin_path})"
         with torch_context(device_index):
             device = check_cuda(driver.cuDeviceGet(device_index), f"cuDeviceGet({device_index})")
@@ -331,35 +347,39 @@ class LoadedKernel:
         return function
 
     def launch(self, grid: int | tuple[int, ...], args: list[tuple[str, object]],
-               stream: object = None, cluster: int | tuple[int, ...] = (1, 1, 1)) -> None:
-        """Launch asynchronously on `stream` (default: torch's current stream)."""
+               stream: object = None, cluster: int | tuple[int, ...] = (1, 1, 1),
+               device: object = None) -> None:
+        """Launch asynchronously on `device` (default: torch's current device; pass the device
+        the arguments live on) and `stream` (default: torch's current stream of `device`)."""
         grid3 = _grid3(grid)
         cluster3 = _check_cluster(grid3, cluster)
         params = _marshal_args(args)
-        device_index = torch.cuda.current_device()
-        function = self._function_for(device_index)
-        handle = _stream_handle(stream, device_index)
-        if cluster3 == (1, 1, 1):
-            result = driver.cuLaunchKernel(function, *grid3, self.threads, 1, 1,
-                                           self.smem_bytes, handle, params, 0)
-        else:
-            config = _launch_config(grid3, self.threads, self.smem_bytes, handle, cluster3)
-            result = driver.cuLaunchKernelEx(config, function, params, 0)
+        with torch_context(device) as index:
+            function = self._function_for(index)
+            handle = _stream_handle(stream, index)
+            if cluster3 == (1, 1, 1):
+                result = driver.cuLaunchKernel(function, *grid3, self.threads, 1, 1,
+                                               self.smem_bytes, handle, params, 0)
+            else:
+                config = _launch_config(grid3, self.threads, self.smem_bytes, handle, cluster3)
+                result = driver.cuLaunchKernelEx(config, function, params, 0)
         if result[0] != driver.CUresult.CUDA_SUCCESS:  # the message is built only on failure
             call = "cuLaunchKernel" if cluster3 == (1, 1, 1) else "cuLaunchKernelEx"
             check_cuda(result, f"{call}({self.kernel_name} grid={grid3} block=({self.threads}, 1, 1) "
-                               f"cluster={cluster3} smem={self.smem_bytes} args={len(args)})")
-        self._last_device = device_index
+                               f"cluster={cluster3} smem={self.smem_bytes} args={len(args)} "
+                               f"on cuda:{index})")
+        self._last_device = index
 
-    def last_error_check(self) -> None:
-        """Synchronize the device of the last launch; raise CudaError if the kernel faulted.
+    def last_error_check(self, device: object = None) -> None:
+        """Synchronize `device` (default: that of the last launch); raise CudaError if the
+        kernel faulted.
 
         A fault (illegal address, misaligned TMA, trap) is sticky: the context is unusable
         afterwards, so this is for tests and debugging, not the hot path.
         """
-        if self._last_device is None:
+        index = self._last_device if device is None else device_index(device)
+        if index is None:
             return
-        with torch_context(self._last_device):
+        with torch_context(index):
             check_cuda(driver.cuCtxSynchronize(),
-                       f"cuCtxSynchronize after launching {self.kernel_name} on "
-                       f"cuda:{self._last_device}")
+                       f"cuCtxSynchronize after launching {self.kernel_name} on cuda:{index}")

@@ -189,7 +189,9 @@ def describe_tensor_map(spec: TensorMapSpec, data_ptr: int) -> str:
 
 
 def encode_tensor_map(spec: TensorMapSpec, data_ptr: int, device: object = None) -> driver.CUtensorMap:
-    """Validate `spec`, then encode it with cuTensorMapEncodeTiled (on `device`'s context)."""
+    """Validate `spec`, then encode it with cuTensorMapEncodeTiled in the primary context of
+    `device`, the device `data_ptr` lives on (a map names one device's memory: callers cache
+    maps per device, as CompiledKernel does by argument layout and device)."""
     validate_tensor_map(spec, data_ptr)
     a = driver_arguments(spec)
     with torch_context(device):

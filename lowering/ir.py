@@ -43,8 +43,9 @@ BUILTINS = ("cta_id", "num_ctas", "num_sms", "wg")
 # ---------------------------------------------------------------------------------------------
 
 # Binary operators, loosest-binding first (the printer and grammar agree on this table).
-# "/" and "%" are integer floor division / modulo on non-negative integers, float division on
-# floats.
+# Integers are the CUDA's 32-bit `int`: "/" and "%" truncate toward zero (C semantics), and an
+# overflow is an error (signed overflow is undefined on the GPU); on floats "/" is fp32 division.
+# lowering/evaluate.py is the one definition.
 BINARY_PRECEDENCE: dict[str, int] = {
     "||": 1,
     "&&": 2,

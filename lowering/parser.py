@@ -4,9 +4,11 @@
 and how golden files are checked. The grammar (grammar.lark) is LALR(1) without conflicts
 (tests/test_ir_text.py checks the tables); a lark Transformer builds the nodes while parsing, and
 checks what the grammar cannot spell (tile op names, loop kinds, setmaxnreg actions, wgmma
-majors, call names and arity). Every problem is an
-`IRParseError` that names the line and column, what was found, what would be right, and shows
-the source line with a caret.
+majors, call names and arity), integer literals beyond 64 bits, and nesting deeper than the
+verifier's limits (`MAX_EXPRESSION_DEPTH`, `MAX_BLOCK_DEPTH`: the later stages walk the IR
+recursively). Every problem is an `IRParseError` that names the line and column, what was found,
+what would be right, and shows the source line with a caret; text that is not a `str` is an
+`ArgumentError`.
 """
 
 from __future__ import annotations
@@ -16,14 +18,17 @@ import difflib
 import functools
 import math
 import re
+import threading
 from pathlib import Path
 from typing import Iterable, Iterator
 
 from lark import Lark, Token, Transformer, v_args
 from lark.exceptions import UnexpectedCharacters, UnexpectedInput, UnexpectedToken
 
+from wsched.errors import check_argument
 from wsched.lowering import ir
 from wsched.lowering.spelling import SETMAXNREG_PREFIX, SPELLINGS, TILE_OP_PREFIX, TILE_REDUCE_PREFIX
+from wsched.lowering.verify.types import INT_LITERAL_BITS, MAX_BLOCK_DEPTH, MAX_EXPRESSION_DEPTH
 
 GRAMMAR_PATH = Path(__file__).with_name("grammar.lark")
 
@@ -67,7 +72,16 @@ class _SemanticError(Exception):
         self.column = token.column
 
 
+# The depth of every operator and call built during the parse running on this thread (operators
+# on the longest path down to a leaf), keyed by id: the node is kept alive beside its depth so
+# that no id is reused meanwhile.
+_DEPTHS = threading.local()
+
+
 def _parse(text: str, start: str, source_name: str):
+    check_argument("text", text, str, "the IR text (a str)")
+    check_argument("source_name", source_name, str, "a file name for error positions (a str)")
+    _DEPTHS.table = {}
     try:
         return _lark().parse(text, start=start)
     except _SemanticError as e:
@@ -75,6 +89,8 @@ def _parse(text: str, start: str, source_name: str):
     except UnexpectedInput as e:
         detail, line, column = _describe_syntax_error(e, text)
         raise IRParseError(detail, line, column, text, source_name) from None
+    finally:
+        _DEPTHS.table = {}
 
 
 @functools.cache
@@ -87,25 +103,45 @@ def build_lark(**options) -> Lark:
     """A fresh parser for the IR grammar (tests build one to inspect the LALR tables)."""
     return Lark(GRAMMAR_PATH.read_text(), parser="lalr", lexer="contextual",
                 start=["kernel", "expr"], maybe_placeholders=True,
-                transformer=_ToIR(), postlex=_WholeWords(), **options)
+                transformer=_ToIR(), postlex=_TokenChecks(), **options)
 
 
-class _WholeWords:
-    """Rejects a keyword or number glued to the next word: with a contextual lexer, `letx = 1`
-    would otherwise lex as `let x = 1` and `tma.loads` as `tma.load s`."""
+class _TokenChecks:
+    """Checks on the token stream, before the parser sees it: whole words and block depth."""
 
     always_accept: tuple[str, ...] = ()
 
     def process(self, stream: Iterator[Token]) -> Iterator[Token]:
-        previous = None
-        for token in stream:
-            if (previous is not None and previous.end_pos == token.start_pos
-                    and _is_word_char(previous[-1:]) and _is_word_char(token[:1])):
-                word = previous + _WORD.match(token).group()
-                raise _SemanticError(f"unknown word `{word}`{_did_you_mean(word, _keywords())}",
-                                     previous)
-            previous = token
-            yield token
+        return _limit_block_depth(_whole_words(stream))
+
+
+def _whole_words(stream: Iterator[Token]) -> Iterator[Token]:
+    """Rejects a keyword or number glued to the next word: with a contextual lexer, `letx = 1`
+    would otherwise lex as `let x = 1` and `tma.loads` as `tma.load s`."""
+    previous = None
+    for token in stream:
+        if (previous is not None and previous.end_pos == token.start_pos
+                and _is_word_char(previous[-1:]) and _is_word_char(token[:1])):
+            word = previous + _WORD.match(token).group()
+            raise _SemanticError(f"unknown word `{word}`{_did_you_mean(word, _keywords())}",
+                                 previous)
+        previous = token
+        yield token
+
+
+def _limit_block_depth(stream: Iterator[Token]) -> Iterator[Token]:
+    """Rejects a block opened deeper than MAX_BLOCK_DEPTH inside the kernel's own braces (the
+    token stream is flat, so this needs no recursion however deep the text goes)."""
+    depth = 0
+    for token in stream:
+        if token.type == "LBRACE":
+            depth += 1
+            if depth > MAX_BLOCK_DEPTH + 1:
+                raise _SemanticError(f"blocks nested more than {MAX_BLOCK_DEPTH} deep; the IR allows at most "
+                                     f"{MAX_BLOCK_DEPTH} levels of statements inside the kernel", token)
+        elif token.type == "RBRACE":
+            depth -= 1
+        yield token
 
 
 _WORD = re.compile(r"\w+(?:\.\w+)*")
@@ -133,7 +169,8 @@ def _describe_syntax_error(e: UnexpectedInput, text: str) -> tuple[str, int, int
         expected = e.allowed or set()
     else:
         return str(e), getattr(e, "line", 1), getattr(e, "column", 1)
-    spellings = _expected_spellings(_accepted_terminals(e) or expected)
+    # Nothing expected: the text parsed completely before this token (`1)` as an expression).
+    spellings = _expected_spellings(_accepted_terminals(e) or expected) or ["end of input"]
     detail = f"unexpected {found}; expected {_alternatives(spellings)}"
     word = found.strip("`")
     if word in ("smem", "barrier"):
@@ -175,6 +212,9 @@ _PATTERN_SPELLINGS = {
 def _terminal_spelling(name: str) -> str:
     if name in _PATTERN_SPELLINGS:
         return _PATTERN_SPELLINGS[name]
+    if name not in _lark()._terminals_dict:
+        # lark's own names: the contextual lexer reports the end of input as `<END-OF-FILE>`
+        return "end of input" if "END" in name else name
     pattern = _lark().get_terminal(name).pattern
     return f"`{pattern.value}`" if pattern.type == "str" else name
 
@@ -459,7 +499,7 @@ class _ToIR(Transformer):
 
     # --- expressions ------------------------------------------------------------------------
     def binop(self, lhs, op, rhs):
-        return ir.BinOp(str(op), lhs, rhs)
+        return _within_depth(ir.BinOp(str(op), lhs, rhs), (lhs, rhs), op)
 
     def cmp_op(self, op):
         return op
@@ -470,10 +510,10 @@ class _ToIR(Transformer):
         return ir.Var(str(name))
 
     def int_const(self, digits):
-        return ir.IntConst(int(digits))
+        return ir.IntConst(_int_literal(digits))
 
     def negative_int_const(self, digits):
-        return ir.IntConst(-int(digits))
+        return ir.IntConst(_int_literal(digits, -1))
 
     def float_const(self, text):
         return ir.FloatConst(float(text))
@@ -496,7 +536,7 @@ class _ToIR(Transformer):
         _check_one_of(func, tuple(ir.CALLS), "function", func)
         if len(args) != ir.CALLS[func]:
             raise _SemanticError(f"`{func}` takes {ir.CALLS[func]} arguments, not {len(args)}", func)
-        return ir.Call(str(func), args)
+        return _within_depth(ir.Call(str(func), args), args, func)
 
     def exprs(self, *exprs):
         return _present(exprs)
@@ -505,10 +545,32 @@ class _ToIR(Transformer):
         return _present(ints)
 
     def integer(self, digits):
-        return int(digits)
+        return _int_literal(digits)
 
     def negative_integer(self, digits):
-        return -int(digits)
+        return _int_literal(digits, -1)
+
+
+def _int_literal(digits: Token, sign: int = 1) -> int:
+    """The value of an integer literal; one beyond 64 bits is an error at its token (Python
+    would take it, the emitted CUDA could not)."""
+    limit = 2 ** (INT_LITERAL_BITS - 1)
+    if len(digits) > 20 or not -limit <= sign * int(digits) < limit:
+        shown = digits if len(digits) <= 24 else f"{digits[:10]}...{digits[-10:]} ({len(digits)} digits)"
+        raise _SemanticError(f"integer literal {'-' if sign < 0 else ''}{shown} does not fit in "
+                             f"{INT_LITERAL_BITS} bits", digits)
+    return sign * int(digits)
+
+
+def _within_depth(node: ir.Expr, operands, token: Token) -> ir.Expr:
+    """`node`, recording its depth; an IRParseError at `token` where it exceeds the limit."""
+    table = _DEPTHS.__dict__.setdefault("table", {})   # a parser built by build_lark() skips _parse
+    depth = 1 + max((table[id(x)][1] for x in operands if id(x) in table), default=0)
+    if depth > MAX_EXPRESSION_DEPTH:
+        raise _SemanticError(f"expression nested more than {MAX_EXPRESSION_DEPTH} operators deep; bind parts "
+                             f"of it to names with `let`", token)
+    table[id(node)] = (node, depth)
+    return node
 
 
 def _resolve_mma_operands(body: tuple[ir.Stmt, ...], smem_names: frozenset[str]):

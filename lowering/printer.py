@@ -14,8 +14,18 @@ from wsched.lowering.spelling import SPELLINGS, keyword
 INDENT = "  "
 
 
+class IRPrintError(TypeError, ValueError):
+    """What was given to print is not IR: not an IR node, or a node with a field of the wrong type
+    (IR built in Python; `verify` names the same problems)."""
+
+
 def print_kernel(k: ir.Kernel) -> str:
     """The whole kernel, ending with a newline."""
+    from wsched.lowering.verify.types import type_problems  # the verifier prints expressions
+
+    problems = type_problems(k)
+    if problems:
+        raise IRPrintError("cannot print this kernel:\n" + "\n".join(d.message for d in problems))
     params = ", ".join(_param(p) for p in k.params)
     header = (f"kernel {k.name}({params}) grid({print_expr(k.grid)}) "
               f"cluster({_join(k.cluster)}) {{")
@@ -47,7 +57,7 @@ def print_expr(e: ir.Expr) -> str:
             # Left-associative: an operand of the same level on the right must be grouped.
             rhs = _operand(e.rhs, needs_parens=lambda p: p <= precedence)
             return f"{lhs} {e.op} {rhs}"
-    raise TypeError(f"print_expr: {e!r} is not an ir expression")
+    raise IRPrintError(f"print_expr: {e!r} is not an ir expression")
 
 
 def expr_text(e: ir.Expr) -> str:
@@ -63,7 +73,7 @@ def _precedence(op: str) -> int:
     try:
         return ir.BINARY_PRECEDENCE[op]
     except KeyError:
-        raise ValueError(f"BinOp operator {op!r} is not one of "
+        raise IRPrintError(f"BinOp operator {op!r} is not one of "
                          f"{', '.join(ir.BINARY_PRECEDENCE)}") from None
 
 
@@ -95,7 +105,7 @@ def _param(p: ir.Param) -> str:
                     f"swizzle({p.swizzle})")
         case ir.GlobalParam():
             return f"global {p.name}: {p.dtype}[{_join(p.shape)}]"
-    raise TypeError(f"print_kernel: {p!r} is not a kernel parameter")
+    raise IRPrintError(f"print_kernel: {p!r} is not a kernel parameter")
 
 
 def _smem_decl(d: ir.SmemDecl) -> str:
@@ -118,7 +128,7 @@ def _block_lines(stmts: tuple[ir.Stmt, ...], indent: int) -> list[str]:
 def _stmt_lines(s: ir.Stmt, indent: int) -> list[str]:
     pad = INDENT * indent
     if type(s) not in SPELLINGS:
-        raise TypeError(f"print_stmt: {s!r} is not an ir statement")
+        raise IRPrintError(f"print_stmt: {s!r} is not an ir statement")
     word = keyword(s)
     match s:
         case ir.For():
@@ -201,7 +211,7 @@ def _operands(s: ir.Stmt) -> str:
         case (ir.Return() | ir.FenceMbarrierInit() | ir.FenceProxyAsync() | ir.SyncThreads()
               | ir.TmaCommit() | ir.WgmmaFence() | ir.WgmmaCommit()):
             return ""
-    raise TypeError(f"print_stmt: {s!r} is not an ir statement")
+    raise IRPrintError(f"print_stmt: {s!r} is not an ir statement")
 
 
 def _smem_ref(r: ir.SmemRef) -> str:

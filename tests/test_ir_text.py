@@ -456,6 +456,37 @@ def test_parse_expr_errors():
         parse_expr("-x")  # the IR has no negation node: only literals are negative
 
 
+def test_nesting_up_to_the_limits_round_trips_and_one_more_level_is_an_error():
+    from wsched.lowering.verify.types import MAX_BLOCK_DEPTH, MAX_EXPRESSION_DEPTH
+
+    def text(expr_depth: int, block_depth: int) -> str:
+        e = "1" + " + 1" * expr_depth
+        return (f"kernel k() grid({e}) cluster(1, 1, 1) {{\n" + f"if {e} {{\n" * block_depth + f"let x = {e}\n"
+                + "}\n" * (block_depth + 1))
+    deepest = parse_kernel(text(MAX_EXPRESSION_DEPTH, MAX_BLOCK_DEPTH))
+    assert parse_kernel(print_kernel(deepest)) == deepest
+    with pytest.raises(IRParseError, match=rf"^line 1, column \d+: expression nested more than {MAX_EXPRESSION_DEPTH} "
+                                           r"operators deep; bind parts of it to names with `let`\n"):
+        parse_kernel(text(MAX_EXPRESSION_DEPTH + 1, 0))
+    with pytest.raises(IRParseError, match=rf"^line {MAX_BLOCK_DEPTH + 2}, column \d+: blocks nested more than "
+                                           rf"{MAX_BLOCK_DEPTH} deep"):
+        parse_kernel(text(1, MAX_BLOCK_DEPTH + 1))
+
+
+def test_integer_literals_are_64_bit():
+    assert parse_expr(str(2**63 - 1)) == ir.IntConst(2**63 - 1)
+    assert parse_expr(str(-2**63)) == ir.IntConst(-2**63)
+    with pytest.raises(IRParseError, match=r"^line 1, column 1: integer literal 9223372036854775808 does not fit "
+                                           r"in 64 bits"):
+        parse_expr(str(2**63))
+
+
+def test_text_must_be_a_str():
+    from wsched.errors import ArgumentError
+    with pytest.raises(ArgumentError, match=r"^text=b'kernel' \(bytes\): expected the IR text \(a str\)$"):
+        parse_kernel(b"kernel")
+
+
 # ---------------------------------------------------------------------------------------------
 # Hypothesis: random kernels round-trip
 # ---------------------------------------------------------------------------------------------

@@ -7,6 +7,8 @@ import ast
 import contextlib
 import ctypes
 import graphlib
+import threading
+import types
 from pathlib import Path
 
 import pytest
@@ -302,8 +304,11 @@ class FakeDriver:
         self.calls = []
         self.get_function_error = get_function_error
         self.launch_error = launch_error
-        monkeypatch.setattr(launch, "torch_context", lambda device=None: contextlib.nullcontext(0))
+        self.contexts = []  # the device of each torch_context entered
+        monkeypatch.setattr(launch, "torch_context", self._context)
         monkeypatch.setattr(launch.torch.cuda, "current_device", lambda: 0)
+        monkeypatch.setattr(launch.torch.cuda, "current_stream",
+                            lambda device=None: types.SimpleNamespace(cuda_stream=0x500 + (device or 0)))
         for name in ("cuDeviceGet", "cuDeviceGetAttribute", "cuModuleLoadData",
                      "cuModuleGetFunction", "cuFuncSetAttribute", "cuLaunchKernel", "cuLaunchKernelEx"):
             monkeypatch.setattr(launch.driver, name, self._recorder(name))
@@ -319,8 +324,15 @@ class FakeDriver:
                 return (self.launch_error,)
             if name in ("cuFuncSetAttribute",) or name.startswith("cuLaunchKernel"):
                 return (self.OK,)
+            if name in ("cuModuleLoadData", "cuModuleGetFunction") and self.contexts[-1]:
+                return self.OK, f"<{name} on cuda:{self.contexts[-1]}>"
             return self.OK, f"<{name}>"
         return call
+
+    def _context(self, device=None):
+        index = cuda_driver.device_index(device)
+        self.contexts.append(index)
+        return contextlib.nullcontext(index)
 
     def names(self):
         return [name for name, _ in self.calls]
@@ -401,6 +413,101 @@ def test_launch_failure_names_the_launch(monkeypatch, cubin):
     FakeDriver(monkeypatch, launch_error=driver.CUresult.CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES)
     kernel = LoadedKernel(cubin, "wsched_matmul", smem_bytes=0, threads=384)
     with pytest.raises(CudaError, match=r"cuLaunchKernel\(wsched_matmul grid=\(132, 1, 1\) "
-                                        r"block=\(384, 1, 1\) cluster=\(1, 1, 1\) smem=0 args=0\) "
+                                        r"block=\(384, 1, 1\) cluster=\(1, 1, 1\) smem=0 args=0 on cuda:0\) "
                                         r"failed: CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES"):
         kernel.launch(132, [], stream=0)
+
+
+# ----------------------------------------------------------------------------- several devices
+
+
+def test_each_device_gets_its_own_module_context_and_stream(monkeypatch, cubin):
+    fake = FakeDriver(monkeypatch)   # torch's current device stays 0 throughout
+    kernel = LoadedKernel(cubin, "wsched_matmul", smem_bytes=1024, threads=384)
+    kernel.launch(1, [], device=1)
+    kernel.launch(1, [], device=torch.device("cuda", 0))
+    kernel.launch(1, [], device="cuda:1")
+    loads = [args for name, args in fake.calls if name == "cuDeviceGet"]
+    assert loads == [(1,), (0,)]                                  # one load per device, no more
+    launches = [args for name, args in fake.calls if name == "cuLaunchKernel"]
+    functions = [args[0] for args in launches]
+    streams = [int(args[8]) for args in launches]
+    assert functions == ["<cuModuleGetFunction on cuda:1>", "<cuModuleGetFunction>",
+                         "<cuModuleGetFunction on cuda:1>"]
+    assert streams == [0x501, 0x500, 0x501]                       # that device's current stream
+    assert fake.contexts[-1] == 1 and kernel._last_device == 1
+
+
+def test_threads_load_a_device_once(monkeypatch, cubin):
+    fake = FakeDriver(monkeypatch)
+    kernel = LoadedKernel(cubin, "k", smem_bytes=0, threads=128)
+    start = threading.Barrier(8)
+
+    def drive(device):
+        start.wait()
+        for _ in range(20):
+            kernel.launch(1, [("i32", device)], device=device)
+
+    threads = [threading.Thread(target=drive, args=(i % 2,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(args for name, args in fake.calls if name == "cuModuleLoadData") == [
+        (b"\x7fELF fake cubin",)] * 2
+    assert fake.names().count("cuLaunchKernel") == 160
+
+
+class FakeContexts:
+    """torch's current device and the driver's current context of one thread, faked."""
+
+    def __init__(self, monkeypatch, device=0, context=0):
+        self.device, self.context, self.log = device, context, []
+        monkeypatch.setattr(cuda_driver, "_primary_contexts", {})
+        monkeypatch.setattr(cuda_driver.torch, "empty", lambda *a, **k: None)
+        monkeypatch.setattr(cuda_driver.torch.cuda, "current_device", lambda: self.device)
+        monkeypatch.setattr(cuda_driver.torch.cuda, "device", self._torch_device)
+        ok = driver.CUresult.CUDA_SUCCESS
+        monkeypatch.setattr(cuda_driver.driver, "cuInit", lambda flags: (ok,))
+        monkeypatch.setattr(cuda_driver.driver, "cuDeviceGet", lambda index: (ok, index))
+        monkeypatch.setattr(cuda_driver.driver, "cuDevicePrimaryCtxRetain",
+                            lambda handle: (ok, driver.CUcontext(0x1000 + handle)))
+        monkeypatch.setattr(cuda_driver.driver, "cuCtxGetCurrent", lambda: (ok, driver.CUcontext(self.context)))
+        monkeypatch.setattr(cuda_driver.driver, "cuCtxSetCurrent", self._set_context)
+
+    def _set_context(self, context):
+        self.log.append(("cuCtxSetCurrent", int(context)))
+        self.context = int(context)
+        return (driver.CUresult.CUDA_SUCCESS,)
+
+    @contextlib.contextmanager
+    def _torch_device(self, index):
+        # like cudaSetDevice: the runtime binds the device's primary context, if it made one
+        previous = self.device
+        self.log.append(("set_device", index))
+        self.device = index
+        yield
+        self.log.append(("set_device", previous))
+        self.device = previous
+        if self.context:
+            self.context = 0x1000 + previous
+
+
+def test_torch_context_binds_the_devices_primary_context_and_restores(monkeypatch):
+    fake = FakeContexts(monkeypatch, device=0, context=0)   # a fresh thread: no context yet
+    cuda_driver.init_driver(0), cuda_driver.init_driver(1)
+    fake.log.clear()
+    with cuda_driver.torch_context("cuda:1") as index:
+        assert index == 1 and (fake.device, fake.context) == (1, 0x1001)
+    assert fake.device == 0 and fake.context == 0x1000             # the thread's device is back
+    assert fake.log[:2] == [("set_device", 1), ("cuCtxSetCurrent", 0x1001)]
+
+
+def test_torch_context_fast_path_when_already_current(monkeypatch):
+    fake = FakeContexts(monkeypatch, device=1, context=0x1001)
+    cuda_driver.init_driver(1)
+    fake.log.clear()
+    with cuda_driver.torch_context(1):
+        with cuda_driver.torch_context(None):
+            pass
+    assert fake.log == []                                           # nothing to switch

@@ -57,3 +57,82 @@ def test_invalid_schedules_say_which_limit_and_by_how_much(kwargs, message):
     base.update(kwargs)
     with pytest.raises(ScheduleError, match=re.escape(message)):
         MatmulSchedule(**base)
+
+
+# --- what the lowering implements: the schedule accepts exactly that -------------------------
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(tile=(128, 40, 64)), "BN=40 is not supported for matmul: use 64, 128, 192, 256"),
+    (dict(tile=(192, 128, 64), consumer_warpgroups=3, consumer_registers=160),
+     "consumer_warpgroups=3 is not supported: use 1 or 2 (with 3, a thread starts with 128 registers"),
+    (dict(consumer_registers=160), "consumer_registers=160 is below the 168 registers a thread starts with "
+                                   "(65536 / 384 threads): setmaxnreg.inc only raises it; use at least 168"),
+    (dict(producer_registers=176, consumer_registers=176),
+     "producer_registers=176 is above the 168 registers a thread starts with (65536 / 384 threads): "
+     "setmaxnreg.dec only lowers it; use at most 168"),
+    (dict(swizzle_group=33), "swizzle_group is 33; it must be in [1, 32]"),
+    (dict(swizzle_group=2**31), "swizzle_group is 2147483648; it must be in [1, 32]"),
+    (dict(operand_bytes=4, tile=(128, 256, 32)), "operand_bytes=4 is not supported: wgmma operands are bf16 or f16"),
+    (dict(output_bytes=3), "output_bytes=3 must be one of 2, 4, 6, 8"),
+    (dict(stages=5, tile=(128, 256, 64)), "use at most 3 stages"),
+    (dict(stages=2.5), "stages=2.5 must be an int, not float"),
+    (dict(stages=True), "stages=True must be an int, not bool"),
+    (dict(stages="3"), "stages='3' must be an int, not str"),
+    (dict(tile=(128, 256)), "tile=(128, 256) must be a tuple of three ints (BM, BN, BK)"),
+    (dict(tile=(128.0, 256, 64)), "tile=(128.0, 256, 64) must be a tuple of three ints (BM, BN, BK)"),
+    (dict(cluster=(1, 1)), "cluster=(1, 1) must be a tuple of three ints (x, y, z)"),
+    (dict(mode=None), "mode None is not one of 'cooperative', 'pingpong'"),
+    (dict(raster=1), "raster 1 is not one of 'row', 'column'"),
+    (dict(mma_inflight=True), "mma_inflight=True must be an int, not bool"),
+])
+def test_what_the_lowering_cannot_emit_is_rejected_by_field(kwargs, message):
+    base = dict(tile=(128, 256, 64), stages=3)
+    base.update(kwargs)
+    with pytest.raises(ScheduleError, match=re.escape(message)):
+        MatmulSchedule(**base)
+
+
+def test_one_stage_too_many_says_how_many_fit_in_the_singular():
+    from wsched.workloads.attention.schedule import AttentionSchedule
+    with pytest.raises(ScheduleError, match=re.escape("use at most 1 stage, a smaller tile")):
+        AttentionSchedule(tile=(128, 128, 256), stages=2, mma_inflight=0)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(tile=(128, 256, 128)), "BN=256 keys per block with head dim 128, mma_inflight=1 and 2 consumer "
+                                 "warpgroup(s) needs more registers than a consumer thread has (168): ptxas "
+                                 "spills; use BN <= 192"),
+    (dict(tile=(128, 128, 256)), "BN=128 keys per block with head dim 256, mma_inflight=1 and 2 consumer "
+                                 "warpgroup(s) needs more registers"),
+    (dict(tile=(128, 128, 96)), "head dim (BK) 96 is not one of 64, 128, 256"),
+    (dict(epilogue="tma_store"), "attention stores O and LSE with epilogue='direct'"),
+    (dict(mode="pingpong", consumer_warpgroups=1, tile=(64, 128, 128), consumer_registers=256),
+     "it needs consumer_warpgroups=2 and mma_inflight=1"),
+])
+def test_attention_takes_what_its_registers_hold(kwargs, message):
+    from wsched.workloads.attention.schedule import AttentionSchedule
+    base = dict(tile=(128, 128, 128), stages=1)
+    base.update(kwargs)
+    with pytest.raises(ScheduleError, match=re.escape(message)):
+        AttentionSchedule(**base)
+
+
+def test_lists_and_integer_types_are_normalised():
+    import numpy as np
+    s = MatmulSchedule(tile=[128, np.int64(128), 64], stages=np.int32(2), cluster=[1, 1, 1])
+    assert s.tile == (128, 128, 64) and type(s.tile[1]) is int
+    assert type(s.stages) is int and s.cluster == (1, 1, 1)
+    assert hash(s) == hash(MatmulSchedule(tile=(128, 128, 64), stages=2))
+
+
+def test_one_consumer_warpgroup_defaults_to_its_rows_and_registers():
+    s = default_schedule(consumer_warpgroups=1)
+    assert (s.tile[0], s.consumer_registers) == (64, 256)
+    assert default_schedule().consumer_registers == 240
+
+
+def test_the_base_schedule_is_not_a_schedule_of_any_workload():
+    from wsched.schedule import Schedule
+    with pytest.raises(ScheduleError, match=r"Schedule is the shared base of the workloads' schedules; build one "
+                                            r"with ws\.schedule_for\(fusion, \*\*fields\)"):
+        Schedule()

@@ -78,12 +78,13 @@ def matmul_kernel(bn: int = 64, bk: int = 32, stages: int = 2, consumers: int = 
     if epilogue == "direct":
         store = [ir.TileStoreGlobal("c", (row, Var("n0")), "out_t")]
         tail = []
-    else:
+    else:   # as the lowering's epilogue: staging tile per warpgroup, a warpgroup barrier around it
         fence = [] if mutate == "no_fence" else [ir.FenceProxyAsync()]
-        store = [ir.TileStoreSmem(ir.SmemRef("C", (wg,)), "out_t"), *fence,
-                 ir.ElectOne((ir.TmaStore("c", (row, Var("n0")), ir.SmemRef("C", (wg,))), ir.TmaCommit())),
-                 *([] if mutate == "no_store_wait" else [ir.TmaWait(0, read=True)])]
-        tail = [ir.TmaWait(0, read=False)]
+        sync_wg = ir.NamedBarrierSync(add(1, wg), 128)
+        store = [*([] if mutate == "no_store_wait" else [ir.ElectOne((ir.TmaWait(0, read=True),))]), sync_wg,
+                 ir.TileStoreSmem(ir.SmemRef("C", (wg,)), "out_t"), *fence, sync_wg,
+                 ir.ElectOne((ir.TmaStore("c", (row, Var("n0")), ir.SmemRef("C", (wg,))), ir.TmaCommit()))]
+        tail = [ir.ElectOne((ir.TmaWait(0, read=False),))]
     epilogue_stmts = ([ir.TileUnary("cast", "out_t", "acc")] if mutate != "acc_read_early"
                       else [ir.TileUnary("cast", "out_t", "acc"), ir.WgmmaWait(0)]) + store
     consumer = ir.Role("consumer", consumers, 232, (
@@ -210,7 +211,7 @@ def test_missing_release_deadlocks_listing_every_role(seed):
             "2 of 2 arrivals pending, tx 0") in text
     for wg in (0, 1):
         assert f"CTA 0 consumer wg{wg}: mbarrier.wait full[0] phase(1)" in text
-    assert "(loop tile=0, k=2)" in text  # the loop variables where each one waits
+    assert "(IR line 46; loop tile=0, k=2)" in text  # the IR line and loop variables where each one waits
     assert text.count("\n") == 4 * 3  # every blocked warpgroup of the 4 CTAs, one line each
 
 
@@ -441,7 +442,7 @@ def binop(op: str, a, b) -> ir.Expr:
 
 
 @pytest.mark.parametrize("expr, value", [
-    (div(-7, 2), -4), (mod(-7, 2), 1), (div(7.0, 2), 3.5), (ceil_div("n", 4), 3),
+    (div(-7, 2), -3), (mod(-7, 2), -1), (div(7.0, 2), 3.5), (ceil_div("n", 4), 3),
     (binop("^", band("n", 3), 1), 0), (binop("<<", 1, "n"), 512), (binop(">>", "n", 1), 4),
     (ir.Call("select", (ir.lt("n", 10), ir.const(5), ir.const(6))), 5),
     (binop("&&", ir.eq("n", 9), binop(">=", "n", 2)), 1), (binop("||", 0, 0), 0),

@@ -369,8 +369,8 @@ STRUCTURAL = [
     pytest.param(lambda: with_consumer_tile(ir.WgmmaFence(), (CAST, ir.TileUnary("cast", "out", "acc")), (STORE, ir.RegDecl("out", "bf16", (64, 256)))), [
         f"IR line 50 ({WHERE_TILE} > tile.cast): `out` is used before its declaration (register tile at IR line 51); declare it before this statement",
     ], id="tile-used-before-its-reg"),
-    pytest.param(lambda: edit(matmul(), PRODUCER + (0,), ir.TileFill("acc", ir.FloatConst(0.0))), [
-        "IR line 14 (role producer > tile.fill): register tile `acc` belongs to role consumer (IR line 34); register tiles are per warpgroup and visible only inside the role that declares them",
+    pytest.param(lambda: edit(matmul(), PRODUCER + (2,), ir.TileFill("acc", ir.FloatConst(0.0))), [
+        "IR line 30 (role producer > tile.fill): register tile `acc` belongs to role consumer (IR line 34); register tiles are per warpgroup and visible only inside the role that declares them",
     ], id="tile-outside-its-role"),
     pytest.param(lambda: edit(matmul(), CAST, ir.TileUnary("cast", "foo", "acc")), [
         f"IR line 50 ({WHERE_TILE} > tile.cast): `foo` is not a register tile; declare it in this role with `reg foo: f32[rows, cols]`",
@@ -380,8 +380,8 @@ STRUCTURAL = [
         f"IR line 23 ({WHERE_LOAD} > mbarrier.wait): {INIT_AFTER_USE}",
         f"IR line 48 ({WHERE_K} > mbarrier.arrive): {INIT_AFTER_USE}",
     ], id="barrier-used-before-init"),
-    pytest.param(lambda: edit(matmul(), CONSUMER + (0,), ir.MbarrierInit("empty", 2)), [
-        "IR line 33 (role consumer > mbarrier.init): mbarrier.init inside role consumer; barriers are initialised at kernel level (by thread 0) before the roles",
+    pytest.param(lambda: edit(matmul(), CAST, ir.MbarrierInit("empty", 2)), [
+        f"IR line 50 ({WHERE_TILE} > mbarrier.init): mbarrier.init inside role consumer; barriers are initialised at kernel level (by thread 0) before the roles",
     ], id="init-inside-a-role"),
     pytest.param(lambda: edit(matmul(), (3,), ir.MbarrierInit("full", 0)), [
         "IR line 9 (mbarrier.init): arrivals(0): an mbarrier phase needs at least 1 arrival; count the arrive operations of one phase",
@@ -815,4 +815,202 @@ def test_generic_write_over_a_pending_wgmma_read():
         f"group) before the write",
         f"IR line 51 ({WHERE_K} > mbarrier.arrive): consumer releases empty[s] (stage 0, at wg=0, tile=0, k=0 "
         f"({SAMPLE})) before the wgmma reading B[s] (IR line 48) has completed; {PENDING}",
+    ]
+
+
+# ---------------------------------------------------------------------------------------------
+# setmaxnreg per role, named barriers per participating group, role names
+# ---------------------------------------------------------------------------------------------
+
+START = "its warps start with 168 registers per thread (65536 registers / 384 threads, in steps of 8)"
+
+
+def with_setmaxnreg_twice():
+    role = statement_at(matmul(), CONSUMER)
+    return edit(matmul(), CONSUMER, replace(role, body=(role.body[0],) + role.body))
+
+
+def one_consumer_warpgroup(producer_action="dec"):
+    """256 threads: ptxas starts the kernel at the consumer's 240, below the launch share of 248."""
+    k = matmul(roles=(producer(registers=24), consumer(warpgroups=1, registers=240)))
+    return edit(k, PRODUCER + (0,), ir.Setmaxnreg(producer_action, 24))
+
+
+ROLES = [
+    pytest.param(lambda: edit(matmul(), PRODUCER + (0,), ir.Setmaxnreg("inc", 40)), [
+        f"IR line 14 (role producer > setmaxnreg.inc): setmaxnreg.inc 40 in role producer: {START} and .inc can only "
+        f"raise that: use setmaxnreg.dec 40 (the registers a .dec releases are what the other roles' setmaxnreg.inc "
+        f"waits for)",
+    ], id="setmaxnreg-producer-increases"),
+    pytest.param(lambda: edit(matmul(), CONSUMER + (0,), ir.Setmaxnreg("dec", 232)), [
+        f"IR line 33 (role consumer > setmaxnreg.dec): setmaxnreg.dec 232 in role consumer: {START} and .dec can only "
+        f"lower that (ptxas rejects it): use setmaxnreg.inc 232",
+    ], id="setmaxnreg-consumer-decreases"),
+    pytest.param(lambda: one_consumer_warpgroup("inc"), [
+        "IR line 14 (role producer > setmaxnreg.inc): setmaxnreg.inc 24 in role producer: its warps start with 240 "
+        "registers per thread (ptxas starts the kernel at its largest setmaxnreg.inc target when that is below the "
+        "launch share of 248) and .inc can only raise that: use setmaxnreg.dec 24 (the registers a .dec releases are "
+        "what the other roles' setmaxnreg.inc waits for)",
+    ], id="setmaxnreg-direction-with-256-threads"),
+    pytest.param(lambda: edit(matmul(), PRODUCER + (0,), ir.WgmmaFence()), [
+        "IR line 13 (role producer): role producer registers(40) has no setmaxnreg: its warps keep the 168 registers "
+        "per thread they start with (65536 registers / 384 threads, in steps of 8), not the 40 of its budget, which "
+        "the other roles' setmaxnreg count on; start its body with setmaxnreg.dec 40",
+    ], id="setmaxnreg-missing-in-one-role"),
+    pytest.param(with_setmaxnreg_twice, [
+        "IR line 34 (role consumer > setmaxnreg.inc): a second setmaxnreg in role consumer (the first is at IR line "
+        "33); a role sets its budget once, and two setmaxnreg without a warpgroup barrier between them are undefined: "
+        "remove this one",
+    ], id="setmaxnreg-twice"),
+    pytest.param(lambda: edit(edit(matmul(), CONSUMER + (0,), ir.WgmmaFence()), CAST, ir.Setmaxnreg("inc", 232)), [
+        f"IR line 50 ({WHERE_TILE} > setmaxnreg.inc): setmaxnreg inside role consumer > for tile: every warp of the "
+        f"warpgroup must execute the same setmaxnreg once; put it at the top of role consumer's body",
+    ], id="setmaxnreg-inside-a-loop"),
+    pytest.param(lambda: edit(matmul(), CAST, ir.NamedBarrierSync(C(1), 128)), [
+        f"IR line 50 ({WHERE_TILE} > bar.sync): bar.sync 1, 128: barrier 1 is reached by 256 threads (role consumer "
+        f"wg 0, role consumer wg 1) but counts 128, so it completes once any 4 of their 8 warps arrive and orders "
+        f"nothing; give each group of 128 threads its own id (as `bar.sync 1 + wg, 128` does per warpgroup) or count "
+        f"them all: bar.sync 1, 256",
+    ], id="named-barrier-shared-by-two-warpgroups"),
+    pytest.param(lambda: edit(matmul(), CAST, ir.NamedBarrierSync(ir.add(1, "wg"), 256)), [
+        f"IR line 50 ({WHERE_TILE} > bar.sync): bar.sync 1 + wg, 256: barrier 1 (wg = 0) is reached by 128 threads "
+        f"(role consumer wg 0), fewer than the 256 it counts: it never completes (deadlock); count the threads that "
+        f"reach it: bar.sync 1 + wg, 128",
+    ], id="named-barrier-counts-more-than-reach-it"),
+    pytest.param(lambda: edit(matmul(), CAST, ir.If(ir.eq("wg", 0), (ir.NamedBarrierSync(C(2), 256),))), [
+        f"IR line 51 ({WHERE_TILE} > if > bar.sync): bar.sync 2, 256: barrier 2 is reached by 128 threads (role "
+        f"consumer wg 0), fewer than the 256 it counts: it never completes (deadlock); count the threads that reach "
+        f"it: bar.sync 2, 128",
+    ], id="named-barrier-behind-a-branch-on-wg"),
+    pytest.param(lambda: matmul(roles=(producer(registers=24), consumer(), producer(registers=24))), [
+        "IR line 54 (role producer): role producer is declared twice (first at IR line 13); give each role its own name",
+    ], id="role-declared-twice"),
+]
+
+
+@pytest.mark.parametrize("build, expected", ROLES)
+def test_role_check(build, expected):
+    assert problems(build(), contract=False) == expected
+
+
+def ping_pong(sync_id=ir.add(3, "wg")) -> ir.Kernel:
+    """FlashAttention-3's token between two consumer warpgroups, per tile: warpgroup w waits on
+    3 + w, then arrives on the other's 4 - w; warpgroup 1 hands the first token, warpgroup 0
+    takes it back."""
+    k = edit(matmul(), CAST, ir.For("j", C(0), C(2), C(1), "serial", (
+        ir.NamedBarrierSync(sync_id, 256), ir.NamedBarrierArrive(ir.sub(4, "wg"), 256))))
+    k = edit(k, STORE, ir.If(ir.eq("wg", 0), (ir.NamedBarrierSync(C(3), 256),)))
+    return edit(k, CONSUMER_TILE + (0,), ir.If(ir.eq("wg", 1), (ir.NamedBarrierArrive(C(3), 256),)))
+
+
+def test_named_barrier_controls_verify():
+    """Each warpgroup its own id; a token passed across warpgroups; the same kernel's other ids."""
+    assert problems(edit(matmul(), CAST, ir.NamedBarrierSync(ir.add(1, "wg"), 128)), contract=False) == []
+    assert problems(ping_pong(), contract=False) == []
+    assert problems(tma_store_epilogue()) == []
+    assert problems(ping_pong(C(3)), contract=False) == [     # both warpgroups wait on 3: none on 4
+        f"IR line 54 ({WHERE_TILE} > for j > bar.arrive): bar.arrive 4 - wg, 256: barrier 4 (wg = 0) is reached by "
+        f"128 threads (role consumer wg 0), fewer than the 256 it counts: it never completes (deadlock); count the "
+        f"threads that reach it: bar.arrive 4 - wg, 128",
+    ]
+
+
+def test_setmaxnreg_controls_verify():
+    """Producer down, consumers up, from the launch share; with 256 threads ptxas starts at 240."""
+    assert problems(matmul(), contract=False) == []
+    assert problems(one_consumer_warpgroup(), contract=False) == []
+    no_realloc = matmul(roles=(replace(producer(), body=producer().body[1:]),
+                               replace(consumer(), body=consumer().body[1:])))
+    assert problems(no_realloc, contract=False) == []          # before reg_realloc: nothing to hand over
+
+
+@pytest.mark.parametrize("overrides", [{}, {"mode": "pingpong"}, {"mma_inflight": 0}], ids=str)
+def test_lowered_attention_kernels_verify(overrides):
+    from attention_fusions import make_attention
+    assert problems(ws.lower(make_attention(128, causal=True, lse=True), **overrides)) == []
+
+
+# ---------------------------------------------------------------------------------------------
+# Equivalent orders of the producer's acquires; the rule named when an order is wrong
+# ---------------------------------------------------------------------------------------------
+
+K_WAIT = "          mbarrier.wait k_empty[s] phase(ph ^ 1)\n"
+V_WAIT = "          mbarrier.wait v_empty[s] phase(ph ^ 1)\n"
+V_EXPECT = "          mbarrier.arrive_expect_tx v_full[s] bytes(32768)\n"
+
+
+def attention_text() -> str:
+    from pathlib import Path
+    return (Path(__file__).parent / "golden" / "attention_causal_d128.ir").read_text()
+
+
+def attention_problems(text: str) -> list[str]:
+    from wsched.lowering.parser import parse_kernel
+    return problems(parse_kernel(text))
+
+
+@pytest.mark.parametrize("order", ["v_empty first", "both before the loads", "each twice"])
+def test_equivalent_producer_wait_orders_verify(order):
+    """Waiting for a stage earlier (or again) only delays the loads; the consumers' releases say
+    which empty barrier belongs to which channel, not the order of the producer's waits."""
+    text = attention_text()
+    edited = {"v_empty first": text.replace(V_WAIT, "").replace(K_WAIT, V_WAIT + K_WAIT),
+              "both before the loads": text.replace(V_WAIT, "").replace(K_WAIT, K_WAIT + V_WAIT),
+              "each twice": text.replace(K_WAIT, K_WAIT * 2).replace(V_WAIT, V_WAIT * 2)}[order]
+    assert edited != text
+    assert attention_problems(edited) == []
+
+
+WHERE_PRODUCER_K = "role producer > elect_one > for tile > for k"
+FIRST_SAMPLE = "at tile=0, k=0 (batch0=256, batch1=384, S=320, T=192, cta_id=0, num_ctas=2)"
+
+
+def test_wait_after_the_fill_names_the_acquire_rule():
+    late = attention_text().replace(V_WAIT, "").replace(V_EXPECT, V_EXPECT + V_WAIT)
+    assert attention_problems(late) == [
+        f"IR line 49 ({WHERE_PRODUCER_K} > mbarrier.arrive_expect_tx): {FIRST_SAMPLE} the producer fills stage 0 "
+        f"without waiting on v_empty first: its wait on v_empty (IR line 50) comes after the fill, move it above; "
+        f"every fill waits for the stage to be free",
+    ]
+    both_late = attention_text().replace(K_WAIT, "").replace(V_WAIT, V_WAIT + K_WAIT)
+    assert attention_problems(both_late) == [
+        f"IR line 45 ({WHERE_PRODUCER_K} > mbarrier.arrive_expect_tx): the producer announces k_full[s] without first "
+        f"waiting for the stage to be free; put `mbarrier.wait empty[...] phase(ph ^ 1)` (producer_acquire) before it",
+    ]
+
+
+def test_a_repeated_wait_with_the_other_parity_is_a_use():
+    text = attention_text().replace(K_WAIT, K_WAIT + K_WAIT.replace("ph ^ 1", "ph"))
+    assert attention_problems(text) == [
+        f"IR line 46 ({WHERE_PRODUCER_K} > mbarrier.wait): {FIRST_SAMPLE} the producer waits on k_empty stage 0 with "
+        f"phase(0), its 1st use of the stage; the parity must be 1, the consumer's phase 0 XOR 1 (the first pass "
+        f"through a stage is free, each later one waits for the previous release)",
+    ]
+
+
+def test_a_release_counted_twice_is_caught_on_a_long_sample():
+    """Only a stage the producer fills again shows its release count: the long sample reuses them."""
+    release = "        mbarrier.arrive v_empty[last_s]\n"
+    assert attention_problems(attention_text().replace(release, release * 2)) == [
+        "IR line 95 (role consumer > for tile > for k > if > mbarrier.wait): the consumer releases its stages 1 or 2 "
+        "times per use (batch0=1000, batch1=1030, S=968, T=1100, cta_id=1, num_ctas=2); release every use exactly "
+        "the same number of times",
+    ]
+
+
+def test_a_release_by_one_thread_needs_the_warpgroup_past_its_wait():
+    """A tile whose kv loop runs no step has no wgmma between the wait on Q and its release: the
+    warpgroup's own bar.sync must gather its warps first (the control keeps it)."""
+    from attention_fusions import make_attention
+    from wsched.lowering.parser import parse_kernel
+    text = print_kernel(ws.lower(make_attention(64, causal="bottom_right", lse=True)))
+    assert problems(parse_kernel(text)) == []
+    unsynced = text.replace("      bar.sync 1 + wg, 128\n      mbarrier.arrive q_empty[0]\n", "      mbarrier.arrive q_empty[0]\n")
+    assert unsynced != text
+    assert problems(parse_kernel(unsynced)) == [
+        "IR line 131 (role consumer > for tile > mbarrier.arrive): at wg=0, tile=2 (batch0=256, batch1=384, S=320, "
+        "T=192, cta_id=0, num_ctas=2) one thread releases q_empty stage 0 while the other warps of its warpgroup may "
+        "not have passed the wait on q_full (IR line 78): no wgmma or bar.sync between them on this path, so the "
+        "producer can complete q_full's next phase too and a late warp waits a phase behind for ever; put the "
+        "warpgroup's `bar.sync 1 + wg, 128` before the release",
     ]

@@ -1,7 +1,7 @@
 """wsched: a tensor DAG written in Python, compiled to warp-specialized Hopper kernels."""
 
 from .dtypes import DType, bf16, f16, f32, i32
-from .errors import FusionError
+from .errors import ArgumentError, FusionError
 from .dsl import (
     Tensor, add, cast, causal_mask, div, exp, exp2, gelu, log, logsumexp, matmul, maximum, minimum,
     mul, neg, relu, sigmoid, silu, softmax, sub, tanh,

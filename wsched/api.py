@@ -14,9 +14,11 @@ from functools import cached_property
 
 import torch
 
+from .errors import ArgumentError, FusionError, check_argument, short_repr
+from .fusion import check_fusion
 from .lowering.pipeline import lower_partition
 from .partition import Partition, param_name
-from .schedule import Schedule, ScheduleError
+from .schedule import Schedule, ScheduleError, check_schedule
 from .target import TORCH_DTYPES
 from .workloads import partition, workload_for
 
@@ -24,15 +26,18 @@ from .workloads import partition, workload_for
 def schedule_for(fusion, schedule: Schedule | None = None, **overrides) -> Schedule:
     """The schedule to use: the one given, else the default of the workload that takes the
     fusion, with `overrides` applied."""
+    workload = workload_for(check_fusion(fusion, "ws.schedule_for"))
     if schedule is not None:
+        check_schedule(schedule)
         if overrides:
             raise ScheduleError("pass either a Schedule or keyword overrides, not both")
         return schedule
-    return workload_for(fusion).default_schedule(fusion, **overrides)
+    return workload.default_schedule(fusion, **overrides)
 
 
 def lower(fusion, schedule: Schedule | None = None, **overrides):
     """Lower a fusion to the final loop IR (`Kernel`); `kernel.ir_after[pass]` keeps each step."""
+    check_fusion(fusion, "ws.lower")
     return lower_partition(partition(fusion, schedule_for(fusion, schedule, **overrides)))
 
 
@@ -68,13 +73,13 @@ class CompiledKernel:
     # -- binding ---------------------------------------------------------------------------
     def _bind(self, tensors) -> tuple[dict, dict, dict]:
         """(inputs by name, scalar params, sizes) for one call; FusionError on bad inputs."""
-        sizes = self.fusion.bind(*tensors)
+        sizes = self.fusion.bind_tensors(self.fusion.name, tensors)
         by_id = {node.id: t for node, t in zip(self.fusion.inputs, tensors)}
         scalars = {dim: int(by_id[name].shape[axis]) for dim, (name, axis) in self.partition.dims.items()}
         inputs = {param_name(i): t for i, t in by_id.items()}
         empty = [dim for dim in self.partition.nonempty if scalars.get(dim, 1) < 1]
         if empty:
-            raise ValueError(f"{self.fusion.name}: {empty[0]} is 0; the kernel needs at least one element there")
+            raise FusionError(self.fusion.name, f"{empty[0]} is 0; the kernel needs at least one element there")
         return inputs, scalars, sizes
 
     def _outputs(self, sizes, device) -> dict[str, torch.Tensor]:
@@ -126,8 +131,12 @@ class CompiledKernel:
         from .lowering.evaluate import evaluate
 
         inputs, scalars, sizes = self._bind(tensors)
-        device = next((t.device for t in inputs.values() if t.is_cuda), None) or torch.device(
-            "cuda", torch.cuda.current_device())
+        device = next((t.device for t in inputs.values() if t.is_cuda), None)
+        if device is None:
+            if not torch.cuda.is_available():
+                raise NoGPUError(f"{self.fusion.name}: no CUDA device is available here; the kernel runs on "
+                                 f"a Hopper GPU (sm_90a) — run it on the CPU with .simulate(...) instead")
+            device = torch.device("cuda", torch.cuda.current_device())
         outs = out if out is not None else self._outputs(sizes, device)
         views = self._kernel_views({**inputs, **outs}, scalars)
         params = []
@@ -154,8 +163,19 @@ class CompiledKernel:
     def launch_args(self, tensors, out: dict[str, torch.Tensor] | None = None):
         """(grid, launch arguments, outputs) for one call, every argument checked. The checks
         that depend only on layouts run once per layout (a cached plan); the base address of
-        each TMA tensor is checked on every call."""
+        each TMA tensor is checked on every call. Launch them with
+        `self._loaded.launch(grid, args, device=<the tensors' device>)`."""
+        plan, args, outs = self._prepare(tensors, out)
+        return plan.grid, args, outs
+
+    def _prepare(self, tensors, out: dict[str, torch.Tensor] | None):
+        """(plan, launch arguments, outputs) for one call; see launch_args."""
         from .codegen.tma import tensor_map_for
+
+        if out is not None and (not isinstance(out, dict) or not all(
+                isinstance(n, str) and isinstance(t, torch.Tensor) for n, t in out.items())):
+            raise ArgumentError(f"{self.fusion.name}: out= takes a dict of output name -> torch.Tensor "
+                                f"(names: {', '.join(self.partition.output_names)}), got {short_repr(out)}")
 
         key = tuple((tuple(t.shape), t.stride(), t.dtype, t.device) if isinstance(t, torch.Tensor) else None
                     for t in tensors)
@@ -179,23 +199,26 @@ class CompiledKernel:
                                      f"{t.data_ptr() % 16} bytes past a 16-byte boundary; TMA needs a "
                                      f"16-byte aligned base address — pass a .contiguous() copy")
                 # A map encodes only address, shape, strides, box and swizzle: encode it once
-                # per tensor layout.
+                # per tensor layout (the key holds the device: a map is encoded on its device).
+                # Read into a local: another thread may clear the cache meanwhile.
                 map_key = (p.name, t.data_ptr(), key)
-                if map_key not in self._maps:
+                tensor_map = self._maps.get(map_key)
+                if tensor_map is None:
                     if len(self._maps) >= 256:
                         self._maps.clear()
                     view = t.view(plan.views[p.name]) if tuple(t.shape) != plan.views[p.name] else t
-                    self._maps[map_key] = tensor_map_for(view, p.box, p.swizzle, p.name)
-                args.append(("tensor_map", self._maps[map_key]))
+                    tensor_map = self._maps[map_key] = tensor_map_for(view, p.box, p.swizzle, p.name)
+                args.append(("tensor_map", tensor_map))
             elif binding == "ptr":
                 args.append(("ptr", by_name[p.name].data_ptr()))
             else:
                 args.append((binding, p))
-        return plan.grid, args, outs
+        return plan, args, outs
 
     def __call__(self, *tensors, out: dict[str, torch.Tensor] | None = None):
-        grid, args, outs = self.launch_args(tensors, out)
-        self._loaded.launch(grid, args)
+        plan, args, outs = self._prepare(tensors, out)
+        # on the tensors' device (its context, module, stream), whatever the current device is
+        self._loaded.launch(plan.grid, args, device=plan.device)
         return self._result(outs)
 
     # -- CPU simulator -------------------------------------------------------------------
@@ -203,13 +226,21 @@ class CompiledKernel:
         """Run the final loop IR in the CPU simulator; outputs are poisoned with NaN first."""
         from .lowering.simulate import simulate
 
+        check_argument("seed", seed, int, "an int (it picks the interleaving)")
+        check_argument("num_sms", num_sms, int, "a positive int (CTAs resident at a time)")
         inputs, scalars, sizes = self._bind(tensors)
         outs = self._outputs(sizes, "cpu")
+        if any(t.numel() == 0 for t in outs.values()):
+            return self._result(outs)    # an empty output: nothing to compute (a grid of no CTAs)
         for t in outs.values():
             t.fill_(float("nan"))
         simulate(self.kernel, {**self._kernel_views({**inputs, **outs}, scalars), **scalars},
                  num_sms=num_sms, seed=seed)
         return self._result(outs)
+
+
+class NoGPUError(RuntimeError):
+    """A kernel was called on a machine without a CUDA device."""
 
 
 @dataclass(frozen=True)
@@ -220,8 +251,8 @@ class _LaunchPlan:
     params: list            # per kernel param: ("tensor_map", p) | ("ptr", p) | (dtype, value)
     outputs: list           # (name, shape, torch dtype) of outputs to allocate
     views: dict             # name -> the shape the kernel reads the tensor as
-    grid: int
-    device: object
+    grid: int               # sized with the SM count of `device`
+    device: object          # the torch.device every argument is on: the kernel runs there
 
 
 def compile(fusion, schedule: Schedule | None = None, *, build: bool | None = None, **overrides) -> CompiledKernel:  # noqa: A001
@@ -230,6 +261,9 @@ def compile(fusion, schedule: Schedule | None = None, *, build: bool | None = No
 
     from .codegen.emit import emit_kernel
 
+    check_fusion(fusion, "ws.compile")
+    check_argument("build", build, (bool, type(None)), "True (build now), False (do not) or None (build if "
+                   "nvcc is on PATH)")
     sched = schedule_for(fusion, schedule, **overrides)
     t0 = time.perf_counter()
     part = partition(fusion, sched)

@@ -71,6 +71,9 @@ class Tensor:
         self.node = node
 
     def __class_getitem__(cls, params) -> TensorSpec:
+        if isinstance(params, tuple) and not params:
+            raise FusionError("Tensor[...]", f"needs a ws dtype ({_DTYPE_CHOICES}) and the dims, e.g. "
+                              "ws.Tensor[ws.bf16, \"M\", \"K\"]")
         dtype, *dims = params if isinstance(params, tuple) else (params,)
         if not isinstance(dtype, DType):
             raise FusionError("Tensor[...]", f"the first argument must be a ws dtype "

@@ -63,3 +63,22 @@ class FusionError(ValueError):
     def __reduce__(self):
         # Exceptions pickle through their args; ours are (op, detail, location), not the message.
         return (type(self), (self.op, self.detail, self.location))
+
+
+class ArgumentError(TypeError):
+    """A wsched function was given an argument of a type it does not take (`build="no"`,
+    `num_sms="4"`, `parse_kernel(None)`); the message names the argument, what it got and what it
+    takes."""
+
+
+def short_repr(value: object, limit: int = 60) -> str:
+    """repr(value), cut to `limit` characters (a tensor or a long text in a message)."""
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def check_argument(name: str, value: object, expected: type | tuple[type, ...], takes: str) -> None:
+    """ArgumentError unless `value` is an instance of `expected` (a bool is not an int here)."""
+    allowed = expected if isinstance(expected, tuple) else (expected,)
+    if not isinstance(value, allowed) or (isinstance(value, bool) and bool not in allowed):
+        raise ArgumentError(f"{name}={short_repr(value)} ({type_name(value)}): expected {takes}")

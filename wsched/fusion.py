@@ -151,10 +151,17 @@ class Fusion:
     """
 
     def __init__(self, name: str, nodes: Iterable[Node], outputs: Iterable[str]):
+        if not isinstance(name, str):
+            raise FusionError("Fusion", f"the name must be a str, got {type_name(name)}", "")
         self.name = name
         self.graph = nx.DiGraph()
         self._creation: dict[str, int] = {}
+        for argument, value in (("nodes", nodes), ("outputs", outputs)):
+            if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
+                raise FusionError(name, f"{argument} must be a list, got {type_name(value)}", "")
         for node in nodes:
+            if not isinstance(node, Node):
+                raise FusionError(name, f"nodes must be ws Nodes, got {type_name(node)}", "")
             if node.id in self._creation:
                 raise FusionError(name, f"duplicate node id {node.id}", node.source)
             for source in node.inputs:
@@ -171,9 +178,11 @@ class Fusion:
                     self.graph.add_edge(source, node.id, operand=operand)
         self.inputs: tuple[Node, ...] = tuple(n for n in self.nodes() if n.op == "input")
         self.outputs: tuple[str, ...] = tuple(outputs)
+        if not self.outputs:
+            raise FusionError(name, "has no outputs; name at least one node", "")
         for output in self.outputs:
-            if output not in self._creation:
-                raise FusionError(name, f"output {output} is not a node of the fusion", "")
+            if not isinstance(output, str) or output not in self._creation:
+                raise FusionError(name, f"output {output!r} is not a node of the fusion", "")
 
     def nodes(self) -> list[Node]:
         """Every node in a deterministic topological order (creation order breaks ties)."""
@@ -230,11 +239,16 @@ class Fusion:
         rounded to its declared dtype (so bf16 intermediates round where a kernel's would).
         Returns the output, or a tuple of outputs, in their declared dtypes."""
         op = f"{self.name}.reference"
+        return evaluate(self, tensors, self.bind_tensors(op, tensors))
+
+    def bind_tensors(self, op: str, tensors: Sequence[object]) -> dict[str, int]:
+        """`bind` for a call that needs data: every input a torch tensor (FusionError naming
+        `op` otherwise)."""
         for index, value in enumerate(tensors):
             if not isinstance(value, torch.Tensor):
                 raise FusionError(op, f"input {index} has type {type_name(value)}; expected a "
                                   "torch tensor")
-        return evaluate(self, tensors, self._bind(op, tensors))
+        return self._bind(op, tensors)
 
     def __str__(self) -> str:
         parameters = ", ".join(f"{node.id}: {node.type_str}" for node in self.inputs)
@@ -246,6 +260,14 @@ class Fusion:
     def __repr__(self) -> str:
         inputs = ", ".join(node.id for node in self.inputs)
         return f"<Fusion {self.name}({inputs}) -> {', '.join(self.outputs)}: {len(self.graph)} nodes>"
+
+
+def check_fusion(value: object, op: str) -> Fusion:
+    """`value` if it is a Fusion, else a FusionError naming `op` (the function it was passed to)."""
+    if not isinstance(value, Fusion):
+        raise FusionError(op, f"expects a fusion (a function decorated with @ws.fusion), got "
+                          f"{type_name(value)}")
+    return value
 
 
 def _shape_of(op: str, declared: Node, value: object) -> tuple[int, ...]:
@@ -268,8 +290,11 @@ def _shape_of(op: str, declared: Node, value: object) -> tuple[int, ...]:
 def fusion(fn: Callable[..., Tensor | tuple[Tensor, ...]]) -> Fusion:
     """Trace `fn` once with symbolic tensors built from its `ws.Tensor[...]` annotations and
     return the Fusion it describes. Return one tensor, or a tuple for several outputs."""
+    code = getattr(fn, "__code__", None)
+    if code is None or not callable(fn):
+        raise FusionError("ws.fusion", "decorates a Python function whose parameters are annotated with "
+                          f"ws.Tensor[dtype, dims...], got {type_name(fn)}")
     name = fn.__name__
-    code = fn.__code__
     definition = f"{os.path.basename(code.co_filename)}:{code.co_firstlineno}"
     try:
         signature = inspect.signature(fn, eval_str=True)
@@ -278,11 +303,15 @@ def fusion(fn: Callable[..., Tensor | tuple[Tensor, ...]]) -> Fusion:
                           definition) from error
     trace = Trace(name)
     parameters = []
+    keyword_only = code.co_varnames[code.co_argcount:code.co_argcount + code.co_kwonlyargcount]
     for parameter in signature.parameters.values():
         spec = parameter.annotation
         if str(parameter).startswith("*"):  # *args, **kwargs (a Parameter prints its stars)
             raise FusionError(name, f"variadic parameter {parameter.name} is not supported; "
                               "declare each input", definition)
+        if parameter.name in keyword_only:
+            raise FusionError(name, f"keyword-only parameter {parameter.name} is not supported; "
+                              "declare it before the `*` (inputs are passed in order)", definition)
         if not isinstance(spec, TensorSpec):
             got = "none" if spec is parameter.empty else repr(spec)
             raise FusionError(name, f"parameter {parameter.name} needs a ws.Tensor[dtype, "

@@ -29,5 +29,9 @@ def nvcc() -> str | None:
 
 
 def cache_dir() -> Path:
-    """WSCHED_CACHE_DIR: where compiled kernels are cached (default ~/.cache/wsched)."""
-    return Path(os.environ.get("WSCHED_CACHE_DIR", Path.home() / ".cache" / "wsched"))
+    """WSCHED_CACHE_DIR: where compiled kernels are cached (default ~/.cache/wsched). Set but
+    empty counts as unset: an empty path would put the cache in the current directory."""
+    value = os.environ.get("WSCHED_CACHE_DIR", "").strip()
+    if not value:
+        return Path.home() / ".cache" / "wsched"
+    return Path(value).expanduser()

@@ -18,6 +18,12 @@ ACC = "acc"
 K_BASE = "k_base"      # ring counter base when the k-iteration count varies per tile
 K_COUNT = "kv_tiles"   # k iterations of this tile when it varies per tile (attention)
 
+# Named barrier ids (bar.sync): 0 is __syncthreads; WARPGROUP_BARRIER + wg syncs the 128 threads
+# of one consumer warpgroup (a role of n warpgroups uses ids 1 .. n); ids from TOKEN_BARRIER on
+# pass tokens between consumer warpgroups (attention ping-pong).
+WARPGROUP_BARRIER = 1
+TOKEN_BARRIER = 3
+
 LOWERING_NAMES = frozenset({
     PRODUCER, CONSUMER, TILE_VAR, K_VAR, ACC, K_BASE, K_COUNT,
     # circular buffer and wgmma protocol

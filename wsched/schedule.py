@@ -7,19 +7,58 @@ how many shared-memory bytes a stage and the epilogue take, and which choices it
 schedule is frozen and validated when it is built: every limit it breaks is named with the
 amount by which it is broken. Any field can be overridden with `dataclasses.replace` or by
 passing keywords to `ws.compile(fusion, ...)`.
+
+What a schedule accepts is what the lowering implements: every schedule that validates lowers,
+passes the verifier, emits CUDA and builds with nvcc (tests/test_schedule_space.py checks it over
+the whole field space). Field types are checked first (ints, not bools, floats or strings; tuples
+of three ints), so a wrong value is named by its field before any arithmetic runs on it.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+import numbers
+from dataclasses import dataclass, fields, replace
 from typing import ClassVar
 
+from .errors import short_repr, type_name
 from .target import (REGISTER_FILE, SETMAXNREG_MAX, SETMAXNREG_MIN, SETMAXNREG_STEP, SMEM_ALIGN,
-                     SMEM_BASE_SLACK, SMEM_LIMIT, MAX_THREADS, WARPGROUP_THREADS, WGMMA_M, WGMMA_N)
+                     SMEM_BASE_SLACK, SMEM_LIMIT, MAX_THREADS, WARPGROUP_THREADS, WGMMA_M, WGMMA_N,
+                     launch_registers)
 
 
 class ScheduleError(ValueError):
     """A schedule breaks a hardware limit, or does not fit the fusion it is applied to."""
+
+
+MODES = ("cooperative", "pingpong")
+RASTERS = ("row", "column")
+EPILOGUES = ("tma_store", "direct")
+# The consumer warpgroup counts the lowering is built and checked for. With 3 or more, a thread
+# starts with at most 128 registers (65536 / 512 threads), which a 64 x BN fp32 accumulator and
+# the epilogue's tiles overflow for the wider tiles (ptxas spills, and spills are build errors).
+CONSUMER_WARPGROUPS = (1, 2)
+# The grouped raster computes `swizzle_group x tiles` in 32-bit ints: with at most 32 rows per
+# group and tiles at least 64 wide, that stays below 2**31 for any extent an i32 size can have.
+SWIZZLE_GROUP_MAX = 32
+# Bytes per element of a wgmma operand (bf16 / f16).
+OPERAND_BYTES = (2,)
+# Bytes per output element the epilogue stages in shared memory: one staging buffer per distinct
+# output dtype (bf16 or f16: 2, f32: 4), so the sum over the distinct dtypes of the outputs.
+OUTPUT_BYTES = (2, 4, 6, 8)
+
+_INT_FIELDS = ("stages", "consumer_warpgroups", "producer_registers", "consumer_registers",
+               "swizzle_group", "mma_inflight", "operand_bytes", "output_bytes")
+_CHOICE_FIELDS = {"mode": MODES, "raster": RASTERS, "epilogue": EPILOGUES}
+_TRIPLE_FIELDS = {"tile": "(BM, BN, BK)", "cluster": "(x, y, z)"}
+
+
+def is_int(value: object) -> bool:
+    """An integer that is not a bool (True would read as 1)."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def choices_text(values) -> str:
+    return ", ".join(repr(v) for v in values)
 
 
 @dataclass(frozen=True)
@@ -41,6 +80,10 @@ class Schedule:
     mma_inflight:       wgmma groups kept in flight in the k loop before a stage is released
                         (0: wait for each mma; 1: see the workload's schedule).
     cluster:            CTA cluster shape (only (1, 1, 1) for now).
+    operand_bytes:      bytes per element of the MMA operands (2: bf16 or f16).
+    output_bytes:       bytes per output element staged in shared memory by a TMA-store
+                        epilogue, summed over the distinct output dtypes (set from the fusion by
+                        `ws.schedule_for`; the partition checks it).
     """
 
     workload: ClassVar[str] = ""     # the name of the workload whose schedule this is
@@ -60,9 +103,37 @@ class Schedule:
     output_bytes: int = 2
 
     def __post_init__(self):
-        problems = self._problems()
+        if not self.workload:
+            raise ScheduleError("Schedule is the shared base of the workloads' schedules; build one with "
+                                "ws.schedule_for(fusion, **fields), or a workload's subclass (MatmulSchedule, "
+                                "AttentionSchedule)")
+        problems = self._type_problems()
+        if not problems:
+            problems = self._problems()
         if problems:
             raise ScheduleError("invalid schedule " + self.short() + ":\n  - " + "\n  - ".join(problems))
+
+    def _type_problems(self) -> list[str]:
+        """Fields of the wrong type, each named; lists become tuples and integer types (numpy's)
+        become int, so that a valid schedule holds plain values."""
+        p: list[str] = []
+        for name in _INT_FIELDS:
+            value = getattr(self, name)
+            if is_int(value):
+                object.__setattr__(self, name, int(value))
+            else:
+                p.append(f"{name}={value!r} must be an int, not {type_name(value)}")
+        for name, meaning in _TRIPLE_FIELDS.items():
+            value = getattr(self, name)
+            if isinstance(value, (tuple, list)) and len(value) == 3 and all(is_int(v) for v in value):
+                object.__setattr__(self, name, tuple(int(v) for v in value))
+            else:
+                p.append(f"{name}={value!r} must be a tuple of three ints {meaning}")
+        for name, allowed in _CHOICE_FIELDS.items():
+            value = getattr(self, name)
+            if not isinstance(value, str) or value not in allowed:
+                p.append(f"{name} {value!r} is not one of {choices_text(allowed)}")
+        return p
 
     # -- derived sizes ---------------------------------------------------------------------
     @property
@@ -106,36 +177,71 @@ class Schedule:
         return WARPGROUP_THREADS * (self.producer_registers + self.consumer_warpgroups * self.consumer_registers)
 
     def short(self) -> str:
-        bm, bn, bk = self.tile
-        return (f"{bm}x{bn}x{bk} stages={self.stages} consumers={self.consumer_warpgroups} "
+        tile = "x".join(map(str, self.tile)) if isinstance(self.tile, tuple) and len(self.tile) == 3 else repr(self.tile)
+        return (f"{tile} stages={self.stages} consumers={self.consumer_warpgroups} "
                 f"regs={self.producer_registers}/{self.consumer_registers} epilogue={self.epilogue}")
 
     # -- validation ------------------------------------------------------------------------
     def _problems(self) -> list[str]:
+        """Every limit the (well-typed) schedule breaks."""
         p: list[str] = []
-        if len(self.tile) != 3 or any(not isinstance(t, int) or t <= 0 for t in self.tile):
+        if any(t <= 0 for t in self.tile):
             return p + [f"tile {self.tile} must be three positive integers (BM, BN, BK)"]
         bm, bn, _ = self.tile
-        if self.mode not in ("cooperative", "pingpong"):
-            p.append(f"mode {self.mode!r} is not one of 'cooperative', 'pingpong'")
-        if self.consumer_warpgroups < 1:
-            p.append(f"consumer_warpgroups is {self.consumer_warpgroups}; at least 1 is needed")
-        elif bm % (WGMMA_M * self.consumer_warpgroups):
+        n = self.consumer_warpgroups
+        if n < 1:
+            p.append(f"consumer_warpgroups is {n}; at least 1 is needed")
+        elif n not in CONSUMER_WARPGROUPS:
+            p.append(f"consumer_warpgroups={n} is not supported: use 1 or 2 (with {n}, a thread starts with "
+                     f"{launch_registers(self.threads)} registers, too few for a 64 x BN fp32 accumulator "
+                     f"and the epilogue: ptxas spills)")
+        elif bm % (WGMMA_M * n):
             p.append(f"BM={bm} must be a multiple of {WGMMA_M} x consumer_warpgroups="
-                     f"{WGMMA_M * self.consumer_warpgroups} (each consumer warpgroup issues m64 wgmmas)")
+                     f"{WGMMA_M * n} (each consumer warpgroup issues m64 wgmmas)")
         elif self.rows_per_consumer != WGMMA_M:
             p.append(f"each consumer warpgroup must own exactly {WGMMA_M} rows (BM / consumer_warpgroups"
-                     f" = {self.rows_per_consumer}); use BM = {WGMMA_M * self.consumer_warpgroups}")
+                     f" = {self.rows_per_consumer}); use BM = {WGMMA_M * n}")
         if bn not in WGMMA_N:
             p.append(f"BN={bn} must be a multiple of {WGMMA_N[0]} in [{WGMMA_N[0]}, {WGMMA_N[-1]}] "
                      f"(the wgmma n extent)")
         if bn > 64 and bn % 64:
             p.append(f"BN={bn} above 64 must be a multiple of 64 (128-byte swizzled column chunks)")
-        p += self._workload_problems()
+        if self.operand_bytes not in OPERAND_BYTES:
+            p.append(f"operand_bytes={self.operand_bytes} is not supported: wgmma operands are bf16 or f16 "
+                     f"(2 bytes)")
+        if self.output_bytes not in OUTPUT_BYTES:
+            p.append(f"output_bytes={self.output_bytes} must be one of {choices_text(OUTPUT_BYTES)} (bytes per "
+                     f"staged output element: bf16 or f16 2, f32 4, summed over the distinct output dtypes)")
         if self.stages < 1:
             p.append(f"stages is {self.stages}; at least 1 is needed")
         if self.mma_inflight not in (0, 1):
             p.append(f"mma_inflight is {self.mma_inflight}; it must be 0 or 1")
+        if n not in CONSUMER_WARPGROUPS:   # threads and registers below are products of it
+            return p
+        p += self._workload_problems()
+        p += self._register_problems()
+        if self.threads > MAX_THREADS:
+            p.append(f"{self.threads} threads per CTA exceed {MAX_THREADS}")
+        if self.smem_bytes > SMEM_LIMIT:
+            fitting = max_stages(self, at_least_one=False)
+            fix = (f"use at most {fitting} stage{'s' if fitting > 1 else ''}, a smaller tile" if fitting
+                   else "not even one stage fits: use a smaller tile")
+            p.append(f"shared memory {self.smem_bytes} bytes exceeds the {SMEM_LIMIT}-byte limit by "
+                     f"{self.smem_bytes - SMEM_LIMIT} (stages {self.stages} x {self.stage_bytes}"
+                     f" + epilogue {self.epilogue_bytes}); {fix}"
+                     + (" or epilogue='direct'" if self.epilogue == "tma_store" else ""))
+        if not 1 <= self.swizzle_group <= SWIZZLE_GROUP_MAX:
+            p.append(f"swizzle_group is {self.swizzle_group}; it must be in [1, {SWIZZLE_GROUP_MAX}] (the kernel "
+                     f"computes swizzle_group x tiles in 32-bit ints)")
+        if self.cluster != (1, 1, 1):
+            p.append(f"cluster {self.cluster} is not supported yet; use (1, 1, 1)")
+        return p
+
+    def _register_problems(self) -> list[str]:
+        """setmaxnreg: budgets in its steps, within the register file, and on the right side of the
+        count every thread starts with (the producer's .dec lowers it, the consumers' .inc raises
+        it; a consumer budget below it would depend on how many registers ptxas happens to use)."""
+        p: list[str] = []
         for name, regs in (("producer_registers", self.producer_registers),
                            ("consumer_registers", self.consumer_registers)):
             if regs % SETMAXNREG_STEP or not SETMAXNREG_MIN <= regs <= SETMAXNREG_MAX:
@@ -144,22 +250,17 @@ class Schedule:
         if self.register_use > REGISTER_FILE:
             p.append(f"register budget exceeded: {WARPGROUP_THREADS} x {self.producer_registers} + "
                      f"{WARPGROUP_THREADS * self.consumer_warpgroups} x {self.consumer_registers} = "
-                     f"{self.register_use} > {REGISTER_FILE} per SM by {self.register_use - REGISTER_FILE}")
-        if self.threads > MAX_THREADS:
-            p.append(f"{self.threads} threads per CTA exceed {MAX_THREADS}")
-        if self.smem_bytes > SMEM_LIMIT:
-            p.append(f"shared memory {self.smem_bytes} bytes exceeds the {SMEM_LIMIT}-byte limit by "
-                     f"{self.smem_bytes - SMEM_LIMIT} (stages {self.stages} x {self.stage_bytes}"
-                     f" + epilogue {self.epilogue_bytes}); use at most {max_stages(self)} stages, a "
-                     f"smaller tile" + (" or epilogue='direct'" if self.epilogue == "tma_store" else ""))
-        if self.raster not in ("row", "column"):
-            p.append(f"raster {self.raster!r} is not one of 'row', 'column'")
-        if self.swizzle_group < 1:
-            p.append(f"swizzle_group is {self.swizzle_group}; at least 1 is needed")
-        if self.epilogue not in ("tma_store", "direct"):
-            p.append(f"epilogue {self.epilogue!r} is not one of 'tma_store', 'direct'")
-        if tuple(self.cluster) != (1, 1, 1):
-            p.append(f"cluster {self.cluster} is not supported yet; use (1, 1, 1)")
+                     f"{self.register_use} > {REGISTER_FILE} per SM by {self.register_use - REGISTER_FILE} "
+                     f"(producer_registers + consumer_warpgroups x consumer_registers, per warpgroup)")
+        start = launch_registers(self.threads)
+        if self.producer_registers > start:
+            p.append(f"producer_registers={self.producer_registers} is above the {start} registers a thread "
+                     f"starts with ({REGISTER_FILE} / {self.threads} threads): setmaxnreg.dec only lowers "
+                     f"it; use at most {start}")
+        if self.consumer_registers < start:
+            p.append(f"consumer_registers={self.consumer_registers} is below the {start} registers a thread "
+                     f"starts with ({REGISTER_FILE} / {self.threads} threads): setmaxnreg.inc only raises "
+                     f"it; use at least {start}")
         return p
 
     def _workload_problems(self) -> list[str]:
@@ -170,16 +271,34 @@ class Schedule:
         return replace(self, **changes)
 
 
-def max_stages(schedule: Schedule) -> int:
-    """The deepest pipeline that fits in shared memory with the schedule's other choices."""
+def check_schedule(value: object) -> Schedule:
+    """`value` if it is a workload's schedule, else a ScheduleError saying how to make one."""
+    if not isinstance(value, Schedule):
+        raise ScheduleError(f"schedule={short_repr(value)} ({type_name(value)}) is not a Schedule; build one with "
+                            f"ws.schedule_for(fusion, **fields), or pass the fields as keywords")
+    return value
+
+
+def max_stages(schedule: Schedule, at_least_one: bool = True) -> int:
+    """The deepest pipeline that fits in shared memory with the schedule's other choices (at
+    least 1 unless `at_least_one` is False: then 0 where not even one stage fits)."""
     room = SMEM_LIMIT - schedule.epilogue_bytes - SMEM_ALIGN - SMEM_BASE_SLACK
-    return max(1, room // schedule.stage_bytes)
+    fitting = max(0, room // schedule.stage_bytes)
+    return max(1, fitting) if at_least_one else fitting
+
+
+def default_consumer_registers(consumer_warpgroups: object, producer_registers: object) -> object:
+    """What the consumers get by default: the registers the producer leaves, up to setmaxnreg's
+    maximum (2 consumers beside a 24-register producer: 240; 1 consumer: 256). Values of the wrong
+    type give 240, for the schedule to report them."""
+    if not (is_int(consumer_warpgroups) and is_int(producer_registers) and consumer_warpgroups >= 1):
+        return 240
+    share = (REGISTER_FILE // WARPGROUP_THREADS - producer_registers) // consumer_warpgroups
+    return max(SETMAXNREG_MIN, min(SETMAXNREG_MAX, share // SETMAXNREG_STEP * SETMAXNREG_STEP))
 
 
 def check_overrides(schedule_type: type[Schedule], overrides: dict, extra: tuple[str, ...] = ()) -> None:
     """Reject keyword overrides that name no field of the schedule type."""
-    from dataclasses import fields
-
     known = [f.name for f in fields(schedule_type)]
     unknown = set(overrides) - set(known) - set(extra)
     if unknown:

@@ -17,6 +17,8 @@ from .dtypes import DTYPES, DType
 
 ARCH = "sm_90a"
 
+INT_MIN, INT_MAX = -2**31, 2**31 - 1   # the CUDA `int` every IR integer is emitted as
+
 # --- one streaming multiprocessor / one CTA ----------------------------------------------------
 SMEM_LIMIT = 232448          # bytes of dynamic shared memory one CTA may use (227 KB)
 SMEM_ALIGN = 1024            # every buffer starts on this boundary (128-byte swizzle atoms need it)
@@ -121,3 +123,14 @@ MAX_PORTABLE_CLUSTER = 8                 # CTAs in a cluster without the non-por
 # --- mbarrier (mbarrier.init / mbarrier.expect_tx) ------------------------------------------------
 MBARRIER_MAX_ARRIVALS = 2**20 - 1        # the arrival count of one phase, set by mbarrier.init
 MBARRIER_MAX_TX_BYTES = 2**20 - 1        # the transaction count (bytes) one phase may expect
+
+# --- registers at launch (__launch_bounds__(threads, 1): one CTA per SM) ------------------------------
+MAX_THREAD_REGISTERS = 255               # registers one thread can address
+
+
+def launch_registers(threads: int) -> int:
+    """Per-thread registers each warp holds when a CTA of `threads` threads starts: its share of
+    the register file, in setmaxnreg's steps (384 threads: 168). setmaxnreg.dec lowers a warp from
+    there and setmaxnreg.inc raises it; ptxas starts a kernel lower, at its largest .inc target,
+    when that target is below this share."""
+    return min(REGISTER_FILE // threads, MAX_THREAD_REGISTERS) // SETMAXNREG_STEP * SETMAXNREG_STEP

@@ -11,6 +11,13 @@
 A channel stepped by the k loop uses that loop's stage `s` and phase `ph`; a channel loaded once
 per tile (attention's Q, one slot) uses slot 0 and phase tile_iter & 1, around the k loop.
 
+The release is one thread's arrival, so every thread of the warpgroup must have passed the wait
+before it: otherwise the producer can complete the barrier's next phase too, and a warp still
+waiting for parity p sees p again and waits one phase behind for ever (a GPU hang the fuzzer found
+for attention tiles whose kv loop runs no iteration). A wgmma between wait and release converges
+the warpgroup; when the last reader is a loop, which may run no iteration, the release is preceded
+by the warpgroup's own barrier (`bar.sync 1 + wg, 128`).
+
     before:  for k ... { let it ...; tma.load A[s] <- ...; tma.load B[s] <- ... }
     after:   for k ... { let it ...; mbarrier.wait empty[s] phase(ph ^ 1)
                          mbarrier.arrive_expect_tx full[s] bytes(49152)
@@ -21,7 +28,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from wsched.names import CONSUMER, K_VAR, PRODUCER, TILE_VAR
+from wsched.names import CONSUMER, K_VAR, PRODUCER, TILE_VAR, WARPGROUP_BARRIER
+from wsched.target import WARPGROUP_THREADS
 
 from .. import ir
 from ..context import LoweringContext
@@ -75,7 +83,10 @@ def _consumer(body: tuple[ir.Stmt, ...], channels, level) -> tuple[ir.Stmt, ...]
             continue
         slot, phase = _slot(c, level)
         waits.setdefault(readers[0], []).append(ir.MbarrierWait(ir.BarRef(c.full, slot), phase))
-        releases.setdefault(readers[-1], []).append(ir.MbarrierArrive(ir.BarRef(c.empty, slot)))
+        release = releases.setdefault(readers[-1], [])
+        if isinstance(body[readers[-1]], ir.For) and not release:
+            release.append(ir.NamedBarrierSync(ir.add(WARPGROUP_BARRIER, "wg"), WARPGROUP_THREADS))
+        release.append(ir.MbarrierArrive(ir.BarRef(c.empty, slot)))
     out: list[ir.Stmt] = []
     for i, s in enumerate(body):
         out += waits.get(i, []) + [s] + releases.get(i, [])

@@ -1,5 +1,6 @@
 """CPU simulator of the loop IR: the reference semantics of every node, and the tool that catches
-protocol bugs (deadlocks, slot races, expect_tx mismatches) before they hang a GPU.
+protocol bugs (deadlocks, slot races, expect_tx mismatches, broken named barriers, reads of
+unwritten registers) before they hang a GPU.
 
     report = simulate(kernel, {"M": 256, "a": a, "b": b, "c": c}, num_sms=4, seed=0)
 
@@ -21,21 +22,35 @@ form):
 * mbarriers count arrivals, transaction bytes and phases like the hardware: a phase completes
   when all arrivals are in and tx is zero; `mbarrier.wait b phase(p)` passes once the phase of
   parity p has completed (current parity != p).
+* Named barriers count warps like the hardware: `bar.sync id, n` completes a round once n / 32
+  warps have arrived at `id`, whichever warpgroups they belong to (a warpgroup arrives with its
+  4 warps). Rounds of one id reached by different warpgroups must be ordered by happens-before
+  (below): otherwise the GPU may complete a round with warps of several groups, and that is
+  reported, as is a round that would take only part of a warpgroup's warps.
+* Expressions are the emitted CUDA's (`lowering/evaluate.py`): 32-bit `int` arithmetic with C's
+  truncating `/` and `%` (an overflow is an error), fp32 floats.
+* Register tiles start undefined (NaN, not written): reading one before a write is an error.
 * wgmma results land at the `wgmma.wait` that covers their commit group; the math is
   acc = (accumulate ? acc : 0) + A @ B in fp32 with one torch matmul per `wgmma.mma`.
 
 Race detection is happens-before, not timing, so a protocol bug is reported on every seed:
-every coroutine carries a vector clock (own epochs plus, per mbarrier, the number of completed
-phases it has observed). Releases (mbarrier.arrive, bar.sync / bar.arrive, syncthreads) publish
-the clock, acquires (a passing mbarrier.wait, bar.sync, syncthreads) merge it. Each smem region
-remembers its last write and the reads since then:
+every agent carries a vector clock (own epochs plus, per mbarrier, the number of completed
+phases it has observed). The agents are the warpgroups (what all of a warpgroup's threads did
+or learned) and their elected threads (what `elect_one` did: TMA issue and waits, its mbarrier
+waits and arrivals); the elected thread knows what its warpgroup learned, but what one of them
+did reaches the other only through a barrier of the whole warpgroup (bar.sync, syncthreads).
+Releases (mbarrier.arrive, bar.sync / bar.arrive, syncthreads) publish the clock, acquires (a
+passing mbarrier.wait, bar.sync, syncthreads) merge it. Each smem region remembers its last
+write and the reads since then:
 
 * an async read (wgmma, TMA store) needs the last write to be known complete: a TMA load whose
   barrier phase the reader has observed, or a `tile.store_smem` followed by
   `fence.proxy.async` (by the writer) that the reader is ordered after;
 * a write (TMA load at issue, `tile.store_smem`) needs every read since the previous write to
   have ended (wgmma.wait / tma.wait.read) and that end to be known to the writer — a consumer
-  that releases a stage before its `wgmma.wait` is caught even when the timing was lucky.
+  that releases a stage before its `wgmma.wait` is caught even when the timing was lucky, and
+  so is a warpgroup that rewrites its TMA-store staging tile after `elect_one { tma.wait.read }`
+  without the bar.sync that tells its other threads the read has ended.
 
 TMA box <-> smem sub-array: a box whose 2-D [rows, cols] shape (leading extent-1 dims dropped)
 equals the tile a sub-array holds (`ir.tile_shape_of_subarray`) is written as that tile (column
@@ -46,7 +61,9 @@ order (a [128, 64] box into a (2, 64, 64) sub-array fills [0] with rows 0-63 and
 The simulator trusts the structure of what it runs: `simulate` first runs the verifier's
 structural checks (`verify(kernel, contract=False)`: names, scopes, shapes, dtypes, limits), and
 raises its `VerifyError` for a kernel that breaks one. What it checks itself is what only a run
-can show: deadlocks, races, expect_tx bytes, barrier phases and indices, values of expressions.
+can show: deadlocks, races, expect_tx bytes, barrier phases and indices, named-barrier rounds,
+reads of unwritten register tiles, values of expressions (overflow, division by zero). Every
+message names the CTA, role, warpgroup, statement (with its IR line) and loop variables.
 Where it relies on a verified rule it keeps a cheap internal assert
 (`errors.SimulatorInternalError`), not a second user message.
 
@@ -56,7 +73,9 @@ Layout: this package's entry is `simulate`; `errors` holds the error classes, `r
 state (coroutines, mbarriers, smem cells, TMA operations, register tiles); `machine` is the
 scheduler, assembled from one mixin per concern: `prepare` (arguments, statements compiled to
 nodes), `sync` (mbarriers, named barriers, syncthreads), `async_proxy` (smem race checks, TMA,
-wgmma) and `tiles` (register tile ops).
+wgmma) and `tiles` (register tile ops). `trace` is the timeline's vocabulary (which statements are
+stamped, the events, the builder the GPU trace shares) and `traced_machine` the machine that
+stamps them.
 """
 
 from __future__ import annotations
@@ -70,19 +89,24 @@ from .errors import (
 )
 from .machine import Machine
 from .report import SimReport
+from .trace import Trace, TraceEvent
+from .traced_machine import TracingMachine
 
-__all__ = ["simulate", "SimReport", "SimulationError", "DeadlockError", "RaceError", "ProtocolError",
-           "SimulatorInternalError", "VerifyError"]
+__all__ = ["simulate", "SimReport", "Trace", "TraceEvent", "SimulationError", "DeadlockError", "RaceError",
+           "ProtocolError", "SimulatorInternalError", "VerifyError"]
 
 
 def simulate(kernel: ir.Kernel, args: dict[str, "torch.Tensor | int | float"], *, num_sms: int = 4,
-             seed: int = 0, max_steps: int = 5_000_000) -> SimReport:
+             seed: int = 0, max_steps: int = 5_000_000, trace: bool = False) -> SimReport:
     """Run `kernel` on the CPU over every CTA of its grid; outputs are written into `args`' tensors.
 
     `args` maps every parameter name to a Python number (i32 / f32 params) or a CPU torch tensor
     of the declared shape (tensormap / global params; any dtype: reads see values rounded to
     the declared dtype, writes are rounded to it, then stored in the tensor's dtype).
     `seed` picks the interleaving; `max_steps` bounds the run (a DeadlockError past it).
+    `trace=True` records a timeline of every warpgroup on the scheduler's step clock into
+    `report.trace` (`trace.Trace`; a SimulationError then carries the run so far as `.trace`);
+    the interleaving is the same either way, and tracing off costs nothing.
     Raises VerifyError if the kernel breaks a structural rule of the IR (nothing runs), else
     DeadlockError, RaceError or ProtocolError (all SimulationError) naming the CTA, role,
     warpgroup, statement and loop variables involved.
@@ -90,7 +114,7 @@ def simulate(kernel: ir.Kernel, args: dict[str, "torch.Tensor | int | float"], *
     if num_sms < 1:
         raise SimulationError(f"num_sms must be >= 1, got {num_sms}")
     verify(kernel, contract=False)
-    machine = Machine(kernel, args, num_sms, seed, max_steps)
+    machine = (TracingMachine if trace else Machine)(kernel, args, num_sms, seed, max_steps)
     # One matmul per wgmma is tiny ([64, K] @ [K, N]): intra-op threads only add contention
     # (10x slower on a busy 2-core machine), so run single-threaded and restore the caller's setting.
     threads = torch.get_num_threads()

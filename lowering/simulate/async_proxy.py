@@ -44,7 +44,8 @@ class AsyncHandlers:
 
     def _check_async_read(self, co: Co, node: Node, cells, label: str, reader: str) -> None:
         """An async-proxy read (wgmma / TMA store) needs the last write known complete."""
-        vc = co.vc
+        agent = co.agent()
+        vc = agent.vc
         for cell in cells:
             w = cell.write
             if w is None:
@@ -60,10 +61,17 @@ class AsyncHandlers:
                         f"{w.phase} (parity {w.phase & 1}) of {w.bar.label}, which the reader has not waited "
                         f"for: reader {co.where(node)}; writer {w.ctx}")
             else:
-                if w.co is not co and vc.get(w.co, 0) < w.epoch:
+                if w.agent is not agent and vc.get(w.agent, 0) < w.epoch:
+                    if w.agent is co:
+                        raise RaceError(
+                            f"{reader} by the elected thread reads slot {label} that every thread of {co.label} "
+                            f"wrote (tile.store_smem) with no barrier of the warpgroup in between: the other "
+                            f"threads' writes may not have landed when it reads; put `bar.sync` over the "
+                            f"warpgroup's threads after the write's fence.proxy.async and before the "
+                            f"elect_one: reader {co.where(node)}; writer {w.ctx}")
                     raise RaceError(f"read of slot {label} not ordered after its tile.store_smem (no barrier "
                                     f"between writer and reader): reader {co.where(node)}; writer {w.ctx}")
-                if w.fence_epoch is None or vc.get(w.co, 0) < w.fence_epoch:
+                if w.fence_epoch is None or vc.get(w.agent, 0) < w.fence_epoch:
                     raise RaceError(f"missing fence.proxy.async: {reader} reads slot {label} written by "
                                     f"tile.store_smem with no fence.proxy.async by that warpgroup after the "
                                     f"write (and before the barrier the reader waited on): reader "
@@ -71,7 +79,8 @@ class AsyncHandlers:
 
     def _check_write(self, co: Co, node: Node, cells, label: str, writer: str) -> None:
         """A write needs the previous write landed and every read since then ended, both known."""
-        vc = co.vc
+        agent = co.agent()
+        vc = agent.vc
         for cell in cells:
             w = cell.write
             if w is not None:
@@ -79,7 +88,7 @@ class AsyncHandlers:
                     raise RaceError(f"{writer} into slot {label} while an earlier TMA load into it is still in "
                                     f"flight: writer {co.where(node)}; earlier load {w.ctx}")
                 unordered = (vc.get(w.bar, 0) <= w.phase) if w.proxy == "async" else \
-                    (w.co is not co and vc.get(w.co, 0) < w.epoch)
+                    (w.agent is not agent and vc.get(w.agent, 0) < w.epoch)
                 if unordered:
                     raise RaceError(f"{writer} into slot {label} is not ordered after the previous write to it: "
                                     f"writer {co.where(node)}; previous {w.ctx}")
@@ -90,7 +99,14 @@ class AsyncHandlers:
                     raise RaceError(f"{writer} overwrites slot {label} while a {what} may still be reading it "
                                     f"(the slot was released before {wait} covered the read): writer "
                                     f"{co.where(node)}; reader {r.ctx}")
-                if r.co is not co and vc.get(r.co, 0) < r.end:
+                if r.end_agent is not agent and vc.get(r.end_agent, 0) < r.end:
+                    if r.end_agent is co.lane:
+                        raise RaceError(
+                            f"{writer} overwrites slot {label} while the {what} may still be reading it: the "
+                            f"elected thread's {wait} that ends the read is not yet known to the other threads "
+                            f"of {co.label}, which write the slot; put `bar.sync` over the warpgroup's threads "
+                            f"between `elect_one {{ {wait} ... }}` and the write: writer {co.where(node)}; "
+                            f"{what} {r.ctx}; wait {r.end_ctx}")
                     raise RaceError(f"{writer} overwrites slot {label} before the reader's {wait} is ordered "
                                     f"before it (the reader released the slot before its {wait}): writer "
                                     f"{co.where(node)}; reader {r.ctx}")
@@ -128,7 +144,7 @@ class AsyncHandlers:
         self._check_tx(co, node, bar, nbytes)
         self._check_write(co, node, cells, label, "TMA load")
         ctx = Ctx(co, node)
-        write = Write("async", co, ctx)
+        write = Write("async", co.agent(), ctx)
         write.bar = bar
         for cell in cells:
             cell.write = write
@@ -195,7 +211,7 @@ class AsyncHandlers:
         op.data, op.read_done, op.done, op.reads_ended = None, False, False, False
         op.reads = []
         for cell in cells:
-            read = Read("tma_store", co, ctx)
+            read = Read("tma_store", ctx)
             cell.reads.append(read)
             op.reads.append(read)
         co.bulk_open.append(op)
@@ -210,9 +226,9 @@ class AsyncHandlers:
     def _h_TmaWait(self, co, node):
         s = node.stmt
         if self._bulk_ready(co, s.pending, s.read):
-            self._bulk_finish(co, s.pending, s.read)
+            self._bulk_finish(co, node, s.pending)
             return None
-        return self._wait_bulk(co, s)
+        return self._wait_bulk(co, node)
 
     @staticmethod
     def _older_groups(co: Co, pending: int) -> list:
@@ -226,28 +242,30 @@ class AsyncHandlers:
                     return False
         return True
 
-    def _bulk_finish(self, co: Co, pending: int, read: bool) -> None:
-        epoch = co.vc[co]
+    def _bulk_finish(self, co: Co, node: Node, pending: int) -> None:
+        agent = co.agent()   # the issuing thread: bulk groups are per thread
+        epoch, ctx = agent.vc[agent], None
         for group in self._older_groups(co, pending):
             for op in group:
                 if not op.reads_ended:
                     op.reads_ended = True
+                    ctx = ctx or Ctx(co, node)
                     for r in op.reads:
                         r.pending = False
-                        r.end = epoch
+                        r.end, r.end_agent, r.end_ctx = epoch, agent, ctx
         co.bulk_groups = [g for g in co.bulk_groups if not all(op.done and op.reads_ended for op in g)]
 
-    def _wait_bulk(self, co, s):
-        env, loops = co.env, tuple(co.loops)
+    def _wait_bulk(self, co, node):
+        env, loops, s = co.env, tuple(co.loops), node.stmt
         pending, read = s.pending, s.read
 
         def describe():
             return (f"{keyword(s)} {pending} — {len(co.bulk_groups)} bulk group(s) committed"
-                    f"{loops_text(loops, env)}")
+                    f"{loops_text(loops, env, node.line)}")
         while not self._bulk_ready(co, pending, read):
             self._park(co, co.bulk_waiters, describe)
             yield
-        self._bulk_finish(co, pending, read)
+        self._bulk_finish(co, node, pending)
         yield
 
     # wgmma
@@ -291,12 +309,18 @@ class AsyncHandlers:
                                     f"since the last wgmma.fence: {co.where(node)}")
         accumulate = node.ex[2](co.env)
         op.acc, op.accumulate = s.acc, bool(accumulate)
+        # wgmmas into one accumulator run in issue order: a pending one has written it by then
+        if op.accumulate and s.acc not in co.acc_pending:
+            self._check_written(co, node, s.acc, acc)
+        if op.a_reg is not None:
+            self._check_written(co, node, s.a, op.a_reg)
         for cells, label in reads:
             self._check_async_read(co, node, cells, label, "wgmma")
             for cell in cells:
-                read = Read("wgmma", co, ctx)
+                read = Read("wgmma", ctx)
                 cell.reads.append(read)
                 op.reads.append(read)
+        acc.written = True
         co.wg_open.append(op)
         co.acc_pending[s.acc] = co.acc_pending.get(s.acc, 0) + 1
         if op.a_reg is not None:
@@ -313,7 +337,7 @@ class AsyncHandlers:
             self._complete_wgmma_group(co, groups.popleft())
 
     def _complete_wgmma_group(self, co: Co, group: list) -> None:
-        epoch = co.vc[co]
+        epoch = co.vc[co]   # wgmma.wait is warpgroup-collective
         for op in group:
             acc = co.regs[op.acc]
             a = op.a_reg.value if op.a_reg is not None else tile_of(op.a_view).float()
@@ -326,7 +350,7 @@ class AsyncHandlers:
             acc.value = acc.value + product if op.accumulate else product
             for r in op.reads:
                 r.pending = False
-                r.end = epoch
+                r.end, r.end_agent = epoch, co
             for pending, name in ((co.acc_pending, op.acc), (co.a_pending, op.a_name)):
                 if name:
                     pending[name] -= 1

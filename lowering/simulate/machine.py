@@ -16,7 +16,7 @@ import torch
 from wsched.target import SETMAXNREG_MAX, SETMAXNREG_MIN, SETMAXNREG_STEP, TORCH_DTYPES, WARPGROUP_THREADS
 
 from .. import ir
-from ..evaluate import ExprError, Undefined, compile_expr
+from ..evaluate import INT_MAX, ExprError, Undefined, compile_expr
 from ..printer import expr_text
 from .async_proxy import AsyncHandlers
 from .errors import DeadlockError, ProtocolError, SimulationError, SimulatorInternalError, check_verified
@@ -50,6 +50,9 @@ class Machine(KernelPreparation, BarrierHandlers, AsyncHandlers, TileHandlers):
         except Undefined:
             raise SimulatorInternalError("the verifier should have rejected this kernel: the grid reads "
                                          "scalar params and num_sms only") from None
+        except ExprError as error:
+            raise SimulationError(f"grid {expr_text(kernel.grid)} has no value with these arguments: "
+                                  f"{error}") from None
         if type(grid) is not int or grid < 1:
             raise SimulationError(f"grid {expr_text(kernel.grid)} = {grid!r}: need a positive integer")
         self.grid = grid
@@ -64,7 +67,7 @@ class Machine(KernelPreparation, BarrierHandlers, AsyncHandlers, TileHandlers):
         self.buffers = {d.name: d for d in kernel.smem}
         self.barrier_decls = {b.name: b for b in kernel.barriers}
         self.cell_depth = {d.name: 0 for d in kernel.smem}
-        self.body = self._compile_block(kernel.body, in_role=False, in_elect=False)
+        self.body = self._compile_body()
 
     # -- CTAs and the scheduler --------------------------------------------------------------
     def _launch(self, cta_id: int) -> Cta:
@@ -79,6 +82,7 @@ class Machine(KernelPreparation, BarrierHandlers, AsyncHandlers, TileHandlers):
             cta.cells[d.name] = [Cell() for _ in range(math.prod(d.shape[:self.cell_depth[d.name]]))]
         cta.bars = {b.name: [None] * b.slots for b in self.kernel.barriers}
         cta.named = {}
+        cta.named_last = {}
         cta.sync_gen = None
         cta.loads_inflight = 0
         cta.cos = []
@@ -242,9 +246,16 @@ class Machine(KernelPreparation, BarrierHandlers, AsyncHandlers, TileHandlers):
     def _h_For(self, co, node):
         env = co.env
         start, stop, step = (self._int(co, node, f(env), "loop bound") for f in node.ex)
-        if step == 0:
-            raise ProtocolError(f"loop step is 0: {co.where(node)}")
-        return self._for_loop(co, node, range(start, stop, step))
+        if step < 1:
+            raise ProtocolError(f"loop step is {step}: the CUDA loop `for (int {node.stmt.var} = start; "
+                                f"{node.stmt.var} < stop; {node.stmt.var} += step)` counts up; use a step >= 1: "
+                                f"{co.where(node)}")
+        iterations = range(start, stop, step)
+        if iterations and iterations[-1] + step > INT_MAX:
+            raise ProtocolError(f"integer overflow: the loop variable {node.stmt.var} steps from {iterations[-1]} "
+                                f"to {iterations[-1] + step}, past the CUDA's 32-bit int maximum {INT_MAX} "
+                                f"(signed overflow is undefined on the GPU): {co.where(node)}")
+        return self._for_loop(co, node, iterations)
 
     def _for_loop(self, co, node, iterations):
         env, var, block, run = co.env, node.stmt.var, node.block, self._exec
@@ -276,6 +287,12 @@ class Machine(KernelPreparation, BarrierHandlers, AsyncHandlers, TileHandlers):
         return self._elect(co, node)
 
     def _elect(self, co, node):
+        # The elected thread is one of the warpgroup's threads: it knows what all of them learned
+        # (their waits), but not what the others wrote, until a barrier of the warpgroup.
+        lane = co.lane
+        own = lane.vc.get(co, 0)
+        lane.acquire(co.vc)
+        lane.vc[co] = own
         co.in_elect += 1
         yield from self._exec(co, node.block)
         co.in_elect -= 1

@@ -11,8 +11,9 @@ import torch
 from wsched.target import FLOAT_DTYPES
 
 from .. import ir
-from ..evaluate import Undefined, compile_expr
+from ..evaluate import INT_MAX, INT_MIN, ExprError, Undefined, compile_expr, f32
 from ..printer import expr_text
+from ..verify.lines import statement_lines
 from .errors import SimulationError, SimulatorInternalError, check_verified
 from .state import Node
 from .tiles import BINARY_SEMANTICS, UNARY_SEMANTICS
@@ -44,11 +45,12 @@ class KernelPreparation:
                 if isinstance(value, torch.Tensor) or isinstance(value, bool):
                     raise SimulationError(f"argument {p.name!r} ({p.dtype}) must be a Python number")
                 if p.dtype not in FLOAT_DTYPES:
-                    if int(value) != value:
-                        raise SimulationError(f"argument {p.name!r} is i32 but got {value!r}")
+                    if int(value) != value or not INT_MIN <= value <= INT_MAX:
+                        raise SimulationError(f"argument {p.name!r} is i32 but got {value!r} (an integer in "
+                                              f"[{INT_MIN}, {INT_MAX}])")
                     self.scalars[p.name] = int(value)
-                else:
-                    self.scalars[p.name] = float(value)
+                else:   # the kernel receives a `float`
+                    self.scalars[p.name] = f32(float(value))
         for p in self.kernel.params:
             if isinstance(p, ir.ScalarParam):
                 continue
@@ -60,6 +62,10 @@ class KernelPreparation:
             except Undefined:
                 raise SimulatorInternalError(f"the verifier should have rejected this kernel: the shape "
                                              f"of parameter {p.name} reads scalar params only") from None
+            except ExprError as error:
+                declared = ", ".join(expr_text(d) for d in p.shape)
+                raise SimulationError(f"the shape of parameter {p.name}: {p.dtype}[{declared}] has no value with "
+                                      f"these arguments: {error}") from None
             if tuple(value.shape) != shape:
                 raise SimulationError(
                     f"argument {p.name!r} has shape {list(value.shape)} but the kernel declares "
@@ -67,11 +73,19 @@ class KernelPreparation:
             self.tensors[p.name] = (p, value)
 
     # -- compilation -------------------------------------------------------------------------
-    def _compile_block(self, stmts, in_role: bool, in_elect: bool) -> tuple[Node, ...]:
-        return tuple(self._compile_stmt(s, in_role, in_elect) for s in stmts)
+    def _compile_body(self) -> tuple[Node, ...]:
+        self.lines = statement_lines(self.kernel)
+        return self._compile_block(self.kernel.body, False, False, ())
 
-    def _compile_stmt(self, s: ir.Stmt, in_role: bool, in_elect: bool) -> Node:
-        node = Node(s)
+    def _compile_block(self, stmts, in_role: bool, in_elect: bool, prefix: tuple[int, ...],
+                       offset: int = 0) -> tuple[Node, ...]:
+        """`stmts` as nodes; `prefix` + `offset` place them in the traversal paths that
+        `statement_lines` numbers (an `if`'s else statements follow its then statements)."""
+        return tuple(self._compile_stmt(s, in_role, in_elect, prefix + (offset + i,))
+                     for i, s in enumerate(stmts))
+
+    def _compile_stmt(self, s: ir.Stmt, in_role: bool, in_elect: bool, path: tuple[int, ...]) -> Node:
+        node = Node(s, self.lines.get(path))
         handler = getattr(self, "_h_" + type(s).__name__, None)
         check_verified(handler is not None, "every statement is an ir.Stmt")
         check_verified(not (in_elect and isinstance(s, ir.WARPGROUP_COLLECTIVE)),
@@ -86,16 +100,16 @@ class KernelPreparation:
         elif isinstance(s, ir.For):
             check_verified(s.iteration in ir.LOOP_KINDS, "a loop's iteration is one of ir.LOOP_KINDS")
             node.ex = (c(s.start), c(s.stop), c(s.step))
-            node.block = self._compile_block(s.body, in_role, in_elect)
+            node.block = self._compile_block(s.body, in_role, in_elect, path)
         elif isinstance(s, ir.If):
             node.ex = c(s.cond)
-            node.block = self._compile_block(s.then, in_role, in_elect)
-            node.orelse = self._compile_block(s.orelse, in_role, in_elect)
+            node.block = self._compile_block(s.then, in_role, in_elect, path)
+            node.orelse = self._compile_block(s.orelse, in_role, in_elect, path, len(s.then))
         elif isinstance(s, ir.Role):
             node.info = self.role_start[id(s)]
-            node.block = self._compile_block(s.body, True, False)
+            node.block = self._compile_block(s.body, True, False, path)
         elif isinstance(s, ir.ElectOne):
-            node.block = self._compile_block(s.body, in_role, True)
+            node.block = self._compile_block(s.body, in_role, True, path)
         elif isinstance(s, (ir.MbarrierArrive, ir.MbarrierArriveExpectTx, ir.MbarrierWait)):
             extra = s.bytes if isinstance(s, ir.MbarrierArriveExpectTx) else getattr(s, "phase", None)
             node.ex = (c(s.bar.index), c(extra) if extra is not None else None)

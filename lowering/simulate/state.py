@@ -20,10 +20,11 @@ if TYPE_CHECKING:
 class Node:
     """A statement prepared for execution: its handler, compiled expressions, nested blocks."""
 
-    __slots__ = ("stmt", "fn", "ex", "block", "orelse", "leader_only", "info")
+    __slots__ = ("stmt", "line", "fn", "ex", "block", "orelse", "leader_only", "info")
 
-    def __init__(self, stmt):
+    def __init__(self, stmt, line: int):
         self.stmt = stmt
+        self.line = line     # in the printed IR (`verify.lines.statement_lines`)
         self.fn = None
         self.ex = None
         self.block = ()
@@ -35,38 +36,44 @@ class Node:
 class Ctx:
     """Who did something, frozen at that moment (for messages about it later)."""
 
-    __slots__ = ("cta_id", "label", "stmt", "env", "loops")
+    __slots__ = ("cta_id", "label", "stmt", "line", "env", "loops")
 
     def __init__(self, co: "Co", node: Node):
         self.cta_id = co.cta.cta_id
-        self.label = co.label
+        self.label = co.label + (" (elected thread)" if co.in_elect else "")
         self.stmt = node.stmt
+        self.line = node.line
         self.env = dict(co.env)
         self.loops = tuple(co.loops)
 
     def __str__(self) -> str:
-        return f"CTA {self.cta_id} {self.label}: {stmt_text(self.stmt, self.env)}{loops_text(self.loops, self.env)}"
+        return (f"CTA {self.cta_id} {self.label}: {stmt_text(self.stmt, self.env)}"
+                f"{loops_text(self.loops, self.env, self.line)}")
 
 
 class Reg:
-    __slots__ = ("dtype", "shape", "value")
+    """A register tile: fp32 values (rounded to `dtype` at every write), NaN and `written`
+    False until the first write, since registers start undefined on the GPU."""
+
+    __slots__ = ("dtype", "shape", "value", "written")
 
     def __init__(self, dtype: str, shape: tuple[int, ...]):
         self.dtype = dtype
         self.shape = shape
-        self.value = torch.zeros(shape)
+        self.value = torch.full(shape, float("nan"))
+        self.written = False
 
 
 class Write:
     """The last write of a smem cell: a TMA load (`proxy` "async") or a tile.store_smem
-    (`proxy` "generic")."""
+    (`proxy` "generic"), by `agent` (a warpgroup, or its elected thread) at its epoch."""
 
-    __slots__ = ("proxy", "co", "epoch", "ctx", "landed", "bar", "phase", "fence_epoch")
+    __slots__ = ("proxy", "agent", "epoch", "ctx", "landed", "bar", "phase", "fence_epoch")
 
-    def __init__(self, proxy: str, co: "Co", ctx: Ctx):
+    def __init__(self, proxy: str, agent: "Agent", ctx: Ctx):
         self.proxy = proxy
-        self.co = co
-        self.epoch = co.vc[co]
+        self.agent = agent
+        self.epoch = agent.vc[agent]
         self.ctx = ctx
         self.landed = False
         self.bar = None
@@ -76,16 +83,17 @@ class Write:
 
 class Read:
     """An async read of a smem cell (`reader` "wgmma" or "tma_store"); it ends at the covering
-    wait."""
+    wait, made by `end_agent` at its epoch `end` (`end_ctx`: that wait)."""
 
-    __slots__ = ("reader", "co", "ctx", "pending", "end")
+    __slots__ = ("reader", "ctx", "pending", "end", "end_agent", "end_ctx")
 
-    def __init__(self, reader: str, co: "Co", ctx: Ctx):
+    def __init__(self, reader: str, ctx: Ctx):
         self.reader = reader
-        self.co = co
         self.ctx = ctx
         self.pending = True
         self.end = 0
+        self.end_agent = None
+        self.end_ctx = None
 
 
 class Cell:
@@ -131,13 +139,16 @@ class MBarrier:
 
 
 class BarrierGeneration:
-    """One round of a named barrier or of syncthreads."""
+    """One round of a named barrier (`threads` the count its instruction names, `count` the
+    threads arrived so far, `arrivals` who arrived: (warpgroup, its epoch, Ctx)) or of
+    syncthreads (`threads` None, `count` in warpgroups)."""
 
-    __slots__ = ("threads", "count", "know", "waiters", "done")
+    __slots__ = ("threads", "count", "arrivals", "know", "waiters", "done")
 
     def __init__(self, threads: int | None):
         self.threads = threads
         self.count = 0
+        self.arrivals = []
         self.know = {}
         self.waiters = []
         self.done = False
@@ -170,10 +181,45 @@ class WgmmaOp:
     __slots__ = ("acc", "a_name", "a_reg", "a_view", "a_trans", "b_view", "b_trans", "accumulate", "reads")
 
 
-class Co:
-    """One warpgroup of one CTA: a coroutine with its own env and register tiles."""
+class Agent:
+    """Who synchronises: a vector clock (own epochs plus, per mbarrier, the number of completed
+    phases observed) with release (publish, then start a new epoch) and acquire (merge)."""
 
-    __slots__ = ("cta", "gid", "role", "label", "env", "regs", "vc", "loops", "gen", "parked", "block",
+    __slots__ = ("vc",)
+
+    def release(self, know: dict) -> None:
+        """Publish this agent's clock into `know`; later events get a new epoch."""
+        vc = self.vc
+        for key, value in vc.items():
+            if know.get(key, 0) < value:
+                know[key] = value
+        vc[self] += 1
+
+    def acquire(self, know: dict) -> None:
+        vc = self.vc
+        for key, value in know.items():
+            if vc.get(key, 0) < value:
+                vc[key] = value
+
+
+class Lane(Agent):
+    """The elected thread of a warpgroup (inside `elect_one`). What it does and learns there
+    (tma.wait, mbarrier.wait) reaches the rest of the warpgroup only through a barrier the whole
+    warpgroup takes part in; what the warpgroup's threads wrote reaches it the same way."""
+
+    __slots__ = ("co",)
+
+    def __init__(self, co: "Co"):
+        self.co = co
+        self.vc = {self: 1}
+
+
+class Co(Agent):
+    """One warpgroup of one CTA: a coroutine with its own env and register tiles. As an agent it
+    stands for every thread of the warpgroup (what all of them did or learned); `lane` is its
+    elected thread."""
+
+    __slots__ = ("cta", "gid", "role", "label", "env", "regs", "lane", "loops", "gen", "parked", "block",
                  "in_elect", "wg_open", "wg_groups", "acc_pending", "a_pending", "touched",
                  "bulk_open", "bulk_groups", "bulk_waiters", "unfenced", "node", "done")
 
@@ -185,6 +231,7 @@ class Co:
         self.env = env
         self.regs = {}
         self.vc = {self: 1}
+        self.lane = Lane(self)
         self.loops = []
         self.gen = None
         self.parked = False
@@ -204,26 +251,29 @@ class Co:
 
     def where(self, node: Node | None = None) -> str:
         node = node or self.node
-        text = stmt_text(node.stmt, self.env) if node is not None else "(start)"
-        return f"CTA {self.cta.cta_id} {self.label}: {text}{loops_text(self.loops, self.env)}"
+        if node is None:
+            return f"CTA {self.cta.cta_id} {self.label}: (start)"
+        return (f"CTA {self.cta.cta_id} {self.label}: {stmt_text(node.stmt, self.env)}"
+                f"{loops_text(self.loops, self.env, node.line)}")
 
-    def release(self, know: dict) -> None:
-        """Publish this coroutine's clock into `know`; later events get a new epoch."""
-        vc = self.vc
-        for key, value in vc.items():
-            if know.get(key, 0) < value:
-                know[key] = value
-        vc[self] += 1
+    def agent(self) -> Agent:
+        """Who runs the current statement: the elected thread inside elect_one, else the warpgroup."""
+        return self.lane if self.in_elect else self
 
-    def acquire(self, know: dict) -> None:
-        vc = self.vc
-        for key, value in know.items():
-            if vc.get(key, 0) < value:
-                vc[key] = value
+    def release_all(self, know: dict) -> None:
+        """A barrier every thread of the warpgroup takes part in: the elected thread's knowledge
+        is published with the warpgroup's."""
+        self.release(know)
+        self.lane.release(know)
+
+    def acquire_all(self, know: dict) -> None:
+        self.acquire(know)
+        self.lane.acquire(know)
 
 
 class Cta:
-    __slots__ = ("cta_id", "smem", "cells", "bars", "named", "sync_gen", "live", "cos", "loads_inflight")
+    __slots__ = ("cta_id", "smem", "cells", "bars", "named", "named_last", "sync_gen", "live", "cos",
+                 "loads_inflight")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,15 +1,17 @@
 """The simulator's synchronisation handlers (mixed into `machine.Machine`): mbarrier
 init / inval / arrive / arrive_expect_tx / wait with phases and tx-counts, the mbarrier and
-proxy fences, named barriers (bar.sync / bar.arrive) and syncthreads. Every release publishes
-the coroutine's vector clock and every passing wait acquires it, for the race checks."""
+proxy fences, named barriers (bar.sync / bar.arrive, counted in warps) and syncthreads. Every
+release publishes the agent's vector clock and every passing wait acquires it, for the race
+checks; a barrier of the whole warpgroup also carries what its elected thread knows."""
 
 from __future__ import annotations
 
-from wsched.target import MBARRIER_MAX_ARRIVALS, MBARRIER_MAX_TX_BYTES, NAMED_BARRIERS, WARPGROUP_THREADS
+from wsched.target import (MBARRIER_MAX_ARRIVALS, MBARRIER_MAX_TX_BYTES, NAMED_BARRIERS, WARP_THREADS,
+                           WARPGROUP_THREADS)
 
 from ..spelling import keyword
 from .errors import ProtocolError, check_verified
-from .state import BarrierGeneration, Co, Cta, MBarrier, Node
+from .state import BarrierGeneration, Co, Cta, Ctx, MBarrier, Node
 from .text import loops_text
 
 
@@ -28,7 +30,7 @@ class BarrierHandlers:
         bar = slots[index]
         if bar is None:
             raise ProtocolError(f"mbarrier {name}[{index}] used before mbarrier.init: {co.where(node)}")
-        if co.vc.get(bar.init_co, 0) < bar.init_epoch:
+        if co.agent().vc.get(bar.init_co, 0) < bar.init_epoch:
             raise ProtocolError(f"mbarrier {name}[{index}] used before its mbarrier.init is visible to this "
                                 f"warpgroup (missing syncthreads after mbarrier.init?): {co.where(node)}")
         return bar
@@ -54,7 +56,7 @@ class BarrierHandlers:
             slots[i] = None
 
     def _arrive(self, co: Co, bar: MBarrier) -> None:
-        co.release(bar.arrive_know)
+        co.agent().release(bar.arrive_know)
         bar.pending -= 1
         if bar.pending <= 0 and bar.tx == 0:
             self._complete_phase(bar)
@@ -100,7 +102,7 @@ class BarrierHandlers:
         if parity not in (0, 1) or type(parity) is not int:
             raise ProtocolError(f"mbarrier.wait phase must be 0 or 1, got {parity!r}: {co.where(node)}")
         if bar.parity != parity:
-            co.acquire(bar.know)
+            co.agent().acquire(bar.know)
             return None
         return self._wait_mbarrier(co, node, bar, parity)
 
@@ -108,21 +110,26 @@ class BarrierHandlers:
         env, loops = co.env, tuple(co.loops)
 
         def describe():
-            return (f"mbarrier.wait {bar.label} phase({parity}) — {bar.state()}{loops_text(loops, env)}")
+            return (f"mbarrier.wait {bar.label} phase({parity}) — {bar.state()}"
+                    f"{loops_text(loops, env, node.line)}")
         while bar.parity == parity:
             self._park(co, bar.waiters, describe)
             yield
-        co.acquire(bar.know)
+        co.agent().acquire(bar.know)
         yield
 
     def _h_FenceMbarrierInit(self, co, node):
         return None
 
     def _h_FenceProxyAsync(self, co, node):
-        epoch = co.vc[co]
+        # A thread's fence orders its own writes: the elected thread's fence leaves the
+        # warpgroup's tile.store_smem unfenced.
+        agent = co.agent()
+        epoch = agent.vc[agent]
         for write in co.unfenced:
-            write.fence_epoch = epoch
-        co.unfenced.clear()
+            if write.agent is agent:
+                write.fence_epoch = epoch
+        co.unfenced[:] = [w for w in co.unfenced if w.fence_epoch is None]
 
     # named barriers and syncthreads
     def _h_NamedBarrierSync(self, co, node):
@@ -132,45 +139,82 @@ class BarrierHandlers:
         return self._named_barrier(co, node, wait=False)
 
     def _named_barrier(self, co, node, wait: bool):
+        """`bar.sync id, n` / `bar.arrive id, n`: the hardware counts arriving warps; a round
+        completes when n / 32 warps have arrived at barrier `id`, whoever they belong to. A
+        warpgroup arrives with its 4 warps (at kernel level every warpgroup does)."""
         s = node.stmt
         bid = self._int(co, node, node.ex(co.env), "named barrier id")
-        if not 1 <= bid < NAMED_BARRIERS:
-            raise ProtocolError(f"named barrier id {bid} must be in [1, {NAMED_BARRIERS}) (0 is syncthreads): "
-                                f"{co.where(node)}")
-        # The verifier allows whole warps at kernel level; the simulator runs whole warpgroups.
-        if s.threads % WARPGROUP_THREADS or not WARPGROUP_THREADS <= s.threads <= self.kernel.threads:
-            raise ProtocolError(f"named barrier over {s.threads} threads: needs a multiple of "
-                                f"{WARPGROUP_THREADS} (whole warpgroups) and at most the CTA's "
-                                f"{self.kernel.threads}: {co.where(node)}")
-        gen = co.cta.named.get(bid)
+        check_verified(1 <= bid < NAMED_BARRIERS and s.threads % WARP_THREADS == 0
+                       and WARP_THREADS <= s.threads <= self.kernel.threads,
+                       "a named barrier has an id in [1, 16) and counts whole warps, at most the CTA's")
+        cta = co.cta
+        gen = cta.named.get(bid)
         if gen is None:
-            gen = co.cta.named[bid] = BarrierGeneration(s.threads)
+            gen = cta.named[bid] = BarrierGeneration(s.threads)
         elif gen.threads != s.threads:
             raise ProtocolError(f"named barrier {bid} used with {s.threads} threads while this round counts "
-                                f"{gen.threads}: {co.where(node)}")
-        co.release(gen.know)
-        gen.count += 1
-        if gen.count * WARPGROUP_THREADS >= gen.threads:
+                                f"{gen.threads} (the instructions of one round must name the same count): "
+                                f"{co.where(node)}; first arrival {gen.arrivals[0][2]}")
+        self._check_rounds_ordered(co, node, bid, gen)
+        gen.arrivals.append((co, co.vc[co], Ctx(co, node)))
+        co.release_all(gen.know)
+        gen.count += WARPGROUP_THREADS
+        if gen.count >= gen.threads:
+            if gen.count > gen.threads:
+                raise ProtocolError(self._split_warpgroup_text(co, node, bid, gen))
             gen.done = True
-            del co.cta.named[bid]
+            del cta.named[bid]
+            cta.named_last[bid] = gen
             self.report.named_barrier_syncs += 1
             self.wake(gen.waiters)
         if not wait:
             return None
         if gen.done:
-            co.acquire(gen.know)
+            co.acquire_all(gen.know)
             return None
         return self._wait_generation(co, gen, lambda: (
-            f"{keyword(s)} {bid}, {s.threads} — {gen.count} of {s.threads // WARPGROUP_THREADS} "
-            f"warpgroups arrived"))
+            f"{keyword(s)} {bid}, {s.threads} — {gen.count // WARP_THREADS} of {s.threads // WARP_THREADS} "
+            f"warps arrived"), node.line)
 
-    def _wait_generation(self, co, gen, what):
+    @staticmethod
+    def _check_rounds_ordered(co: Co, node: Node, bid: int, gen: BarrierGeneration) -> None:
+        """Arrivals of different warpgroups in different rounds must be ordered: the GPU forms a
+        round from whichever warps arrive first, so two warpgroups arriving concurrently at a
+        barrier that counts fewer threads than both have can complete a round with warps of
+        each (neither synchronised with itself), or leave warps waiting for a round that never
+        fills (a hang)."""
+        last = co.cta.named_last.get(bid)
+        if last is None:
+            return
+        vc = co.vc
+        for other, epoch, ctx in last.arrivals:
+            if other is co or vc.get(other, 0) >= epoch:
+                continue
+            groups = sorted({c.label for c, _, _ in last.arrivals + gen.arrivals} | {co.label})
+            verb, warps, total = keyword(node.stmt), gen.threads // WARP_THREADS, len(groups) * WARPGROUP_THREADS
+            raise ProtocolError(
+                f"named barrier {bid} counts {gen.threads} threads ({warps} warps) but {' and '.join(groups)} "
+                f"arrive at it ({total} threads) without being ordered: on the GPU a round completes with the "
+                f"first {warps} warps to arrive, which can mix warps of different warpgroups, so no warpgroup "
+                f"is synchronised with itself (a broken barrier or a hang); give each group its own barrier id "
+                f"(e.g. `{verb} {bid} + wg, {gen.threads}` per warpgroup) or count every participating thread "
+                f"(`{verb} {bid}, {total}`): {co.where(node)}; concurrent arrival {ctx}")
+
+    def _split_warpgroup_text(self, co, node, bid: int, gen: BarrierGeneration) -> str:
+        inside = gen.threads - (gen.count - WARPGROUP_THREADS)
+        arrived = ", ".join(str(ctx) for _, _, ctx in gen.arrivals)
+        return (f"named barrier {bid} counts {gen.threads} threads, not a multiple of the warpgroups that arrive: "
+                f"{co.label} brings {WARPGROUP_THREADS} threads when {inside} complete the round, so its warps "
+                f"would be split between two rounds (the rest wait for a round that may never fill); count the "
+                f"threads of every participating warpgroup: {co.where(node)}; arrivals of this round: {arrived}")
+
+    def _wait_generation(self, co, gen, what, line=None):
         env, loops = co.env, tuple(co.loops)
-        describe = lambda: what() + loops_text(loops, env)  # noqa: E731
+        describe = lambda: what() + loops_text(loops, env, line)  # noqa: E731
         while not gen.done:
             self._park(co, gen.waiters, describe)
             yield
-        co.acquire(gen.know)
+        co.acquire_all(gen.know)
         yield
 
     def _h_SyncThreads(self, co, node):
@@ -178,14 +222,14 @@ class BarrierHandlers:
         gen = cta.sync_gen
         if gen is None:
             gen = cta.sync_gen = BarrierGeneration(None)
-        co.release(gen.know)
+        co.release_all(gen.know)
         gen.count += 1
         if gen.count >= cta.live:
             self._release_syncthreads(cta)
-            co.acquire(gen.know)
+            co.acquire_all(gen.know)
             return None
         return self._wait_generation(co, gen, lambda: (
-            f"syncthreads — {gen.count} of {cta.live} running warpgroups arrived"))
+            f"syncthreads — {gen.count} of {cta.live} running warpgroups arrived"), node.line)
 
     def _release_syncthreads(self, cta: Cta) -> None:
         gen = cta.sync_gen

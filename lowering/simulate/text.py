@@ -1,5 +1,6 @@
 """The simulator's text of statements for messages: one line in the text form, with the values
-its expressions had (`mbarrier.wait empty[1] phase(0)`), and the loop variables around it."""
+its expressions had (`mbarrier.wait empty[1] phase(0)`), its line in the printed IR and the loop
+variables around it."""
 
 from __future__ import annotations
 
@@ -52,7 +53,9 @@ def stmt_text(s: ir.Stmt, env: dict | None = None) -> str:
         return repr(s)
 
 
-def loops_text(loops, env) -> str:
-    if not loops:
-        return ""
-    return " (loop " + ", ".join(f"{v}={env.get(v, '?')}" for v in loops) + ")"
+def loops_text(loops, env, line: int | None = None) -> str:
+    """Where a statement ran: ` (IR line 57; loop tile=0, k=2)`, parts left out when unknown."""
+    parts = [] if line is None else [f"IR line {line}"]
+    if loops:
+        parts.append("loop " + ", ".join(f"{v}={env.get(v, '?')}" for v in loops))
+    return f" ({'; '.join(parts)})" if parts else ""

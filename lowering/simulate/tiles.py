@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from wsched.target import TORCH_DTYPES
 
 from .. import ir
-from .errors import RaceError, check_verified
+from .errors import ProtocolError, RaceError, check_verified
 from .state import Co, Ctx, Node, Reg, Write, read_box, write_box
 
 
@@ -48,8 +48,17 @@ class TileHandlers:
         reg = self._reg(co, node, name)
         if name in co.acc_pending:
             raise RaceError(f"acc read while wgmma pending (missing wgmma.wait): {name} in {co.where(node)}")
+        self._check_written(co, node, name, reg)
         co.touched.add(name)
         return reg
+
+    @staticmethod
+    def _check_written(co: Co, node: Node, name: str, reg: Reg) -> None:
+        if not reg.written:
+            raise ProtocolError(
+                f"read of register tile {name} before any write to it since its `reg` declaration: on the GPU "
+                f"its registers hold whatever was there (they are not zeroed); initialise it first (e.g. "
+                f"`tile.fill {name}, 0.0` before the loop that accumulates into it): {co.where(node)}")
 
     def _write_reg(self, co: Co, node: Node, name: str, value: torch.Tensor) -> None:
         reg = self._reg(co, node, name)
@@ -62,6 +71,7 @@ class TileHandlers:
         check_verified(tuple(value.shape) == reg.shape, "a tile op's result has its destination's shape")
         co.touched.add(name)
         reg.value = round_to_dtype(value.float(), reg.dtype)
+        reg.written = True
 
     def _h_RegDecl(self, co, node):
         s = node.stmt
@@ -157,7 +167,7 @@ class TileHandlers:
             chunks, rows, width = sub
             value = value.reshape(rows, chunks, width).transpose(0, 1)
         view.copy_(value)
-        write = Write("generic", co, Ctx(co, node))
+        write = Write("generic", co.agent(), Ctx(co, node))
         for cell in cells:
             cell.write = write
             cell.reads = []

@@ -26,6 +26,9 @@ This package's entry is `verify`; the work is done in
 
 * `lines`: IR line numbers, traversal paths and the location text of every message;
 * `structure`: the structural walk (names, scopes, barriers, limits);
+* `types`: well-typedness, run first: every field of the type `ir` declares (so a kernel built
+  in Python with a None, str or float where an int or an expression belongs is reported, not
+  crashed on), nesting within the limits the parser also enforces;
 * `tiles`: its shape checks of TMA copies, wgmma operands and tile ops;
 * `contract`: the load/compute contract, static and on host-run traces;
 * `errors`: `VerifyError`.
@@ -40,6 +43,7 @@ from .contract import ContractCheck
 from .errors import VerifyError
 from .lines import Diagnostic, Report, children, statement_at, statement_lines
 from .structure import StructureCheck
+from .types import type_problems
 
 __all__ = [
     "Diagnostic", "VerifyError", "verify", "verify_all", "children", "statement_at", "statement_lines",
@@ -55,7 +59,11 @@ def verify(kernel: ir.Kernel, *, contract: bool = True) -> None:
 
 
 def verify_all(kernel: ir.Kernel, *, contract: bool = True) -> list[Diagnostic]:
-    """Every problem of `kernel`, ordered by IR line."""
+    """Every problem of `kernel`, ordered by IR line. A kernel whose fields are not of their
+    declared types gets only those problems: the other checks rely on the types."""
+    problems = type_problems(kernel)
+    if problems:
+        return sorted(problems, key=lambda d: d.line)
     report = Report(kernel)
     StructureCheck(kernel, report, require_init=contract).run()
     if contract:

@@ -3,21 +3,25 @@
 Static half (`ContractCheck`): each tma.load elected, announced by an arrive_expect_tx with the
 bytes of its loads, completing on the slot of its destination's stage; each channel's full and
 empty barriers declared with one slot per stage and initialised with the right arrival counts;
-and both sides' loop nests around a channel with the same bounds.
+and both sides' loop nests around a channel with the same bounds. A channel's empty barrier is,
+among those the producer waits on where it announces the channel's stages, the one the
+consumers release those stages on, so the producer's acquires may come in any order.
 
 Dynamic half: `_Tracer` runs each role's control flow (lets, vars, loops, ifs) on the host for a
 few sample problem sizes and CTAs, recording the barrier operations, wgmma groups and smem
 accesses of every warpgroup; persistent tile loops are cut after two tiles (tile = cta_id,
 cta_id + num_ctas), which both sides' identical tile loops make a common prefix. A sample the
-host cannot run (a name without a value, a division by zero, too many steps) is skipped.
+host cannot run (a name without a value, a division by zero, too many steps) is skipped; a
+wait repeated right after itself is one acquire.
 `_TraceCheck` then holds each sample's traces to the contract: the same (tile, k) traversal with
 the same stage and phase on both sides, barrier arrival counts, no stage released (and no smem
-overwritten) while a wgmma reading it may be pending, and generic smem writes fenced before TMA
-or wgmma read them.
+overwritten) while a wgmma reading it may be pending nor before every warp has passed its wait,
+and generic smem writes fenced before TMA or wgmma read them.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 from wsched.target import FLOAT_DTYPES
@@ -46,10 +50,11 @@ def _lets_before(kernel: ir.Kernel, path: tuple[int, ...]) -> dict[str, ir.Expr]
 @dataclass
 class _Channel:
     full: str
-    empty: "str | None"
+    empty: "str | None"              # the barrier the consumers release its stages on
     buffers: set
     expect_tx: Site                  # the producer's first arrive_expect_tx on `full`
     mismatched_roles: set = field(default_factory=set)   # consumer roles whose loop nest differs
+    acquires: tuple = ()             # barriers the producer waits on in the expect_tx's block, nearest first
 
 
 class ContractCheck:
@@ -75,14 +80,16 @@ class ContractCheck:
     def run(self) -> None:
         self._load_blocks()
         channels = self._channels()
+        runs = []
+        if self.k.roles():
+            runs = [(sample, traces) for sample in _samples(self.k)
+                    if (traces := _Tracer(self.k, sample.env).run()) is not None]
+        _release_barriers(channels, runs[0][1] if runs else {})
         for ch in channels:
             self._channel_declarations(ch)
             ch.mismatched_roles = self._same_nests(ch)
-        if self.k.roles():
-            for sample in _samples(self.k):
-                traces = _Tracer(self.k, sample.env).run()
-                if traces is not None:
-                    _TraceCheck(self, channels, traces, sample).run()
+        for sample, traces in runs:
+            _TraceCheck(self, channels, traces, sample).run()
 
     # -- static ---------------------------------------------------------------------------------
 
@@ -166,22 +173,25 @@ class ContractCheck:
                                    and x.stmt.bar.barrier == s.bar.barrier and x.role is site.role), None)
                     if expect is None:
                         continue            # reported with the load
-                    ch = channels[s.bar.barrier] = _Channel(s.bar.barrier, self._empty_of(expect), set(),
-                                                            expect)
+                    ch = channels[s.bar.barrier] = _Channel(s.bar.barrier, None, set(), expect)
                 ch.buffers.add(s.dst.buffer)
+        for ch in channels.values():
+            ch.acquires = self._acquires(ch.expect_tx, set(channels))
         return list(channels.values())
 
-    def _empty_of(self, expect: Site) -> "str | None":
-        """The barrier the producer waits on right before announcing a stage (producer_acquire)."""
+    def _acquires(self, expect: Site, fulls: set) -> tuple:
+        """The barriers (other than full ones) the producer waits on in the block where it announces
+        a stage, nearest first: the candidates for the channel's empty barrier (producer_acquire).
+        Which one it is, the consumers say (`_release_barriers`); so two acquires may come in any order."""
         stmts, index, _ = block_of(self.k, expect.path)
-        full = expect.stmt.bar.barrier
-        for s in reversed(stmts[:index]):
-            if isinstance(s, ir.MbarrierWait) and s.bar.barrier != full:
-                return s.bar.barrier
-        self.r.at(expect.path, f"the producer announces {ref_text(expect.stmt.bar)} without first waiting for "
-                               f"the stage to be free; put `mbarrier.wait empty[...] phase(ph ^ 1)` "
-                               f"(producer_acquire) before it")
-        return None
+        def waited(block):
+            return [s.bar.barrier for s in block if isinstance(s, ir.MbarrierWait) and s.bar.barrier not in fulls]
+        before = waited(reversed(stmts[:index]))
+        if not before:
+            self.once("acquire", expect.path, f"the producer announces {ref_text(expect.stmt.bar)} without first "
+                                              f"waiting for the stage to be free; put `mbarrier.wait empty[...] "
+                                              f"phase(ph ^ 1)` (producer_acquire) before it")
+        return tuple(dict.fromkeys(before + waited(stmts[index + 1:])))
 
     def _channel_declarations(self, ch: _Channel) -> None:
         barriers = {b.name: (j, b) for j, b in enumerate(self.k.barriers)}
@@ -245,6 +255,40 @@ class ContractCheck:
         return mismatched
 
 
+def _release_barriers(channels: list[_Channel], traces) -> None:
+    """Set each channel's empty barrier: among the producer's acquires, the one the consumers
+    release the channel's stages on. A consumer's arrive at slot e releases the one stage e it
+    holds (waited on and read) whose wgmmas are no longer pending; each such arrive is a vote
+    (most votes over one sample's consumer warpgroups win; a tie, or no traces, goes to the wait
+    nearest the producer's announcement)."""
+    fulls = {ch.full: ch for ch in channels}
+    of_buffer = {b: ch.full for ch in channels for b in ch.buffers}
+    votes = {ch.full: dict.fromkeys(ch.acquires, 0) for ch in channels}
+    for _, events in traces.values():
+        held: dict[tuple[str, int], bool] = {}          # (full, stage) acquired -> read since
+        open_group: list = []
+        groups: list[list] = []
+        for e in events:
+            if e.op == "wait" and e.bar in fulls:
+                held[(e.bar, e.slot)] = False
+            elif e.op == "mma":
+                reads = [(of_buffer[buf], index[0]) for buf, index, _ in e.refs if buf in of_buffer and index]
+                open_group += reads
+                held.update((r, True) for r in reads if r in held)
+            elif e.op == "commit":
+                groups, open_group = groups + [open_group], []
+            elif e.op == "mma_wait":
+                groups = groups[len(groups) - e.value:] if e.value else []
+            elif e.op == "arrive":
+                pending = {r for g in groups + [open_group] for r in g}
+                free = [key for key, read in held.items() if read and key[1] == e.slot and key not in pending]
+                if len(free) == 1 and e.bar in votes[free[0][0]]:
+                    votes[free[0][0]][e.bar] += 1
+                    del held[free[0]]
+    for ch in channels:
+        ch.empty = max(ch.acquires, key=lambda name: votes[ch.full][name]) if ch.acquires else None
+
+
 # -- running the roles on the host -----------------------------------------------------------------
 
 
@@ -256,9 +300,12 @@ class _Sample:
 
 def _samples(kernel: ir.Kernel) -> list[_Sample]:
     """A few problem sizes (every i32 param gets a value; several k-tile counts around typical
-    stage counts, partial tiles included) and CTA positions."""
-    ints = ((256, 384, 320, 192, 448, 130), (384, 130, 200, 448, 256, 320), (130, 256, 64, 320, 192, 384))
-    ctas = ((0, 2), (1, 3), (0, 1))
+    stage counts, partial tiles included) and CTA positions; the last one long enough that each
+    of the two tiles traced walks every stage of a ring of up to 7 more than once (a release
+    is only checked on a stage the producer fills again)."""
+    ints = ((256, 384, 320, 192, 448, 130), (384, 130, 200, 448, 256, 320), (130, 256, 64, 320, 192, 384),
+            (1000, 1030, 968, 1100, 1160, 900))
+    ctas = ((0, 2), (1, 3), (0, 1), (1, 2))
     out = []
     for values, (cta, num) in zip(ints, ctas):
         env: dict = {}
@@ -347,7 +394,7 @@ class _Tracer:
                         self._exec(s.body, path, dict(env, wg=wg), (), events)
                     except _Stop:
                         pass
-                    self.traces[(path, wg)] = (s, events)
+                    self.traces[(path, wg)] = (s, _without_rewaits(events))
             elif isinstance(s, ir.ElectOne):
                 self._exec(s.body, path, env, point, out)
             elif isinstance(s, ir.Return):
@@ -379,11 +426,31 @@ class _Tracer:
         return None
 
     def _refs(self, refs, env) -> tuple:
-        return tuple((r.buffer, tuple(self._eval(i, env) for i in r.index), ref_text(r)) for r in refs)
+        return tuple((r.buffer, tuple(self._eval(i, env) for i in r.index), _spelled(r)) for r in refs)
+
+
+@functools.lru_cache(maxsize=4096)
+def _spelled(ref: ir.SmemRef) -> str:
+    """`ref_text`, once per reference (the traces name the same few references many times)."""
+    return ref_text(ref)
 
 
 _PLAIN_EVENTS = {ir.WgmmaCommit: "commit", ir.WgmmaWait: "mma_wait", ir.FenceProxyAsync: "fence_proxy",
                  ir.NamedBarrierSync: "bar_sync"}
+
+
+def _without_rewaits(events: list[_Event]) -> list[_Event]:
+    """The trace without waits that repeat the warpgroup's previous event: a second wait on the
+    same slot and parity right after the first passes at once (that slot's next phase needs,
+    through the other side of the channel, an arrival this warpgroup has not made yet), so it is
+    the same acquire, not another use of the stage."""
+    out: list[_Event] = []
+    for e in events:
+        if out and e.op == "wait" and (out[-1].op, out[-1].bar, out[-1].slot, out[-1].value) == (
+                "wait", e.bar, e.slot, e.value):
+            continue
+        out.append(e)
+    return out
 
 
 # -- the contract on one sample's traces ----------------------------------------------------------
@@ -430,6 +497,7 @@ class _TraceCheck:
                 if (waits and key[0] not in ch.mismatched_roles
                         and not any(e.op == "expect_tx" and e.bar == ch.full for e in events)):
                     self._consumer(ch, fills, role, key[1], waits)
+                    self._converged_releases(ch, role, key[1], events)
             if ch.empty is not None:
                 self._releases(ch, fills)
         for key, (role, events) in self.traces.items():
@@ -453,7 +521,7 @@ class _TraceCheck:
         fills: list[int] = []
         uses: dict[int, int] = {}
         acquire = None
-        for e in events:
+        for i, e in enumerate(events):
             if e.op == "wait" and ch.empty is not None and e.bar == ch.empty:
                 acquire = e
             elif e.op == "expect_tx" and e.bar == ch.full:
@@ -463,13 +531,18 @@ class _TraceCheck:
                 if ch.empty is None:
                     continue
                 if acquire is None:
+                    late = next((x for x in events[i + 1:] if x.op == "wait" and x.bar == ch.empty
+                                 and x.point == e.point), None)
+                    hint = (f": its wait on {ch.empty} (IR line {self.c.r.line(late.path)}) comes after the fill, "
+                            f"move it above" if late is not None else "")
                     self.c.once("acquire", e.path,
                                 f"at {self.where(role, wg, e)} the producer fills stage {e.slot} without "
-                                f"waiting on {ch.empty} first; every fill waits for the stage to be free")
-                elif acquire.slot != e.slot:
+                                f"waiting on {ch.empty} first{hint}; every fill waits for the stage to be free")
+                elif acquire.slot != e.slot:     # (an acquire after an unacquired fill: that fill said it)
                     self.c.once("acquire", acquire.path,
                                 f"at {self.where(role, wg, e)} the producer waits on {ch.empty} stage "
-                                f"{acquire.slot} but then fills stage {e.slot}; wait on the stage it fills")
+                                f"{acquire.slot} but then fills stage {e.slot}; wait on the stage it fills",
+                                cause=e.path)
                 elif acquire.value != (j & 1) ^ 1:
                     self.c.once("parity", acquire.path,
                                 f"at {self.where(role, wg, acquire)} the producer waits on {ch.empty} stage "
@@ -510,6 +583,29 @@ class _TraceCheck:
                         f"the consumer waits on {ch.full} {len(waits)} times ({self.sample.text}) but the "
                         f"producer fills {len(fills)} stages; the producer blocks on a stage nobody "
                         f"releases: {_SAME_ORDER}")
+
+    def _converged_releases(self, ch: _Channel, role: ir.Role, wg: int, events) -> None:
+        """One thread releases a stage, so every warp of its warpgroup must have passed the wait
+        on the stage first: a wgmma (warpgroup-collective) or a bar.sync of the warpgroup
+        between the wait and the release. Otherwise the producer may complete the full
+        barrier's next phase too, and a warp still waiting for parity p sees p again: it waits
+        one phase behind for ever (a tile whose k loop runs no iteration does this)."""
+        waited: dict[int, tuple[_Event, bool]] = {}      # slot -> (its latest wait, converged since)
+        for e in events:
+            if e.op == "wait" and e.bar == ch.full:
+                waited[e.slot] = (e, False)
+            elif e.op in ("mma", "bar_sync"):
+                waited = {slot: (w, True) for slot, (w, _) in waited.items()}
+            elif e.op == "arrive" and e.bar == ch.empty and e.slot in waited:
+                wait, converged = waited.pop(e.slot)
+                if not converged:
+                    self.c.once("converge", e.path,
+                                f"at {self.where(role, wg, e)} one thread releases {ch.empty} stage {e.slot} "
+                                f"while the other warps of its warpgroup may not have passed the wait on "
+                                f"{ch.full} (IR line {self.c.r.line(wait.path)}): no wgmma or bar.sync between "
+                                f"them on this path, so the producer can complete {ch.full}'s next phase too "
+                                f"and a late warp waits a phase behind for ever; put the warpgroup's "
+                                f"`bar.sync 1 + wg, 128` before the release")
 
     def _releases(self, ch: _Channel, fills) -> None:
         """Each use of a stage that the producer fills again later is released the same number of

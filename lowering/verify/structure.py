@@ -5,7 +5,10 @@ references to declarations, the order of barrier initialisation (init, `fence.mb
 `syncthreads`, then the roles), warpgroup-collective statements kept out of elect_one, and the
 hardware limits of `wsched/target.py` (registers, threads, shared memory, named barriers,
 setmaxnreg). It has one method per statement type, `_<StmtType>`; those of the statements that
-move or compute tiles (TMA, wgmma, register tiles) come from its mixin `tiles.TileChecks`.
+move or compute tiles (TMA, wgmma, register tiles) come from its mixin `tiles.TileChecks`. After
+the walk come the checks across roles, from the mixin `roles.RoleChecks`: the CTA's thread,
+register and shared-memory budgets, each role's setmaxnreg, and each named barrier id counted for
+the threads that reach it.
 These checks need no barriers or pipeline, so they also run on partially lowered kernels
 (`verify(kernel, contract=False)`).
 """
@@ -15,8 +18,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from wsched.target import (
-    MAX_THREADS, MBARRIER_MAX_ARRIVALS, NAMED_BARRIERS, REGISTER_FILE, SETMAXNREG_MAX, SETMAXNREG_MIN,
-    SETMAXNREG_STEP, SMEM_LIMIT, TMA_SWIZZLES, WARP_THREADS, WARPGROUP_THREADS,
+    MBARRIER_MAX_ARRIVALS, NAMED_BARRIERS, SETMAXNREG_MAX, SETMAXNREG_MIN, SETMAXNREG_STEP,
+    TMA_SWIZZLES, WARP_THREADS, WARPGROUP_THREADS,
 )
 
 from .. import ir
@@ -24,6 +27,7 @@ from ..evaluate import evaluate
 from ..printer import expr_text
 from ..spelling import keyword
 from .lines import Report, constant, expr_nodes, location, ref_text, sites, statement_name
+from .roles import RoleChecks
 from .tiles import SWIZZLE_CHOICES, TileChecks
 
 _SCALARS = ("scalar param", "builtin", "let", "var", "loop variable")
@@ -56,7 +60,7 @@ class _Declaration:
     role: "str | None"
 
 
-class StructureCheck(TileChecks):
+class StructureCheck(TileChecks, RoleChecks):
     """One walk over the kernel in program order, with the names in scope at each statement."""
 
     def __init__(self, kernel: ir.Kernel, report: Report, require_init: bool):
@@ -67,6 +71,7 @@ class StructureCheck(TileChecks):
         self.unfenced_init = False                # an init not yet followed by fence + syncthreads
         self.fenced = False                       # fence.mbarrier_init seen, syncthreads pending
         self.visibility_reported = False
+        self.role_lines: dict[str, int] = {}       # role name -> IR line of its first declaration
         self.declarations = self._index_declarations()
 
     def _index_declarations(self) -> dict[str, list[_Declaration]]:
@@ -89,7 +94,11 @@ class StructureCheck(TileChecks):
         scope = self._globals()
         self._launch(scope)
         self._block(self.k.body, (), scope, _Ctx(None))
-        self._budgets()
+        if not self._budgets():
+            return                  # the per-role checks walk every warpgroup: not past the limits
+        every = sites(self.k)
+        self._register_handoff(every)
+        self._named_barrier_groups(every)
 
     def _globals(self) -> dict[str, _Name]:
         scope: dict[str, _Name] = {"cta_id": _Name("builtin", 0), "num_ctas": _Name("builtin", 0)}
@@ -149,29 +158,6 @@ class StructureCheck(TileChecks):
         self._host_expr(self.k.grid, scalars, lambda m: self.r.header(m, "grid"), "the grid")
         if len(self.k.cluster) != 3 or any(c < 1 for c in self.k.cluster):
             self.r.header(f"cluster{tuple(self.k.cluster)}: give three extents, each >= 1")
-
-    def _budgets(self) -> None:
-        roles = self.k.roles()
-        threads = self.k.threads
-        per_wg = WARPGROUP_THREADS          # threads of one warpgroup
-        if threads > MAX_THREADS:
-            self.r.header(f"the roles add up to {threads} threads ({threads // per_wg} warpgroups); a CTA "
-                          f"has at most {MAX_THREADS} threads ({MAX_THREADS // per_wg} warpgroups)")
-        used = sum(r.warpgroups * per_wg * r.registers for r in roles)
-        if used > REGISTER_FILE:
-            terms = " + ".join(f"role {r.name} {r.warpgroups}×{per_wg}×{r.registers}" for r in roles)
-            widest = max(roles, key=lambda r: r.warpgroups * r.registers)
-            rest = used - widest.warpgroups * per_wg * widest.registers
-            fit = (REGISTER_FILE - rest) // (widest.warpgroups * per_wg) // SETMAXNREG_STEP * SETMAXNREG_STEP
-            hint = (f"lower the registers of a role, e.g. role {widest.name} registers({fit})"
-                    if fit >= SETMAXNREG_MIN else "use fewer warpgroups")
-            self.r.header(f"register budget exceeded: {terms} = {used} registers, {used - REGISTER_FILE} "
-                          f"over the {REGISTER_FILE} of an SM; {hint}")
-        total = self.k.smem_bytes
-        if total > SMEM_LIMIT:
-            self.r.header(f"shared memory needs {total} bytes (buffers, barriers and alignment), "
-                          f"{total - SMEM_LIMIT} over the {SMEM_LIMIT} bytes ({SMEM_LIMIT // 1024} KB) a CTA "
-                          f"can have; use fewer stages or smaller tiles")
 
     # -- statements -----------------------------------------------------------------------------
 
@@ -325,6 +311,10 @@ class StructureCheck(TileChecks):
         if not _settable_registers(s.registers):
             self.r.at(path, f"registers({s.registers}): a role's register count must be {_REGISTERS} "
                             f"(what setmaxnreg can set)")
+        if s.name in self.role_lines:
+            self.r.at(path, f"role {s.name} is declared twice (first at IR line {self.role_lines[s.name]}); "
+                            f"give each role its own name")
+        self.role_lines.setdefault(s.name, self.r.line(path))
         if (self.unfenced_init or self.fenced) and not self.visibility_reported:
             self.visibility_reported = True
             self.r.at(path, "the barrier inits are not visible to the roles yet; after the last "

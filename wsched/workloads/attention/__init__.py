@@ -10,7 +10,7 @@ softmax. Its own passes: overlap_softmax (mma_inflight=1) and pingpong (mode="pi
 from __future__ import annotations
 
 from wsched.lowering.context import Step
-from wsched.schedule import ScheduleError
+from wsched.schedule import ScheduleError, is_int
 from wsched.workloads.base import Workload
 
 from . import epilogue, loops, overlap_softmax, partition, pingpong, schedule
@@ -41,14 +41,25 @@ class AttentionWorkload(Workload):
                 f"matmul(s), {sum(n.op == 'softmax' for n in nodes)} softmax(es))")
 
     def default_schedule(self, fusion, **overrides) -> AttentionSchedule:
-        head_dim = overrides.pop("head_dim", None) or partition.head_dim_of(fusion)
-        if not isinstance(head_dim, int):
-            raise ScheduleError(f"attention schedule for {fusion.name}: the head dim of Q is the symbol "
-                                f"{head_dim!r}; declare it as a number (64, 128 or 256)")
+        if "head_dim" in overrides:
+            head_dim = overrides.pop("head_dim")
+            if not is_int(head_dim) or head_dim not in schedule.HEAD_DIMS:
+                raise ScheduleError(f"attention schedule for {fusion.name}: head_dim={head_dim!r} is not one of "
+                                    f"{', '.join(map(str, schedule.HEAD_DIMS))}")
+        else:
+            head_dim = self._head_dim(fusion)
         return schedule.default_schedule(head_dim, **overrides)
 
     def schedule_space(self, fusion):
-        return schedule.schedule_space(partition.head_dim_of(fusion))
+        return schedule.schedule_space(self._head_dim(fusion))
+
+    @staticmethod
+    def _head_dim(fusion) -> int:
+        head_dim = partition.head_dim_of(fusion)
+        if not is_int(head_dim):
+            raise ScheduleError(f"attention schedule for {fusion.name}: the head dim of Q is the symbol "
+                                f"{head_dim!r}; declare it as a number (64, 128 or 256)")
+        return head_dim
 
 
 ATTENTION = AttentionWorkload()

@@ -26,9 +26,9 @@ from dataclasses import replace
 from wsched.lowering import ir
 from wsched.lowering.context import LoweringContext
 from wsched.lowering.rewrite import map_loop, map_role
-from wsched.names import CONSUMER, K_VAR, TILE_VAR
+from wsched.names import CONSUMER, K_VAR, TILE_VAR, TOKEN_BARRIER
 
-FIRST_BARRIER = 3   # named barrier 0 is syncthreads; 1 + wg belong to the matmul epilogue
+FIRST_BARRIER = TOKEN_BARRIER   # ids below it: syncthreads and each warpgroup's own barrier
 THREADS = 256       # both consumer warpgroups
 
 

@@ -10,10 +10,24 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Iterator
 
-from wsched.schedule import Schedule, ScheduleError, check_overrides, max_stages
-from wsched.target import WGMMA_K
+from wsched.schedule import (Schedule, ScheduleError, check_overrides, default_consumer_registers, is_int,
+                             max_stages)
+from wsched.target import WGMMA_K, launch_registers
 
 HEAD_DIMS = (64, 128, 256)
+
+# The most keys per kv block (BN) whose S tile, P, the O accumulator and the softmax state fit
+# the registers of a consumer thread, by (consumer_warpgroups, head dim, mma_inflight): beyond
+# it ptxas spills (a build error). Measured with nvcc 12 on the causal + LSE + GQA kernels, the
+# largest of each family; with 2 consumer warpgroups a thread has 168 registers, with 1 it has 255.
+MAX_KEYS_PER_BLOCK = {
+    (2, 64, 0): 192, (2, 64, 1): 192,
+    (2, 128, 0): 192, (2, 128, 1): 192,
+    (2, 256, 0): 128, (2, 256, 1): 64,
+    (1, 64, 0): 256, (1, 64, 1): 256,
+    (1, 128, 0): 256, (1, 128, 1): 192,
+    (1, 256, 0): 128, (1, 256, 1): 128,
+}
 
 
 @dataclass(frozen=True)
@@ -54,9 +68,11 @@ class AttentionSchedule(Schedule):
         if self.epilogue != "direct":
             p.append("attention stores O and LSE with epilogue='direct' (tma_store is not "
                      "implemented for attention yet)")
-        if self.mma_inflight not in (0, 1):
-            p.append(f"mma_inflight is {self.mma_inflight}; attention takes 0 (each wgmma waited "
-                     f"for) or 1 (P V of one block overlaps the softmax of the next)")
+        widest = MAX_KEYS_PER_BLOCK.get((self.consumer_warpgroups, d, self.mma_inflight))
+        if widest is not None and bn > widest:
+            p.append(f"BN={bn} keys per block with head dim {d}, mma_inflight={self.mma_inflight} and "
+                     f"{self.consumer_warpgroups} consumer warpgroup(s) needs more registers than a consumer "
+                     f"thread has ({launch_registers(self.threads)}): ptxas spills; use BN <= {widest}")
         return p
 
 
@@ -66,8 +82,11 @@ def default_schedule(head_dim: int, **overrides) -> AttentionSchedule:
     head dim 256), 24/240 registers, and the P V product of one block overlapping the softmax of
     the next (mma_inflight=1)."""
     check_overrides(AttentionSchedule, overrides)
-    base = dict(tile=(128, 64 if head_dim == 256 else 128, head_dim), stages=1,
-                consumer_warpgroups=2, producer_registers=24, consumer_registers=240,
+    consumers = overrides.get("consumer_warpgroups", 2)
+    rows = 64 * consumers if is_int(consumers) and consumers >= 1 else 128
+    base = dict(tile=(rows, 64 if head_dim == 256 else 128, head_dim), stages=1,
+                consumer_warpgroups=2, producer_registers=24,
+                consumer_registers=default_consumer_registers(consumers, overrides.get("producer_registers", 24)),
                 epilogue="direct", mma_inflight=1)
     # mode="pingpong" (pingpong.py) is correct but measured 1-14% slower than letting the
     # two warpgroups interleave freely (H200, 2026-11-21): cooperative stays the default.
@@ -79,9 +98,9 @@ def default_schedule(head_dim: int, **overrides) -> AttentionSchedule:
 
 
 def schedule_space(head_dim: int) -> Iterator[AttentionSchedule]:
-    """Every schedule of the space this workload implements today: 64..256 keys per block,
-    1 stage up to as many as fit, the softmax overlapped with P V or not, cooperative or
-    ping-pong consumers."""
+    """Schedules of the space this workload implements, for a search: 2 consumer warpgroups,
+    64..256 keys per block (as many as the registers hold), 1 stage up to as many as fit, the
+    softmax overlapped with P V or not, cooperative or ping-pong consumers."""
     for bn in (64, 128, 192, 256):
         for inflight in (0, 1):
             for mode in ("cooperative", "pingpong"):

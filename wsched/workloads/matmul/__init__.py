@@ -31,13 +31,11 @@ class MatmulWorkload(Workload):
 
     def default_schedule(self, fusion, **overrides) -> MatmulSchedule:
         if "output_bytes" not in overrides:
-            outputs = [fusion.node(o) for o in fusion.outputs]
-            overrides["output_bytes"] = max((o.dtype.itemsize for o in outputs), default=2)
+            overrides["output_bytes"] = partition.staged_output_bytes(fusion)
         return schedule.default_schedule(**overrides)
 
     def schedule_space(self, fusion):
-        outputs = [fusion.node(o) for o in fusion.outputs]
-        return schedule.schedule_space(max((o.dtype.itemsize for o in outputs), default=2))
+        return schedule.schedule_space(partition.staged_output_bytes(fusion))
 
 
 MATMUL = MatmulWorkload()

@@ -27,7 +27,7 @@ from dataclasses import replace
 from wsched.lowering import ir
 from wsched.lowering.context import LoweringContext
 from wsched.lowering.rewrite import map_loop, map_role
-from wsched.names import ACC, CONSUMER, TILE_VAR
+from wsched.names import ACC, CONSUMER, TILE_VAR, WARPGROUP_BARRIER
 from wsched.partition import param_name
 from wsched.target import DTYPE_BYTES, SWIZZLE_ROW_BYTES, UNARY_OPS, WARPGROUP_THREADS
 
@@ -112,7 +112,7 @@ def epilogue(kernel: ir.Kernel, ctx: LoweringContext) -> ir.Kernel:
             extra_smem.append(ir.SmemDecl(buf, dtype, (s.consumer_warpgroups, bn // width, rows, width), swizzle))
         i = next(j for j, p in enumerate(params) if p.name == name)
         params[i] = ir.TensorMapParam(name, dtype, (V("M"), V("N")), (rows, width), swizzle)
-        sync = ir.NamedBarrierSync(ir.add(1, "wg"), WARPGROUP_THREADS)
+        sync = ir.NamedBarrierSync(ir.add(WARPGROUP_BARRIER, "wg"), WARPGROUP_THREADS)
         stores = tuple(ir.TmaStore(name, (row0, V("n0") if j == 0 else ir.add("n0", j * width)),
                                    ir.SmemRef(buf, (V("wg"), C(j))))
                        for j in range(bn // width))

@@ -7,7 +7,7 @@ consumers.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import networkx as nx
 
@@ -34,6 +34,13 @@ class MatmulPayload:
     epilogue: tuple[object, ...]       # compute nodes after the mma, topological order
     tiles: dict                        # node id -> EpilogueTile, for every compute value
     side_inputs: tuple[object, ...]    # global inputs the epilogue reads (bias, residual)
+
+
+def staged_output_bytes(fusion) -> int:
+    """Bytes per output element a TMA-store epilogue stages in shared memory: one buffer per
+    distinct output dtype (the schedule's `output_bytes`)."""
+    dtypes = {fusion.node(o).dtype for o in fusion.outputs}
+    return sum(d.itemsize for d in dtypes) or 2
 
 
 def output_name(fusion, node) -> str:
@@ -91,6 +98,18 @@ def partition_matmul(workload, fusion, schedule: Schedule) -> Partition:
         if out.dtype.name not in FLOAT_DTYPES:
             raise ScheduleError(f"output {out.id} has dtype {out.dtype.name}; supported: "
                                 f"{', '.join(FLOAT_DTYPES)}")
+    staged = staged_output_bytes(fusion)
+    if schedule.epilogue == "tma_store" and schedule.output_bytes != staged:
+        # The staging buffers are sized from the outputs' dtypes: a schedule counted with other
+        # bytes is fine only while the real buffers still fit.
+        try:
+            replace(schedule, output_bytes=staged)
+        except ScheduleError as e:
+            dtypes = ", ".join(sorted({o.dtype.name for o in outputs}))
+            raise ScheduleError(f"the schedule counts {schedule.output_bytes} bytes per staged output element "
+                                f"(output_bytes) but the outputs of {fusion.name} ({dtypes}) take {staged}, and with "
+                                f"{staged} it breaks a limit: {'; '.join(str(e).splitlines()[1:]).replace('  - ', '')}; build it with "
+                                f"ws.schedule_for({fusion.name}, ...), which sets output_bytes={staged}") from None
 
     compute_dag = nx.DiGraph()
     for ld in channel.loads:

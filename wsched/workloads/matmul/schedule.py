@@ -1,7 +1,8 @@
 """The matmul workload's schedule: a persistent GEMM tile with a fused epilogue.
 
-tile = (BM, BN, BK): BM output rows (64 per consumer warpgroup), BN output columns, BK the k
-extent of one stage (one 128-byte swizzled row of A and of B).
+tile = (BM, BN, BK): BM output rows (64 per consumer warpgroup), BN output columns (64, 128, 192
+or 256: whole 128-byte swizzled column chunks of B and of the output), BK the k extent of one
+stage (one 128-byte swizzled row of A and of B).
 """
 
 from __future__ import annotations
@@ -9,8 +10,13 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Iterator
 
-from wsched.schedule import Schedule, ScheduleError, check_overrides, max_stages
-from wsched.target import SWIZZLE_ROW_BYTES, WGMMA_K
+from wsched.schedule import (Schedule, ScheduleError, check_overrides, default_consumer_registers, is_int,
+                             max_stages)
+from wsched.target import SWIZZLE_ROW_BYTES, WGMMA_K, WGMMA_M
+
+# Output columns per tile: whole 64-column chunks. Narrower tiles have no 128-byte swizzled B
+# tile (N-major) or output staging tile the emitter can address.
+TILE_N = (64, 128, 192, 256)
 
 
 @dataclass(frozen=True)
@@ -35,6 +41,9 @@ class MatmulSchedule(Schedule):
         bk = self.bk
         if self.mode == "pingpong":
             p.append("mode 'pingpong' is not implemented for matmul yet; use 'cooperative'")
+        if self.bn not in TILE_N:
+            p.append(f"BN={self.bn} is not supported for matmul: use {', '.join(map(str, TILE_N))} (whole "
+                     f"128-byte swizzled column chunks of B and of the output tile)")
         if bk % WGMMA_K:
             p.append(f"BK={bk} is not a multiple of {WGMMA_K} (the wgmma k extent); "
                      f"use {max(WGMMA_K, bk // WGMMA_K * WGMMA_K)}")
@@ -51,25 +60,52 @@ def default_schedule(**overrides) -> MatmulSchedule:
     """Hopper heuristic: 128x256x64 tiles, 1 producer + 2 consumer warpgroups at 24/240
     registers (the producer only issues copies; the consumers hold a 64x256 fp32 accumulator
     plus the epilogue's side tiles), and as many stages as fit beside the epilogue's staging
-    buffer (at most 4)."""
+    buffer (at most 4). Where outputs of several dtypes stage too many bytes for two stages
+    beside them, the tile narrows (BN 128, then 64)."""
     check_overrides(MatmulSchedule, overrides)
-    base = dict(tile=(128, 256, 64), consumer_warpgroups=2, stages=2)
+    consumers = overrides.get("consumer_warpgroups", 2)
+    rows = WGMMA_M * consumers if is_int(consumers) and consumers >= 1 else 128
+    base = dict(tile=(rows, 256, 64), consumer_warpgroups=2, stages=2,
+                consumer_registers=default_consumer_registers(consumers, overrides.get("producer_registers", 24)))
     base.update({k: v for k, v in overrides.items() if k not in ("stages", "mma_inflight")})
-    probe = MatmulSchedule(**base)
+    try:
+        probe = MatmulSchedule(**base)
+    except ScheduleError:
+        narrower = [] if "tile" in overrides else _fitting(base, (128, 64))
+        if not narrower:
+            raise
+        probe = narrower[0]
     stages = overrides.get("stages", min(4, max_stages(probe)))
     # Keeping a wgmma in flight holds its stage: one stage alone must wait for every mma.
-    inflight = overrides.get("mma_inflight", 1 if stages >= 2 else 0)
+    inflight = overrides.get("mma_inflight", 1 if is_int(stages) and stages >= 2 else 0)
     return replace(probe, stages=stages, mma_inflight=inflight)
 
 
+def _fitting(fields: dict, widths) -> list[MatmulSchedule]:
+    """The valid schedules among `fields` with BN set to each of `widths`."""
+    found = []
+    for bn in widths:
+        try:
+            found.append(MatmulSchedule(**{**fields, "tile": (fields["tile"][0], bn, fields["tile"][2])}))
+        except ScheduleError:
+            pass
+    return found
+
+
 def schedule_space(output_bytes: int = 2, operand_bytes: int = 2) -> Iterator[MatmulSchedule]:
-    """Every schedule of the space this workload implements today: BN 64..256, both epilogues,
-    1 stage up to as many as fit, either raster, wgmma groups in flight or not."""
-    for bn in (64, 128, 192, 256):
+    """Schedules of the space this workload implements, for a search: 2 consumer warpgroups,
+    BN 64..256, both epilogues, 1 stage up to as many as fit, either raster, wgmma groups in flight
+    or not. (`MatmulSchedule` also takes 1 consumer warpgroup, other register budgets and raster
+    groups.)"""
+    for bn in TILE_N:
         for epilogue in ("tma_store", "direct"):
             for raster in ("row", "column"):
-                probe = default_schedule(tile=(128, bn, 128 // operand_bytes), epilogue=epilogue, raster=raster,
-                                         output_bytes=output_bytes, operand_bytes=operand_bytes)
+                try:
+                    probe = default_schedule(tile=(128, bn, 128 // operand_bytes), epilogue=epilogue, raster=raster,
+                                             output_bytes=output_bytes, operand_bytes=operand_bytes, stages=1,
+                                             mma_inflight=0)
+                except ScheduleError:
+                    continue       # not even one stage fits beside the staged outputs
                 for stages in range(1, max_stages(probe) + 1):
                     for inflight in ((0, 1) if stages >= 2 else (0,)):
                         try:
