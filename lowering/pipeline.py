@@ -30,9 +30,11 @@ insert_barriers,epilogue` (or `all`) prints the IR after the named steps to stde
 from __future__ import annotations
 
 import sys
+import warnings
 from dataclasses import replace
 
 from wsched import knobs
+from wsched.workloads import WORKLOADS
 
 from . import ir
 from .context import LoweringContext, Step
@@ -65,10 +67,19 @@ def pass_names(workload, schedule=None) -> tuple[str, ...]:
     return tuple(step.name for step in route(workload, schedule))
 
 
+def all_pass_names() -> tuple[str, ...]:
+    """Every step name of every workload's route, in route order."""
+    return tuple(dict.fromkeys(name for w in WORKLOADS for name in pass_names(w)))
+
+
 def lower_partition(partition, name: str | None = None, *, debug: bool | None = None) -> ir.Kernel:
     ctx = LoweringContext(partition, name or partition.fusion.name)
     debug = knobs.debug() if debug is None else debug
     print_after = knobs.print_ir_after()
+    unknown = print_after - {"all"} - set(all_pass_names())
+    if unknown:
+        warnings.warn(f"WSCHED_PRINT_IR names no pass: {', '.join(sorted(unknown))}; the passes are "
+                      f"{', '.join(all_pass_names())} (or all)", stacklevel=2)
     kernel = None
     snapshots: dict[str, ir.Kernel] = {}
     for step in route(ctx.workload, ctx.schedule):
@@ -77,7 +88,8 @@ def lower_partition(partition, name: str | None = None, *, debug: bool | None = 
             verify(kernel, contract=step.contract)
         snapshots[step.name] = kernel
         if step.name in print_after or "all" in print_after:
-            print(f"// ----- IR after {step.name} -----\n{kernel}", file=sys.stderr)
+            # a `#` comment, so that a saved dump parses back (k.with_ir)
+            print(f"# ----- IR after {step.name} -----\n{kernel}", file=sys.stderr)
     if not debug:
         verify(kernel, contract=True)
     final = replace(kernel)

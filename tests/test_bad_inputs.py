@@ -478,11 +478,11 @@ case("simulate-num_sms-0", lambda: simulate(KERNEL, dict(SIM_ARGS), num_sms=0), 
 
 
 case("verify-grid-power", lambda: verify(dataclasses.replace(KERNEL, grid=ir.BinOp("**", ir.IntConst(1), ir.IntConst(2)))),
-     VerifyError, r"`grid\.op` is '\*\*', not an IR operator")
+     VerifyError, r"the grid: `\*\*` is not an operator of the IR")
 case("verify-grid-min-arity", lambda: verify(dataclasses.replace(KERNEL, grid=ir.Call("min", (ir.IntConst(1),)))),
-     VerifyError, r"`grid` calls min\(\) with 1 argument\(s\); the IR's calls are min\(2\)")
+     VerifyError, r"the grid: min\(\) takes 2 arguments, not 1")
 case("verify-unknown-call", lambda: verify(dataclasses.replace(KERNEL, grid=ir.Call("foo", (ir.IntConst(1),)))),
-     VerifyError, r"`grid` calls foo\(\) with 1 argument")
+     VerifyError, r"the grid: `foo` is not a function of the IR")
 case("verify-huge-role", lambda: verify(replace_at(KERNEL, (8,), warpgroups=2**40)), VerifyError,
      r"the roles add up to \d+ threads")
 

@@ -45,9 +45,20 @@ def test_print_ir_knob_prints_the_chosen_passes(monkeypatch, capsys):
     monkeypatch.setenv("WSCHED_PRINT_IR", "insert_barriers,epilogue")
     ws.lower(mlp)
     err = capsys.readouterr().err
-    assert err.count("// ----- IR after") == 2
-    assert "// ----- IR after insert_barriers -----\nkernel mlp(" in err
-    assert "// ----- IR after epilogue -----" in err
+    assert err.count("# ----- IR after") == 2
+    assert "# ----- IR after insert_barriers -----\nkernel mlp(" in err
+    assert "# ----- IR after epilogue -----" in err
+    # a saved dump parses back as it is
+    dump = err.split("# ----- IR after epilogue -----")[0]
+    assert parse_kernel(dump) == ws.lower(mlp).ir_after["insert_barriers"]
+
+
+def test_print_ir_knob_warns_about_a_misspelt_pass(monkeypatch):
+    monkeypatch.setenv("WSCHED_PRINT_IR", "insert_barrier")
+    with pytest.warns(UserWarning, match=r"WSCHED_PRINT_IR names no pass: insert_barrier; the passes are "
+                                         r"build_loops, circular_buffer, insert_barriers, .*overlap_softmax, "
+                                         r"pingpong, epilogue, reg_realloc \(or all\)"):
+        ws.lower(mlp)
 
 
 @pytest.mark.parametrize("fusion", [matmul, mlp, linear_relu_residual, scaled_silu_f32], ids=lambda f: f.name)

@@ -77,7 +77,7 @@ class Family:
             s, t = (700, 300) if "_br" in self.fusion.name else (450, 450) if "causal" in self.fusion.name else (300, 520)
             return [attention_inputs(1, 2 if gqa else 1, s, t, self.fusion.inputs[0].shape[-1], seed=1,
                                      gqa_groups=2 if gqa else None)]
-        return [inputs_for(self.fusion, 200, 300, 320, seed=1)]
+        return [inputs_for(self.fusion, 200, 296, 320, seed=1)]   # TMA rows: 16-byte aligned
 
     @cached_property
     def references(self) -> list:

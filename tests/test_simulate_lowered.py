@@ -29,7 +29,7 @@ def check(k, fusion, M, N, K, seed, num_sms=4):
 
 
 # M, N, K: not dividing the tile; K smaller than one k tile; fewer and more tiles than CTAs.
-ODD_SHAPES = [(200, 136, 150), (96, 72, 40), (130, 264, 70), (520, 264, 64)]
+ODD_SHAPES = [(200, 136, 152), (96, 72, 40), (130, 264, 72), (520, 264, 64)]   # K: TMA rows are 16-byte aligned
 
 
 @pytest.mark.parametrize("stages", range(1, 7))

@@ -39,6 +39,17 @@ def _settable_registers(n: int) -> bool:
     return n % SETMAXNREG_STEP == 0 and SETMAXNREG_MIN <= n <= SETMAXNREG_MAX
 
 
+def _operator_problem(node, report) -> None:
+    """An operator or call the IR does not have (or a call with the wrong number of arguments)."""
+    if isinstance(node, ir.BinOp) and node.op not in ir.BINARY_PRECEDENCE:
+        report(f"`{node.op}` is not an operator of the IR; use one of {' '.join(ir.BINARY_PRECEDENCE)}")
+    elif isinstance(node, ir.Call) and ir.CALLS.get(node.func) != len(node.args):
+        if node.func in ir.CALLS:
+            report(f"{node.func}() takes {ir.CALLS[node.func]} arguments, not {len(node.args)}")
+        else:
+            report(f"`{node.func}` is not a function of the IR; use one of {', '.join(ir.CALLS)}")
+
+
 @dataclass(frozen=True)
 class _Name:
     what: str                  # "scalar param", "tensormap param", "smem buffer", "let", ...
@@ -152,6 +163,8 @@ class StructureCheck(TileChecks, RoleChecks):
             if isinstance(node, ir.Var) and node.name not in scalars and node.name != "num_sms":
                 report(f"{what} reads `{node.name}`; host-side expressions may read scalar params "
                        f"(and num_sms in the grid) only")
+            else:
+                _operator_problem(node, lambda m: report(f"{what}: {m}"))
 
     def _launch(self, scope) -> None:
         scalars = {n: b for n, b in scope.items() if b.what == "scalar param"}
@@ -214,16 +227,8 @@ class StructureCheck(TileChecks, RoleChecks):
                 elif b.what not in _SCALARS:
                     self.r.at(path, f"`{node.name}` is a {b.what}, not a scalar; expressions read scalar "
                                     f"params, builtins, loop variables and lets/vars")
-            elif isinstance(node, ir.BinOp) and node.op not in ir.BINARY_PRECEDENCE:
-                self.r.at(path, f"`{node.op}` is not an operator of the IR; use one of "
-                                f"{' '.join(ir.BINARY_PRECEDENCE)}")
-            elif isinstance(node, ir.Call) and ir.CALLS.get(node.func) != len(node.args):
-                if node.func in ir.CALLS:
-                    self.r.at(path, f"{node.func}() takes {ir.CALLS[node.func]} arguments, not "
-                                    f"{len(node.args)}")
-                else:
-                    self.r.at(path, f"`{node.func}` is not a function of the IR; use one of "
-                                    f"{', '.join(ir.CALLS)}")
+            else:
+                _operator_problem(node, lambda m: self.r.at(path, m))
 
     def _lookup(self, name, wanted, path, scope, ctx, noun):
         """The declaration behind `name` if it is a `wanted` ("barrier", "register tile", ...) in

@@ -1,0 +1,7 @@
+"""`python -m wsched`: the command line (wsched/cli.py)."""
+
+import sys
+
+from .cli import main
+
+sys.exit(main())
