@@ -17,7 +17,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 import wsched as ws  # noqa: E402
 from attention_fusions import make_attention  # noqa: E402
-from timing import median_ms, rel_error  # noqa: E402
+from wsched.timing import median_ms, rel_error  # noqa: E402
 
 # (B, H, Hkv, S, D, causal)
 CASES = [(4, 16, 16, 4096, 128, False), (4, 16, 16, 4096, 128, True), (8, 16, 16, 2048, 64, False),

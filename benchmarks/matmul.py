@@ -15,7 +15,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 import wsched as ws  # noqa: E402
-from timing import median_ms, rel_error  # noqa: E402
+from wsched.timing import median_ms, rel_error  # noqa: E402
 
 SHAPES = [(4096, 4096, 4096), (8192, 8192, 8192), (8192, 8192, 1024), (2048, 2048, 8192), (6144, 6144, 6144)]
 

@@ -23,7 +23,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 import wsched as ws  # noqa: E402
 from matmul import linear, matmul  # noqa: E402
-from timing import median_ms, rel_error  # noqa: E402
+from wsched.timing import median_ms, rel_error  # noqa: E402
 
 # (N, K) of each projection; qkv and gate/up fused as serving stacks run them.
 MODELS = {
@@ -82,7 +82,7 @@ def llm_suite(args) -> None:
                     print(f"{row['case']:>18} {row['shape']:>18}  wsched {row['ours']:7.1f}  cuBLAS {row['ref']:7.1f} "
                           f"TFLOP/s  ratio {row['ratio']:.3f}  rel.err {err:.1e}{bw}", flush=True)
     geo = math.exp(sum(math.log(r["ratio"]) for r in rows) / len(rows))
-    print(f"\n| case | M×N×K | wsched TFLOP/s | cuBLAS TFLOP/s | ratio | weight read (ours / cuBLAS, of plain read) |")
+    print("\n| case | M×N×K | wsched TFLOP/s | cuBLAS TFLOP/s | ratio | weight read (ours / cuBLAS, of plain read) |")
     print("|---|---|---|---|---|---|")
     for r in rows:
         bw = f"{r['bw'][0]:.0%} / {r['bw'][1]:.0%}" if r["bw"] else ""

@@ -46,7 +46,6 @@ import hashlib
 import json
 import os
 import re
-import statistics
 import tempfile
 import time
 import warnings
@@ -60,6 +59,7 @@ import torch
 from . import knobs
 from .fusion import check_fusion
 from .schedule import Schedule, ScheduleError
+from .timing import median_ms
 from .workloads import workload_for
 
 __all__ = ["AutotunedKernel", "CacheKey", "Environment", "TuneResult", "bucket", "cache_key", "candidates_for",
@@ -590,19 +590,11 @@ class _GpuTimer:
         why = output_error(values if len(values) > 1 else values[0], self.expected)
         if why:
             raise _Rejected(f"wrong output on the GPU: {why}")
-        for _ in range(self.warmup):
-            launch(grid, args, device=self.device)
-        torch.cuda.synchronize(self.device)
-        times = []
-        for _ in range(self.iters):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            launch(grid, args, device=self.device)
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
+        with torch.cuda.device(self.device):
+            ms = median_ms(lambda: launch(grid, args, device=self.device), warmup=self.warmup,
+                           iters=self.iters, device=self.device)
         kernel._loaded.last_error_check(self.device)
-        return statistics.median(times)
+        return ms
 
 
 # --------------------------------------------------------------------------------------------

@@ -24,7 +24,6 @@ import importlib
 import importlib.util
 import math
 import re
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -231,24 +230,6 @@ def require_gpu(command: str, on_cpu: str = "`wsched simulate` runs the kernel o
                        f"{torch.cuda.get_device_name()} (sm_{major}{minor})")
 
 
-def median_ms(fn, warmup: int, iters: int) -> float:
-    """Median time of `fn()` on the GPU in ms, each run between CUDA events (as benchmarks/timing.py)."""
-    import torch
-
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
-
-
 def optional_module(name: str, command: str):
     """Import `wsched.<name>` for a command, or a CLIError saying it (or what it needs) is missing."""
     try:
@@ -338,7 +319,9 @@ def cmd_run(args) -> int:
 def cmd_bench(args) -> int:
     fusion, sizes, kernel, inputs = _compile_for_gpu(args, "bench")
     print(describe_call(fusion, sizes, kernel))
-    ms = median_ms(lambda: kernel(*inputs), args.warmup, args.iters)
+    from .timing import median_ms
+
+    ms = median_ms(lambda: kernel(*inputs), warmup=args.warmup, iters=args.iters)
     flops, causal = matmul_flops(fusion, sizes)
     rate = f"  {flops / ms / 1e9:.0f} TFLOP/s{' (causal: half the dense FLOPs)' if causal else ''}" if flops else ""
     print(f"median {ms * 1e3:.1f} us over {args.iters} runs{rate}")
