@@ -38,6 +38,7 @@ elect_one) and control flow; the other node kinds are spelled in
     fragment.py          the register-tile fragment layout and the C++ names of its elements
     emit_tile_memory.py  tile loads / stores to global memory, tile stores to shared memory
     emit_context.py      the emitter's state: text, scopes, names, expressions, references
+    emit_trace.py        the instrumented build (`trace=True`): clock stamps around statements
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ from wsched.target import ELEMENT_TYPES, SMEM_ALIGN, WARPGROUP_THREADS
 
 from . import emit_async, emit_tile_memory, emit_tiles
 from .emit_context import ELECT, KERNEL, ROLE, EmitError, Emitter, RoleInfo, names_in
+from .emit_trace import TraceEmitter
 
 __all__ = ["EmitError", "EmittedKernel", "emit_kernel", "EMITTERS"]
 
@@ -61,6 +63,9 @@ class EmittedKernel:
     threads: int
     smem_bytes: int
     params: tuple
+    # An instrumented build (`trace=True`): what stamp i was is trace_sites[i - 1]; the kernel
+    # takes two more parameters after `params` (emit_trace.py).
+    trace_sites: tuple | None = None
 
 
 def _emit_body(em: Emitter, body: tuple[ir.Stmt, ...]) -> None:
@@ -74,7 +79,10 @@ def _emit_body(em: Emitter, body: tuple[ir.Stmt, ...]) -> None:
         if type(s) in emit_tiles.ELEMENTWISE and em.level == ROLE:
             i += emit_tiles.emit_elementwise_run(em, body, i)
             continue
+        probed = em.trace.before(em, s) if em.trace is not None else None
         fn(em, s)
+        if probed is not None:
+            em.trace.after(em, probed)
         i += 1
         if isinstance(s, ir.Role) and not (i < len(body) and isinstance(body[i], ir.Role)):
             em.close_guard()
@@ -111,6 +119,8 @@ def _emit_for(em: Emitter, s: ir.For) -> None:
     note = "  // persistent: this CTA's tiles" if s.iteration == "persistent" else ""
     with em.block(f"for (int {var} = {start}; {var} < {stop}; {step}) {{{note}"):
         em.scope.declare(s.var, "int")
+        if em.trace is not None:
+            em.trace.tile_start(em, s)
         _emit_body(em, s.body)
 
 
@@ -285,9 +295,12 @@ def _host_expr(em: Emitter, e: ir.Expr) -> str:
         em.host = False
 
 
-def emit_kernel(kernel: ir.Kernel) -> EmittedKernel:
-    """The CUDA C++ source of `kernel` (sm_90a), with its launch facts."""
+def emit_kernel(kernel: ir.Kernel, *, trace: bool = False) -> EmittedKernel:
+    """The CUDA C++ source of `kernel` (sm_90a), with its launch facts. `trace=True` emits the
+    instrumented build (`emit_trace.py`); without it the source has no trace of tracing."""
     em = Emitter(kernel)
+    if trace:
+        em.trace = TraceEmitter()
     for p in kernel.params:
         if isinstance(p, ir.ScalarParam):
             em.scope.declare(p.name, ELEMENT_TYPES[p.dtype].cuda if p.dtype in ELEMENT_TYPES else "int")
@@ -311,20 +324,27 @@ def emit_kernel(kernel: ir.Kernel) -> EmittedKernel:
         em.line("const int cta_id = blockIdx.x;")
     if em.uses_builtin["num_ctas"]:
         em.line("const int num_ctas = gridDim.x;")
+    if em.trace is not None:
+        em.trace.setup(em)
     _emit_body(em, kernel.body)
     em.close_guard()
     body = em.lines
 
     out = _header(kernel, em)
+    if em.trace is not None:
+        out.append(em.trace.header())
     out += ["", '#include "wsched.cuh"', "#include <cuda_bf16.h>", "#include <cuda_fp16.h>", ""]
     for text in em.wgmma.values():
         out += text.rstrip("\n").split("\n") + [""]
     out.append(f'extern "C" __global__ void __launch_bounds__({kernel.threads}, 1) {kernel.name}(')
     decls = [_param_decl(em, p) for p in kernel.params]
+    if em.trace is not None:
+        decls += em.trace.params()
     out += [f"    {d}{',' if i + 1 < len(decls) else ') {'}" for i, d in enumerate(decls)]
     if not decls:
         out[-1] += ") {"
     out += body
     out.append("}")
     return EmittedKernel(source="\n".join(out) + "\n", name=kernel.name, threads=kernel.threads,
-                         smem_bytes=kernel.smem_bytes, params=tuple(kernel.params))
+                         smem_bytes=kernel.smem_bytes, params=tuple(kernel.params),
+                         trace_sites=tuple(em.trace.sites) if em.trace is not None else None)

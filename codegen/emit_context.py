@@ -128,6 +128,7 @@ class Emitter:
         self.smem_offsets, self.barrier_offsets = _layout(kernel)
         self.names = _cpp_names(kernel)
         self.uses_builtin = {b: any(names_in(kernel.body, b)) for b in ("cta_id", "num_ctas")}
+        self.trace = None  # emit_trace.TraceEmitter of an instrumented build (emit_kernel(trace=True))
 
     def c(self, name: str) -> str:
         """The C++ spelling of an IR-declared name."""

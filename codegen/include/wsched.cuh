@@ -14,3 +14,5 @@
 #include "fragment.cuh"
 #include "global_access.cuh"
 #include "shared_access.cuh"
+// timeline stamps of an instrumented build (emit_kernel(..., trace=True) calls them)
+#include "trace.cuh"

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 from .. import ir
 
-# Event kinds.
+# Event categories.
 WAIT = "wait"                  # mbarrier.wait: blocked until a phase completes
 ARRIVE = "arrive"              # mbarrier.arrive / arrive_expect_tx: a release
 BAR_SYNC = "bar.sync"          # named barrier
@@ -41,18 +41,18 @@ WGMMA_WAIT = "wgmma.wait"      # waiting for wgmma groups to retire
 STORE = "store"                # tile.store / tile.store_smem (the epilogue's writes)
 TILE = "tile"                  # a CTA starts a tile of its persistent loop
 
-# Kinds that run beside the warpgroup's own instruction stream (drawn on their own row).
-ASYNC_KINDS = frozenset({WGMMA, TMA_LOAD})
+# Categories that run beside the warpgroup's own instruction stream (drawn on their own row).
+ASYNC_CATEGORIES = frozenset({WGMMA, TMA_LOAD})
 
 BEGIN, END, AT = "begin", "end", "at"
 
 
 @dataclass(frozen=True)
 class Probe:
-    """How one statement is stamped: its event kind, span or instant, a label with `{}` for the
+    """How one statement is stamped: its event category, span or instant, a label with `{}` for the
     value, and the expression whose value is stamped with it (None: no value)."""
 
-    kind: str
+    category: str
     span: bool
     label: str
     value: ir.Expr | None = None
@@ -94,7 +94,7 @@ class Site:
     """One place a warpgroup stamps the clock: a probed statement's begin, end or instant.
     `statement` pairs a span's begin with its end; `line` is the statement's IR line (if known)."""
 
-    kind: str
+    category: str
     edge: str
     label: str
     statement: int
@@ -104,9 +104,9 @@ class Site:
 def sites_of(probe: Probe, statement: int, line: int | None = None) -> tuple[Site, ...]:
     """(begin, end) of a span probe, (at,) of an instant."""
     if probe.span:
-        return (Site(probe.kind, BEGIN, probe.label, statement, line),
-                Site(probe.kind, END, probe.label, statement, line))
-    return (Site(probe.kind, AT, probe.label, statement, line),)
+        return (Site(probe.category, BEGIN, probe.label, statement, line),
+                Site(probe.category, END, probe.label, statement, line))
+    return (Site(probe.category, AT, probe.label, statement, line),)
 
 
 @dataclass(frozen=True)
@@ -117,7 +117,7 @@ class TraceEvent:
     cta: int
     role: str
     warpgroup: int          # index within the role
-    kind: str
+    category: str
     label: str
     begin: float
     end: float
@@ -189,18 +189,18 @@ class TraceBuilder:
             if opened is None:
                 return   # its begin was not recorded (a GPU buffer that filled up)
             begin, label, args = opened
-            self.events.append(TraceEvent(cta, role, warpgroup, site.kind, label, begin, t, args))
-            if site.kind == WGMMA_WAIT:
+            self.events.append(TraceEvent(cta, role, warpgroup, site.category, label, begin, t, args))
+            if site.category == WGMMA_WAIT:
                 self._retire_wgmma(key, track, value or 0, t)
             return
-        if site.kind == WGMMA_ISSUE:
+        if site.category == WGMMA_ISSUE:
             if track.wgmma_open is None:
                 track.wgmma_open = (t, label, args or {})
-        elif site.kind == WGMMA_COMMIT:   # a group with no issue stamp (GPU) starts here
+        elif site.category == WGMMA_COMMIT:   # a group with no issue stamp (GPU) starts here
             track.wgmma_groups.append(track.wgmma_open or (t, "wgmma", args or {}))
             track.wgmma_open = None
         else:
-            self.events.append(TraceEvent(cta, role, warpgroup, site.kind, label, t, t, args or {}))
+            self.events.append(TraceEvent(cta, role, warpgroup, site.category, label, t, t, args or {}))
 
     def _retire_wgmma(self, key, track: _Track, pending: int, t: float) -> None:
         while len(track.wgmma_groups) > pending:

@@ -60,13 +60,13 @@ class TracingMachine(Machine):
     def _trace(self) -> Trace:
         return Trace(self.kernel.name, "simulator", "steps", roles_of(self.kernel), self.builder.finish(),
                      sms={cta: cta % self.num_sms for cta in range(self.grid)},
-                     meta={"num_sms": self.num_sms, "steps": self.clock})
+                     meta={"grid": self.grid, "num_sms": self.num_sms, "steps": self.clock})
 
     # -- stamping ------------------------------------------------------------------------------
     def _compile_stmt(self, s, in_role: bool, in_elect: bool, path) -> Node:
         node = super()._compile_stmt(s, in_role, in_elect, path)
         probe = probe_for(s) if in_role else None
-        if probe is not None and probe.kind != TILE:   # tiles: `_for_loop`
+        if probe is not None and probe.category != TILE:   # tiles: `_for_loop`
             self._probed += 1
             sites = sites_of(probe, self._probed, node.line)
             value = compile_expr(probe.value) if probe.value is not None else None
@@ -84,7 +84,7 @@ class TracingMachine(Machine):
         def run(co: Co, node: Node):
             cta, role, wg, args = self._where(co, node)
             v = value(co.env) if value is not None else None
-            if sites[0].kind == TMA_LOAD:    # a span from issue to landing, closed by land_tma_load
+            if sites[0].category == TMA_LOAD:    # a span from issue to landing, closed by land_tma_load
                 result = handler(co, node)
                 op = self.async_ops[-1]
                 self._loads[op] = (cta, role, wg, sites[0].label.format(v), self.clock, args)
@@ -121,6 +121,6 @@ class TracingMachine(Machine):
         """The persistent loop's iterations, each stamped as a `tile` instant as it starts."""
         cta, role, wg, args = where
         for i in iterations:
-            self.builder.add(TraceEvent(cta, role, wg, probe.kind, probe.label.format(i), self.clock, self.clock,
+            self.builder.add(TraceEvent(cta, role, wg, probe.category, probe.label.format(i), self.clock, self.clock,
                                         {**args, node.stmt.var: i}))
             yield i
