@@ -61,3 +61,16 @@ def test_the_simulator_refuses_rows_the_gpu_cannot_load():
     a, b, bias = inputs_for(mlp, 64, 64, 60)   # a's rows are 120 bytes: not a multiple of 16
     with pytest.raises(ValueError, match=r"argument 'a'.*16"):
         k.simulate(a, b, bias)
+
+
+@pytest.mark.gpu
+def test_an_edited_kernel_runs_on_the_gpu():
+    k = ws.compile(mlp)
+    edited = k.with_ir(k.ir.replace("tile.gelu", "tile.relu"))
+    a, b, bias = (t.cuda() for t in inputs_for(mlp, 300, 264, 200, seed=4))
+    out = torch.full((300, 264), float("nan"), device="cuda", dtype=torch.bfloat16)
+    got = edited(a, b, bias, out={"out": out})
+    torch.cuda.synchronize()
+    assert not torch.isnan(got.float()).any()
+    assert rel(got, torch.relu(a.float() @ b.float() + bias.float())) < 1e-2
+    assert rel(k(a, b, bias), torch.nn.functional.gelu(a.float() @ b.float() + bias.float())) < 1e-2
