@@ -7,7 +7,8 @@ The linear layers of Llama-3-8B and -70B (fused qkv, o, fused gate/up, down) at 
 in both B layouts (`nk`: weight [N, K] as nn.Linear stores it; `kn`: [K, N]). Per row: TFLOP/s
 of ours and cuBLAS (`torch.matmul`) and the ratio; for M <= 16 (weight-read bound) also the
 weight bytes per second as a fraction of what a plain `torch.sum` over 2 GiB reads in the same
-run. A geometric mean of the ratios closes the table. Every result is checked against torch.
+run. A geometric mean of the ratios closes the table. Every result is compared with torch and a
+row whose relative error exceeds 1e-2 is marked WRONG.
 """
 
 from __future__ import annotations
@@ -80,7 +81,8 @@ def llm_suite(args) -> None:
                     rows.append(row)
                     bw = f"  weight read {row['bw'][0]:.0%} / cuBLAS {row['bw'][1]:.0%} of plain read" if row["bw"] else ""
                     print(f"{row['case']:>18} {row['shape']:>18}  wsched {row['ours']:7.1f}  cuBLAS {row['ref']:7.1f} "
-                          f"TFLOP/s  ratio {row['ratio']:.3f}  rel.err {err:.1e}{bw}", flush=True)
+                          f"TFLOP/s  ratio {row['ratio']:.3f}  rel.err {err:.1e}{bw}"
+                          f"{'  WRONG' if not err < 1e-2 else ''}", flush=True)
     geo = math.exp(sum(math.log(r["ratio"]) for r in rows) / len(rows))
     print("\n| case | M×N×K | wsched TFLOP/s | cuBLAS TFLOP/s | ratio | weight read (ours / cuBLAS, of plain read) |")
     print("|---|---|---|---|---|---|")
@@ -116,7 +118,7 @@ def epilogue_suite(args) -> None:
         t_ind = median_ms(lambda: compiled(*args_), iters=args.iters)
         print(f"{name:>10} {M}x{N}x{K}  wsched {flops / t_ours / 1e9:6.1f}  eager {flops / t_eager / 1e9:6.1f}  "
               f"inductor {flops / t_ind / 1e9:6.1f} TFLOP/s  vs eager {t_eager / t_ours:.2f}  vs inductor "
-              f"{t_ind / t_ours:.2f}  rel.err {err:.1e}", flush=True)
+              f"{t_ind / t_ours:.2f}  rel.err {err:.1e}{'  WRONG' if not err < 1e-2 else ''}", flush=True)
 
 
 def main(argv=None):

@@ -29,6 +29,7 @@ from typing import Iterable, Sequence
 import torch
 from cuda.bindings import driver
 
+from wsched.target import INT_MAX, INT_MIN
 from wsched.target import (MAX_GRID, MAX_PORTABLE_CLUSTER, MAX_THREADS, TMA_GLOBAL_ADDRESS_ALIGNMENT,
                            TMA_STRIDE_ALIGNMENT)
 
@@ -158,7 +159,7 @@ def check_tensor(
 
 # The argument types a kernel takes, as `launch` receives them: (type, value) pairs.
 ARG_TYPES = ("tensor_map", "ptr", "i32", "f32")
-_I32_MIN, _I32_MAX = -(2**31), 2**31 - 1
+_I32_MIN, _I32_MAX = INT_MIN, INT_MAX   # the kernel's `int` parameters
 
 
 def _marshal_args(args: Sequence[tuple[str, object]]) -> tuple[tuple, tuple]:

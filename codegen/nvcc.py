@@ -28,6 +28,7 @@ from functools import lru_cache
 from pathlib import Path
 
 from wsched import knobs
+from wsched.target import ARCH
 
 __all__ = [
     "BuildError",
@@ -48,7 +49,7 @@ __all__ = [
 INCLUDE_DIR = Path(__file__).resolve().parent / "include"
 
 NVCC_FLAGS: tuple[str, ...] = (
-    "-gencode=arch=compute_90a,code=sm_90a",
+    f"-gencode=arch=compute_{ARCH[3:]},code={ARCH}",
     "-cubin",
     "-O3",
     "-std=c++17",
@@ -88,6 +89,15 @@ def nvcc_path() -> str:
     if os.path.exists(fallback):
         return fallback
     raise BuildError("nvcc not found: put it on PATH or set WSCHED_NVCC")
+
+
+def nvcc_available() -> bool:
+    """Whether `nvcc_path` finds an nvcc (the rule `ws.compile(build=None)` builds by)."""
+    try:
+        nvcc_path()
+    except BuildError:
+        return False
+    return True
 
 
 @lru_cache(maxsize=None)

@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 import shutil
-import sys
 import time
 
 import torch
 
 import wsched as ws
+from wsched.timing import rel_error
 
 D = 128
 SCALE = 1.0 / math.sqrt(D)
@@ -30,10 +29,6 @@ def attention(q: ws.Tensor[ws.bf16, "B", "H", "S", D], k: ws.Tensor[ws.bf16, "B"
     return ws.matmul(ws.softmax(s, dim=-1), v).to(ws.bf16), ws.logsumexp(s, dim=-1)
 
 
-def rel_error(out, ref) -> float:
-    return float((out.float() - ref.float()).norm() / ref.float().norm())
-
-
 def inputs(B, H, S, device):
     return [torch.randn(B, H, S, D).to(torch.bfloat16).to(device) for _ in range(3)]
 
@@ -42,8 +37,7 @@ def on_gpu(B: int, H: int, S: int):
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
-    from timing import median_ms
+    from wsched.timing import median_ms
 
     k = ws.compile(attention)
     print(f"schedule: {k.schedule.short()}   ptxas: {k.resources}")

@@ -14,15 +14,12 @@ import time
 import torch
 
 import wsched as ws
+from wsched.timing import rel_error
 
 
 @ws.fusion
 def mlp(a: ws.Tensor[ws.bf16, "M", "K"], b: ws.Tensor[ws.bf16, "K", "N"], bias: ws.Tensor[ws.bf16, "N"]):
     return ws.gelu(ws.matmul(a, b) + bias).to(ws.bf16)
-
-
-def rel_error(out, ref) -> float:
-    return float((out.float() - ref.float()).norm() / ref.float().norm())
 
 
 def inputs(M, N, K, device):
@@ -33,10 +30,7 @@ def inputs(M, N, K, device):
 
 
 def on_gpu(size: int):
-    import os, sys
-
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
-    from timing import median_ms
+    from wsched.timing import median_ms
 
     k = ws.compile(mlp)
     print(f"schedule: {k.schedule.short()}   ptxas: {k.resources}")

@@ -6,10 +6,9 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
 import wsched as ws  # noqa: E402
 from attention_fusions import make_attention  # noqa: E402
-from timing import median_ms  # noqa: E402
+from wsched.timing import median_ms  # noqa: E402
 
 B, H, S, D = 4, 16, 4096, 128
 q, k, v = (torch.randn(B, H, S, D, device="cuda", dtype=torch.bfloat16) for _ in range(3))

@@ -28,6 +28,8 @@ import sys
 import time
 from pathlib import Path
 
+from .timing import rel_error
+
 COMMANDS = ("ir", "cuda", "simulate", "run", "tune", "bench", "trace")
 EXIT_MISMATCH = 1   # an output is further from the reference than --tol
 EXIT_ERROR = 2      # a user error, reported in one line (argparse uses 2 as well)
@@ -175,11 +177,6 @@ def random_inputs(fusion, sizes: dict[str, int], device: str, seed: int = 0) -> 
             t = torch.randint(0, 8, shape, generator=generator, device=device)
         tensors.append(t.to(dtype))
     return tensors
-
-
-def rel_error(out, ref) -> float:
-    out, ref = out.float(), ref.float()
-    return float((out - ref).norm() / ref.norm().clamp_min(1e-30))
 
 
 def report_errors(kernel, outputs, reference, tol: float) -> bool:

@@ -10,6 +10,7 @@ from functools import cached_property
 
 import torch
 
+from .codegen.nvcc import nvcc_available
 from .errors import ArgumentError, FusionError, check_argument, short_repr
 from .fusion import check_fusion
 from .lowering.pipeline import lower_partition
@@ -131,8 +132,6 @@ class CompiledKernel:
         with the load/compute contract (VerifyError located by IR line), emitted and built; this
         kernel is left as it is. The edit must keep the kernel's parameters (the call binds them
         from the fusion)."""
-        import shutil
-
         from .codegen.emit import emit_kernel
         from .lowering.parser import parse_kernel
         from .lowering.verify import verify
@@ -148,7 +147,7 @@ class CompiledKernel:
         verify(kernel, contract=True)
         ck = CompiledKernel(self.fusion, self.schedule, self.partition, kernel, emit_kernel(kernel).source,
                             timings={})
-        if build or (build is None and shutil.which("nvcc")):
+        if build or (build is None and nvcc_available()):
             ck.compile_cuda()
         return ck
 
@@ -308,8 +307,6 @@ def build_kernel(fusion, schedule: Schedule | None = None, *, build: bool | None
                  **overrides) -> CompiledKernel:
     """Lower and emit a fusion with one schedule (given, or the workload's default with
     `overrides`); build the cubin with nvcc now if nvcc is on PATH (or `build`)."""
-    import shutil
-
     from .codegen.emit import emit_kernel
 
     check_fusion(fusion, "ws.compile")
@@ -324,6 +321,6 @@ def build_kernel(fusion, schedule: Schedule | None = None, *, build: bool | None
     t2 = time.perf_counter()
     ck = CompiledKernel(fusion, sched, part, kernel, emitted.source,
                         timings={"lower": t1 - t0, "emit": t2 - t1})
-    if build or (build is None and shutil.which("nvcc")):
+    if build or (build is None and nvcc_available()):
         ck.compile_cuda()
     return ck

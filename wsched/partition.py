@@ -21,6 +21,7 @@ import networkx as nx
 
 from .names import LOWERING_NAMES
 from .schedule import Schedule
+from .target import DTYPE_BYTES
 
 
 @dataclass(frozen=True)
@@ -41,7 +42,7 @@ class OperandLoad:
 
     @property
     def bytes(self) -> int:
-        return self.box[0] * self.box[1] * self.boxes * 2
+        return self.box[0] * self.box[1] * self.boxes * DTYPE_BYTES[self.dtype]
 
 
 @dataclass(frozen=True)

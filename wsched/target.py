@@ -10,10 +10,12 @@ these names; none of them writes a limit or a table of its own. Sources: the PTX
 from __future__ import annotations
 
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from .dtypes import DTYPES, DType
+
+if TYPE_CHECKING:
+    import torch as _torch
 
 ARCH = "sm_90a"
 
@@ -80,7 +82,7 @@ class ElementType:
         return self.dtype.itemsize
 
     @property
-    def torch(self) -> torch.dtype:
+    def torch(self) -> _torch.dtype:
         return self.dtype.torch_dtype
 
 

@@ -7,7 +7,7 @@ full/empty barriers, TMA issue, the wgmma protocol, register reallocation); the 
 - `matches(fusion)`: whether it can take a fusion (and `mismatch(fusion)`: why not, in words);
 - `default_schedule(fusion, **overrides)` and `schedule_space(fusion)`: its schedules (a
   subclass of `wsched.schedule.Schedule`, `schedule_type`);
-- `partition(fusion, schedule)`: the load / compute split, one `wsched.partition.Partition`
+- `split(workload, fusion, schedule)`: the load / compute split, one `wsched.partition.Partition`
   with the workload's own payload, and `describe(partition)` to print it;
 - `build_loops(None, ctx)`: the partition's two loop nests (producer loads, consumer compute),
   single-buffered and unsynchronised;

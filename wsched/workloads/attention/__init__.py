@@ -58,7 +58,7 @@ class AttentionWorkload(Workload):
         head_dim = partition.head_dim_of(fusion)
         if not is_int(head_dim):
             raise ScheduleError(f"attention schedule for {fusion.name}: the head dim of Q is the symbol "
-                                f"{head_dim!r}; declare it as a number (64, 128 or 256)")
+                                f"{head_dim!r}; declare it as a number ({', '.join(map(str, schedule.HEAD_DIMS))})")
         return head_dim
 
 

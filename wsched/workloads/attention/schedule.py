@@ -19,7 +19,7 @@ HEAD_DIMS = (64, 128, 256)
 # The most keys per kv block (BN) whose S tile, P, the O accumulator and the softmax state fit
 # the registers of a consumer thread, by (consumer_warpgroups, head dim, mma_inflight): beyond
 # it ptxas spills (a build error). Measured with nvcc 12 on the causal + LSE + GQA kernels, the
-# largest of each family; with 2 consumer warpgroups a thread has 168 registers, with 1 it has 255.
+# largest of each family; with 2 consumer warpgroups a thread has 168 registers, with 1 it starts with 248 (`target.launch_registers`).
 MAX_KEYS_PER_BLOCK = {
     (2, 64, 0): 192, (2, 64, 1): 192,
     (2, 128, 0): 192, (2, 128, 1): 192,

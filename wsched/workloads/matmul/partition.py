@@ -206,8 +206,7 @@ def _side_tile(node, m_sym, n_sym, user) -> EpilogueTile:
 
 def _result_tile(node, tiles) -> EpilogueTile:
     layouts = {tiles[i].layout for i in node.inputs} - {"scalar"}
-    layout = "full" if "full" in layouts or layouts == {"row", "col"} else (layouts.pop() if layouts else "scalar")
-    if layout != "full":
+    if "full" not in layouts and layouts != {"row", "col"}:
         raise ScheduleError(f"{node.id} = {node.op}(...) at {node.source} does not depend on the "
                             f"matmul result")
-    return EpilogueTile(node.id, layout, node.dtype.name)
+    return EpilogueTile(node.id, "full", node.dtype.name)
