@@ -53,9 +53,8 @@ def main(argv=None):
         kk = torch.randn(B, HK, S, D, device="cuda", dtype=torch.bfloat16)
         v = torch.randn(B, HK, S, D, device="cuda", dtype=torch.bfloat16)
         ours_in = (q.view(B, HK, H // HK, S, D), kk.view(B, HK, 1, S, D), v.view(B, HK, 1, S, D)) if gqa else (q, kk, v)
-        out = k._outputs(f.bind(*ours_in), "cuda")
-        grid, launch_args, _ = k.launch_args(ours_in, out=out)
-        ours = lambda: k._loaded.launch(grid, launch_args)  # noqa: E731 (pre-bound args: time the kernel)
+        ours = k.bind(*ours_in)   # pre-bound arguments: time the kernel
+        out = ours.outputs
         ours()
         torch.cuda.synchronize()
         o = next(iter(out.values())).view(B, H, S, D)
@@ -97,9 +96,7 @@ def time_variant(k, f, B, H, HK, S, D, causal, gqa, iters, overrides):
         torch.randn(B, H, S, D, device="cuda", dtype=torch.bfloat16)
     kv_shape = (B, HK, 1, S, D) if gqa else (B, H, S, D)
     kk, v = (torch.randn(kv_shape, device="cuda", dtype=torch.bfloat16) for _ in range(2))
-    out = k._outputs(f.bind(q, kk, v), "cuda")
-    grid, launch_args, _ = k.launch_args((q, kk, v), out=out)
-    t = median_ms(lambda: k._loaded.launch(grid, launch_args), iters=iters)
+    t = median_ms(k.bind(q, kk, v), iters=iters)   # pre-bound arguments: time the kernel
     flops = 4 * B * H * S * S * D * (0.5 if causal else 1.0)
     label = f"  variant {','.join(f'{a}={b}' for a, b in overrides.items())}"
     print(f"{label:>28}  wsched {flops / t / 1e9:6.1f} TFLOP/s  ({k.schedule.short()})", flush=True)

@@ -23,7 +23,7 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 import wsched as ws  # noqa: E402
-from matmul import linear, matmul  # noqa: E402
+from matmul import linear, matmul, parse_overrides  # noqa: E402
 from wsched.timing import median_ms, rel_error  # noqa: E402
 
 # (N, K) of each projection; qkv and gate/up fused as serving stacks run them.
@@ -56,6 +56,9 @@ def llm_suite(args) -> None:
     roof = plain_read_bandwidth(args.iters)
     print(f"# plain read (torch.sum over 2 GiB): {roof / 1e12:.2f} TB/s")
     kernels = {"kn": ws.compile(matmul), "nk": ws.compile(linear)}
+    # other schedules timed beside the default (--schedule split_k=16): their ratios to cuBLAS
+    variants = {text: {"kn": ws.compile(matmul, **parse_overrides(text)), "nk": ws.compile(linear, **parse_overrides(text))}
+                for text in args.schedule}
     rows = []
     for model in args.models.split(","):
         for proj, (N, K) in MODELS[model].items():
@@ -66,8 +69,7 @@ def llm_suite(args) -> None:
                     b = torch.randn((K, N) if layout == "kn" else (N, K), device="cuda", dtype=torch.bfloat16) / K ** 0.25
                     ref_fn = (lambda: torch.matmul(a, b)) if layout == "kn" else (lambda: torch.matmul(a, b.t()))
                     out = torch.full((M, N), float("nan"), device="cuda", dtype=torch.bfloat16)
-                    grid, launch_args, _ = k.launch_args((a, b), out={"out": out})
-                    ours_fn = lambda: k._loaded.launch(grid, launch_args)  # noqa: E731 (time the kernel alone)
+                    ours_fn = k.bind(a, b, out={"out": out})   # bound once: time the kernel alone
                     ours_fn()
                     torch.cuda.synchronize()
                     err = rel_error(out, ref_fn())
@@ -77,12 +79,23 @@ def llm_suite(args) -> None:
                     weight = N * K * 2
                     row = dict(case=f"{model} {proj} {layout}", shape=f"{M}x{N}x{K}", ours=flops / t_ours / 1e9,
                                ref=flops / t_ref / 1e9, ratio=t_ref / t_ours, err=err,
-                               bw=(weight / (t_ours * 1e-3) / roof, weight / (t_ref * 1e-3) / roof) if M <= 16 else None)
+                               bw=(weight / (t_ours * 1e-3) / roof, weight / (t_ref * 1e-3) / roof) if M <= 16 else None,
+                               variants={})
+                    for text, ks in variants.items():
+                        out.fill_(float("nan"))
+                        fn = ks[layout].bind(a, b, out={"out": out})
+                        fn()
+                        torch.cuda.synchronize()
+                        t = median_ms(fn, iters=args.iters)
+                        row["variants"][text] = (t_ref / t, rel_error(out, ref_fn()), weight / (t * 1e-3) / roof)
                     rows.append(row)
                     bw = f"  weight read {row['bw'][0]:.0%} / cuBLAS {row['bw'][1]:.0%} of plain read" if row["bw"] else ""
+                    more = "".join(f"  [{text}: ratio {r:.3f}{'' if e < 1e-2 else ' WRONG'}"
+                                   f"{f', weight read {w:.0%}' if M <= 16 else ''}]"
+                                   for text, (r, e, w) in row["variants"].items())
                     print(f"{row['case']:>18} {row['shape']:>18}  wsched {row['ours']:7.1f}  cuBLAS {row['ref']:7.1f} "
                           f"TFLOP/s  ratio {row['ratio']:.3f}  rel.err {err:.1e}{bw}"
-                          f"{'  WRONG' if not err < 1e-2 else ''}", flush=True)
+                          f"{'  WRONG' if not err < 1e-2 else ''}{more}", flush=True)
     geo = math.exp(sum(math.log(r["ratio"]) for r in rows) / len(rows))
     print("\n| case | M×N×K | wsched TFLOP/s | cuBLAS TFLOP/s | ratio | weight read (ours / cuBLAS, of plain read) |")
     print("|---|---|---|---|---|---|")
@@ -90,6 +103,10 @@ def llm_suite(args) -> None:
         bw = f"{r['bw'][0]:.0%} / {r['bw'][1]:.0%}" if r["bw"] else ""
         print(f"| {r['case']} | {r['shape']} | {r['ours']:.0f} | {r['ref']:.0f} | {r['ratio']:.2f} | {bw} |")
     print(f"\ngeomean ratio to cuBLAS over {len(rows)} rows: {geo:.3f}; lowest {min(r['ratio'] for r in rows):.2f}")
+    for text in variants:
+        ratios = [r["variants"][text][0] for r in rows]
+        print(f"geomean ratio to cuBLAS of [{text}]: {math.exp(sum(map(math.log, ratios)) / len(ratios)):.3f}; "
+              f"lowest {min(ratios):.2f}")
 
 
 def epilogue_suite(args) -> None:
@@ -129,6 +146,8 @@ def main(argv=None):
     ap.add_argument("--layouts", default="nk,kn")
     ap.add_argument("--epilogues", action="store_true", help="fused epilogues vs eager and Inductor instead")
     ap.add_argument("--size", type=int, default=4096)
+    ap.add_argument("--schedule", action="append", default=[],
+                    help="schedule overrides timed beside the default, e.g. 'split_k=16' (repeatable)")
     args = ap.parse_args(argv)
     print(f"# {torch.cuda.get_device_name()}  torch {torch.__version__}  bf16, median of {args.iters}")
     epilogue_suite(args) if args.epilogues else llm_suite(args)

@@ -17,7 +17,7 @@ from typing import Iterator
 import torch
 from cuda.bindings import driver
 
-__all__ = ["CudaError", "check_cuda", "device_index", "init_driver", "torch_context"]
+__all__ = ["CudaError", "check_cuda", "device_index", "init_driver", "is_current", "torch_context"]
 
 
 class CudaError(RuntimeError):
@@ -79,6 +79,7 @@ def device_index(device: object = None) -> int:
 
 
 _primary_contexts: dict[int, driver.CUcontext] = {}  # device index -> torch's (primary) context
+_primary_handles: dict[int, int] = {}                # the same contexts as ints (for is_current)
 _init_lock = threading.Lock()
 
 
@@ -98,8 +99,10 @@ def init_driver(device: object = None) -> int:
                 handle = check_cuda(driver.cuDeviceGet(index), f"cuDeviceGet({index})")
                 # retained once and never released: torch holds the same context for the
                 # life of the process
-                _primary_contexts[index] = check_cuda(driver.cuDevicePrimaryCtxRetain(handle),
-                                                      f"cuDevicePrimaryCtxRetain(cuda:{index})")
+                primary = check_cuda(driver.cuDevicePrimaryCtxRetain(handle),
+                                     f"cuDevicePrimaryCtxRetain(cuda:{index})")
+                _primary_handles[index] = int(primary)
+                _primary_contexts[index] = primary
     return index
 
 
@@ -107,6 +110,17 @@ def _current_context() -> int:
     """The thread's current context as an int (0: none)."""
     context = check_cuda(driver.cuCtxGetCurrent(), "cuCtxGetCurrent")
     return 0 if context is None else int(context)
+
+
+def is_current(index: int) -> bool:
+    """Whether torch's primary context of device `index` is the thread's current context: the
+    launch's quick test (one driver call) before it falls back to `torch_context`. False before
+    `init_driver(index)` and on any driver error (the fallback reports it)."""
+    primary = _primary_handles.get(index)
+    if primary is None:
+        return False
+    error, context = driver.cuCtxGetCurrent()
+    return not error and context is not None and int(context) == primary
 
 
 @contextlib.contextmanager

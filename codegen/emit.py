@@ -37,6 +37,7 @@ elect_one) and control flow; the other node kinds are spelled in
     emit_tiles.py        register tiles: declarations, elementwise ops, reductions, masks
     fragment.py          the register-tile fragment layout and the C++ names of its elements
     emit_tile_memory.py  tile loads / stores to global memory, tile stores to shared memory
+    emit_global_sync.py  GPU fences, atomics and `ld.shared` (split-K's tickets)
     emit_context.py      the emitter's state: text, scopes, names, expressions, references
     emit_trace.py        the instrumented build (`trace=True`): clock stamps around statements
 """
@@ -49,7 +50,7 @@ from typing import Callable
 from wsched.lowering import ir
 from wsched.target import ELEMENT_TYPES, SMEM_ALIGN, WARPGROUP_THREADS
 
-from . import emit_async, emit_tile_memory, emit_tiles
+from . import emit_async, emit_global_sync, emit_tile_memory, emit_tiles
 from .emit_context import ELECT, KERNEL, ROLE, EmitError, Emitter, RoleInfo, names_in
 from .emit_trace import TraceEmitter
 
@@ -241,6 +242,14 @@ EMITTERS: dict[type, Callable[[Emitter, ir.Stmt], None]] = {
     ir.TileLoadGlobal: emit_tile_memory.emit_tile_load_global,
     ir.TileStoreGlobal: emit_tile_memory.emit_tile_store_global,
     ir.TileStoreSmem: emit_tile_memory.emit_tile_store_smem,
+    # sliced epilogues and split-K
+    ir.TileView: emit_tiles.emit_tile_view,
+    ir.FenceGpu: emit_global_sync.emit_fence_gpu,
+    ir.AtomicInc: emit_global_sync.emit_atomic_inc,
+    ir.LoadShared: emit_global_sync.emit_load_shared,
+    # attention score functions: elementwise, a run of them shares one loop with the ops above
+    ir.TileIota: emit_tiles.emit_elementwise,
+    ir.TileSelect: emit_tiles.emit_elementwise,
 }
 
 
@@ -275,6 +284,12 @@ def _header(kernel: ir.Kernel, em: Emitter) -> list[str]:
         f"{'x'.join(map(str, kernel.cluster))}, {kernel.smem_bytes} bytes dynamic shared memory",
         f"//   roles     {'; '.join(roles) if roles else '(none)'}",
     ]
+    for p in kernel.params:
+        if isinstance(p, ir.HostParam):
+            out.append(f"//   host      {p.name} = {_host_expr(em, p.value)} (computed per call)")
+        elif isinstance(p, ir.WorkspaceParam):
+            dims = ", ".join(_host_expr(em, d) for d in p.shape)
+            out.append(f"//   workspace {p.name}: {p.dtype}[{dims}]{' zeroed' if p.zeroed else ''} (kept by the host)")
     for buf in kernel.smem:
         out.append(f"//   smem      {buf.name}: {buf.dtype}{list(buf.shape)} swizzle({buf.swizzle}) "
                    f"at +{em.smem_offsets[buf.name]} ({buf.nbytes} bytes)")

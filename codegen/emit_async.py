@@ -19,7 +19,7 @@ import math
 from typing import Callable
 
 from wsched.lowering import ir
-from wsched.target import (DTYPE_BYTES, SWIZZLE_ROW_BYTES, WGMMA_ACCUMULATOR_DTYPE, WGMMA_K, WGMMA_M,
+from wsched.target import (DTYPE_BYTES, OPERAND_SWIZZLES, WGMMA_ACCUMULATOR_DTYPE, WGMMA_K, WGMMA_M,
                            WGMMA_N, WGMMA_OPERAND_DTYPES)
 
 from .emit_context import ELECT, KERNEL, EmitError, Emitter, describe
@@ -166,13 +166,14 @@ def emit_wgmma_wait(em: Emitter, s: ir.WgmmaWait) -> None:
     _fence_operands(em)
 
 
-# The only operand layout implemented: rows of SWIZZLE_ROW_BYTES (64 x 16-bit), 128-byte swizzle.
+# The operand layouts implemented (target.OPERAND_SWIZZLES): rows, or column chunks, of one swizzle
+# span (128 bytes: 64 x 16-bit; 64 bytes: 32 x 16-bit), swizzled with it; 8 rows are a swizzle atom.
 def _k_major_operand(em: Emitter, s: ir.Wgmma, ref: ir.SmemRef, rows: int,
-                     what: str) -> tuple[str, int, Callable[[int], int]]:
-    """(start pointer text, K, byte offset of k16 step ks) of a K-major operand: sub-array
-    [rows, K] (K * bytes <= 128) or column chunks (K / 64, rows, 64)."""
+                     what: str) -> tuple[str, int, Callable[[int], int], int]:
+    """(start pointer text, K, byte offset of k16 step ks, swizzle span) of a K-major operand:
+    sub-array [rows, K] (K * bytes <= the span) or column chunks (K / W, rows, W), W * bytes the span."""
     ptr, decl, sub = em.smem_ref(ref)
-    _check_operand_swizzle(s, decl, what)
+    span = _check_operand_swizzle(s, decl, what)
     assert len(sub) in (2, 3), s  # verifier _smem_tile: [rows, K] or (chunks, rows, width)
     if len(sub) == 2:
         r, k = sub
@@ -181,22 +182,25 @@ def _k_major_operand(em: Emitter, s: ir.Wgmma, ref: ir.SmemRef, rows: int,
         chunks, r, w = sub
         k = chunks * w
     nbytes = DTYPE_BYTES[decl.dtype]
-    if w * nbytes > SWIZZLE_ROW_BYTES or (len(sub) == 3 and w * nbytes != SWIZZLE_ROW_BYTES):
-        raise EmitError(f"{describe(s)}: {what} rows of {w} {decl.dtype} exceed the 128-byte swizzle span")
+    if w * nbytes > span or (len(sub) == 3 and w * nbytes != span):
+        raise EmitError(f"{describe(s)}: {what} rows of {w} {decl.dtype} are not one {span}-byte swizzle span")
     # verifier _Wgmma: A is [64, K], B [N, K], K a multiple of 16
     assert r == rows and k % WGMMA_K == 0, s
 
     def step(ks: int) -> int:
         col = WGMMA_K * ks
-        return (col // w) * r * SWIZZLE_ROW_BYTES + (col % w) * nbytes
+        return (col // w) * r * span + (col % w) * nbytes
 
-    return ptr, k, step
+    return ptr, k, step, span
 
 
-def _check_operand_swizzle(s: ir.Wgmma, decl: ir.SmemDecl, what: str) -> None:
-    if decl.swizzle != SWIZZLE_ROW_BYTES or decl.dtype not in WGMMA_OPERAND_DTYPES:
+def _check_operand_swizzle(s: ir.Wgmma, decl: ir.SmemDecl, what: str) -> int:
+    """The operand buffer's swizzle span (one of target.OPERAND_SWIZZLES)."""
+    if decl.swizzle not in OPERAND_SWIZZLES or decl.dtype not in WGMMA_OPERAND_DTYPES:
         raise EmitError(f"{describe(s)}: {what} buffer {decl.name} is {decl.dtype} swizzle({decl.swizzle}); "
-                        "wgmma operands are implemented for bf16/f16 with swizzle(128) only")
+                        f"wgmma operands are implemented for bf16/f16 with swizzle "
+                        f"{' or '.join(map(str, OPERAND_SWIZZLES))}")
+    return decl.swizzle
 
 
 def emit_wgmma(em: Emitter, s: ir.Wgmma) -> None:
@@ -206,42 +210,44 @@ def emit_wgmma(em: Emitter, s: ir.Wgmma) -> None:
     assert acc.layout == FULL and acc.dtype == WGMMA_ACCUMULATOR_DTYPE and acc.cols in WGMMA_N, s
     n = acc.cols
     b_ptr, b_decl, b_sub = em.smem_ref(s.b)
-    _check_operand_swizzle(s, b_decl, "B")
+    span = _check_operand_swizzle(s, b_decl, "B")
     dtype = b_decl.dtype
 
     lines: list[str] = []
     if s.b_major == "k":
-        b_ptr, k_b, b_step = _k_major_operand(em, s, s.b, n, "B")
-        b_desc = f"wsp::make_smem_desc({b_ptr}, 128, 16, 1024)"
-        b_note = "B K-major [N, K]: rows of 128 bytes, SBO = 1024 (8-row group), LBO unused (1)"
+        b_ptr, k_b, b_step, _ = _k_major_operand(em, s, s.b, n, "B")
+        b_desc = f"wsp::make_smem_desc({b_ptr}, {span}, 16, {8 * span})"
+        b_note = f"B K-major [N, K]: rows of {span} bytes, SBO = {8 * span} (8-row group), LBO unused (1)"
     elif s.b_major == "n":
+        width = span // DTYPE_BYTES[dtype]
         sub = b_sub if len(b_sub) == 3 else (1,) + tuple(b_sub)
-        if len(sub) != 3 or sub[2] * DTYPE_BYTES[dtype] != SWIZZLE_ROW_BYTES or sub[0] * sub[2] != n:
-            raise EmitError(f"{describe(s)}: N-major B must be a (N/64, K, 64) sub-array with "
+        if len(sub) != 3 or sub[2] != width or sub[0] * sub[2] != n:
+            raise EmitError(f"{describe(s)}: N-major B must be a (N/{width}, K, {width}) sub-array with "
                             f"N = {n}; got {list(b_sub)}")
         k_b = sub[1]
-        chunk_bytes = k_b * SWIZZLE_ROW_BYTES
+        chunk_bytes = k_b * span
 
         def b_step(ks: int) -> int:
-            return WGMMA_K * ks * SWIZZLE_ROW_BYTES
+            return WGMMA_K * ks * span
 
-        # MN-major, 128B swizzle (PTX ISA "Shared Memory Matrix Layout" / strides table; CUTLASS
-        # make_gmma_desc<Major::MN>, canonical B128 layout ((8,n),(8,k)):((1,LBO),(8,SBO)) in
-        # 16-byte units): LBO = stride between 64-element N chunks, SBO = stride between
-        # 8-row K groups. Here chunks are K rows x 128 bytes apart and 8 rows are 1024 bytes.
-        b_desc = f"wsp::make_smem_desc({b_ptr}, 128, {chunk_bytes}, 1024)"
-        b_note = (f"B N-major (N/64, K, 64): LBO = {chunk_bytes} (next 64-column chunk), "
-                  "SBO = 1024 (next 8 k-rows)")
+        # MN-major, swizzled (PTX ISA "Shared Memory Matrix Layout" / strides table; CUTLASS
+        # make_gmma_desc<Major::MN>, canonical layouts B128 ((8,n),(8,k)):((1,LBO),(8,SBO)) and
+        # B64 ((4,n),(8,k)):((1,LBO),(4,SBO)) in 16-byte units): LBO = stride between N chunks of
+        # one span, SBO = stride between 8-row K groups. Here chunks are K rows x span bytes apart
+        # and 8 rows are 8 x span bytes.
+        b_desc = f"wsp::make_smem_desc({b_ptr}, {span}, {chunk_bytes}, {8 * span})"
+        b_note = (f"B N-major (N/{width}, K, {width}): LBO = {chunk_bytes} (next {width}-column chunk), "
+                  f"SBO = {8 * span} (next 8 k-rows)")
     else:
         raise AssertionError(s)  # verifier _Wgmma: B is K- or N-major
 
     if isinstance(s.a, ir.SmemRef):
         if s.a_major != "k":
             raise EmitError(f"{describe(s)}: only K-major A in shared memory is implemented")
-        a_ptr, k, a_step = _k_major_operand(em, s, s.a, WGMMA_M, "A")
+        a_ptr, k, a_step, a_span = _k_major_operand(em, s, s.a, WGMMA_M, "A")
         a_dtype = em.kernel.smem_decl(s.a.buffer).dtype
         name, text = wgmma_function(n, dtype, "smem", s.b_major == "n")
-        lines.append(f"const uint64_t desc_a = wsp::make_smem_desc({a_ptr}, 128, 16, 1024);")
+        lines.append(f"const uint64_t desc_a = wsp::make_smem_desc({a_ptr}, {a_span}, 16, {8 * a_span});")
     else:
         a_tile = em.tile(s.a, s)
         # verifier _Wgmma: a K-major [64, K] bf16 or f16 tile (so packed pairs)

@@ -23,15 +23,22 @@ from wsched.target import ELEMENT_TYPES, WGMMA_M
 from .emit_context import ROLE, EmitError, Emitter, describe, paren
 from .fragment import COL, FULL, ROW, SCALAR, Tile
 
-# The CUDA spelling of each of target.UNARY_OPS / BINARY_OPS, computed in fp32.
+# The CUDA spelling of each of target.UNARY_OPS / BINARY_OPS, computed in fp32 (tanh with the
+# hardware approximation, max relative error 2^-11: docs/ir.md, "tile.tanh on the GPU").
 _UNARY = {
     "neg": "-{}", "exp": "expf({})", "exp2": "exp2f({})", "log": "logf({})",
     "relu": "fmaxf({}, 0.0f)", "gelu": "wsp::gelu({})", "silu": "wsp::silu({})",
-    "sigmoid": "wsp::sigmoid({})", "tanh": "tanhf({})", "cast": "{}",
+    "sigmoid": "wsp::sigmoid({})", "tanh": "wsp::tanh_approx({})", "cast": "{}",
 }
 _BINARY = {
     "add": "{} + {}", "sub": "{} - {}", "mul": "{} * {}", "div": "{} / {}",
     "maximum": "fmaxf({}, {})", "minimum": "fminf({}, {})",
+}
+# target.COMPARE_OPS: 1.0f where it holds, else 0.0f (a logical op reads non-zero as true).
+_COMPARE = {
+    "lt": "({}) < ({})", "le": "({}) <= ({})", "gt": "({}) > ({})", "ge": "({}) >= ({})",
+    "eq": "({}) == ({})", "ne": "({}) != ({})",
+    "logical_and": "({}) != 0.0f && ({}) != 0.0f", "logical_or": "({}) != 0.0f || ({}) != 0.0f",
 }
 
 
@@ -131,13 +138,46 @@ def _tile_unary_lines(em: Emitter, s: ir.TileUnary) -> tuple[Tile, list[str], st
 def _tile_binary_lines(em: Emitter, s: ir.TileBinary) -> tuple[Tile, list[str], str]:
     dst = em.tile(s.dst, s)
     lhs, rhs = _operand(em, s, dst, s.lhs), _operand(em, s, dst, s.rhs)
-    lines = assignments(dst, [_BINARY[s.op].format(lhs(c), rhs(c)) for c in _elems(dst.layout)])
+    if s.op in _COMPARE:
+        spelling = "(" + _COMPARE[s.op] + ") ? 1.0f : 0.0f"
+    else:
+        spelling = _BINARY[s.op]
+    lines = assignments(dst, [spelling.format(lhs(c), rhs(c)) for c in _elems(dst.layout)])
     operands = ", ".join(o if isinstance(o, str) else em.expr(o) for o in (s.lhs, s.rhs))
     return dst, lines, f"tile.{s.op} {s.dst}, {operands}"
 
 
+def _tile_iota_lines(em: Emitter, s: ir.TileIota) -> tuple[Tile, list[str], str]:
+    dst = em.tile(s.dst, s)
+    start = paren(*em.expr_prec(s.start)[:2], 12)
+    values = []
+    for c in _elems(dst.layout):
+        # element c of fragment position (fj, fi) lies at row frag_row() + 8 fi, column
+        # frag_col() + 8 fj + c (fragment.py); a tile of extent 1 along the axis has position 0.
+        if s.axis == 0 and dst.rows > 1:
+            base, step = "wsp::frag_row()", "8 * fi"
+        elif s.axis == 1 and dst.cols > 1:
+            base, step = "wsp::frag_col()", f"8 * fj + {c}" if c else "8 * fj"
+        else:
+            values.append(f"static_cast<float>({em.expr(s.start)})")
+            continue
+        # one int-to-float conversion per thread (loop-invariant), a constant added per element
+        values.append(f"static_cast<float>({start} + {base}) + ({step})")
+    return dst, assignments(dst, values), f"tile.iota {s.dst}, axis({s.axis}), start({em.expr(s.start)})"
+
+
+def _tile_select_lines(em: Emitter, s: ir.TileSelect) -> tuple[Tile, list[str], str]:
+    dst = em.tile(s.dst, s)
+    cond, on_true, on_false = (_operand(em, s, dst, o) for o in (s.cond, s.on_true, s.on_false))
+    lines = assignments(dst, [f"({cond(c)}) != 0.0f ? {on_true(c)} : {on_false(c)}"
+                              for c in _elems(dst.layout)])
+    operands = ", ".join(o if isinstance(o, str) else em.expr(o) for o in (s.cond, s.on_true, s.on_false))
+    return dst, lines, f"tile.select {s.dst}, {operands}"
+
+
 ELEMENTWISE = {ir.TileFill: _tile_fill_lines, ir.TileUnary: _tile_unary_lines,
-               ir.TileBinary: _tile_binary_lines}
+               ir.TileBinary: _tile_binary_lines,
+               ir.TileIota: _tile_iota_lines, ir.TileSelect: _tile_select_lines}
 
 
 def emit_elementwise_run(em: Emitter, body: tuple[ir.Stmt, ...], i: int) -> int:
@@ -213,3 +253,18 @@ def emit_tile_mask(em: Emitter, s: ir.TileMask) -> None:
                 values.append(f"({cond}) ? -INFINITY : {t.read(c)}")
             for ln in assignments(t, values):
                 em.line(ln)
+
+
+def emit_tile_view(em: Emitter, s: ir.TileView) -> None:
+    em.require_warpgroup(s)
+    src = em.tile(s.src, s)
+    if src.layout not in (FULL, ROW):
+        raise EmitError(f"{describe(s)}: views are columns of a [64, N] or [1, N] tile; {s.src} is "
+                        f"[{src.rows}, {src.cols}]")
+    # verifier _TileView: whole 8-column groups inside src, col0 a constant or unroll variables
+    view = src.columns(em.expr(s.col0), s.cols)
+    # verifier _declare: unique in scope (a view of the same name in another block is replaced)
+    assert s.name not in em.role.tiles or em.role.tiles[s.name].offset, s
+    em.role.tiles[s.name] = view
+    em.line(f"// tile.view {s.name}, {s.src}, cols({em.expr(s.col0)}, {s.cols}): {src.name}'s elements from "
+            f"[{view.offset}]")

@@ -27,6 +27,9 @@ class Tile:
     dtype: str
     rows: int
     cols: int
+    # A `tile.view` is a slice of another tile's array: `name` is that array and `offset` (C++, a
+    # compile-time constant once unrolled) the index of the view's first element in it.
+    offset: str = ""
 
     @property
     def layout(self) -> str:
@@ -55,21 +58,30 @@ class Tile:
 
     def index(self, c: int | None = None) -> str:
         """The C++ element (c given) or packed pair (c None) at fragment position (fj, fi)."""
+        at = f"{self.offset} + " if self.offset else ""
         if self.layout == FULL:
             if self.packed:
-                base = f"{self.name}[2 * fj + fi]"
+                base = f"{self.name}[{at}2 * fj + fi]"
             else:
-                return f"{self.name}[4 * fj + 2 * fi + {c}]"
+                return f"{self.name}[{at}4 * fj + 2 * fi + {c}]"
         elif self.layout == ROW:
             if self.packed:
-                base = f"{self.name}[fj]"
+                base = f"{self.name}[{at}fj]"
             else:
-                return f"{self.name}[2 * fj + {c}]"
+                return f"{self.name}[{at}2 * fj + {c}]"
         elif self.layout == COL:
-            return f"{self.name}[fi]"
+            return f"{self.name}[{at}fi]"
         else:
-            return f"{self.name}[0]"
+            return f"{self.name}[{at}0]"
         return base if c is None else f"{base}.{'xy'[c]}"
+
+    def columns(self, col0: str, cols: int) -> "Tile":
+        """The view of columns col0 .. col0 + cols - 1 (col0 a C++ multiple of 8): the same array,
+        from the element that holds column col0 of this thread's rows."""
+        per_group = self.length // (self.cols // 8)      # elements per 8-column group: 1, 2 or 4
+        start = f"({col0}) / {8 // per_group}"
+        offset = f"{self.offset} + {start}" if self.offset else start
+        return Tile(self.name, self.dtype, self.rows, cols, offset)
 
     def read(self, c: int) -> str:
         """Element c of fragment position (fj, fi) as a float expression."""

@@ -14,6 +14,11 @@ stream (torch's current stream *of that device*). Threads may drive different de
 Launches are asynchronous on torch's current stream; `LoadedKernel.last_error_check()`
 synchronizes and turns a faulted kernel into a `CudaError` (tests use it).
 
+The eager call's hot path (`LoadedKernel.launch_packed`) takes `PackedArguments`: the argument
+storage and the `void**` array the driver reads, built once per argument layout, with only the
+data pointers and tensor maps re-set per call; it switches context only when the thread's
+current one is not the device's primary context.
+
 The driver is only touched on first launch, so everything here that does not launch —
 argument checks, argument packing, grid and cluster checks, launch configs — runs on a
 machine without a GPU.
@@ -33,9 +38,10 @@ from wsched.target import INT_MAX, INT_MIN
 from wsched.target import (MAX_GRID, MAX_PORTABLE_CLUSTER, MAX_THREADS, TMA_GLOBAL_ADDRESS_ALIGNMENT,
                            TMA_STRIDE_ALIGNMENT)
 
-from .cuda_driver import CudaError, check_cuda, device_index, torch_context
+from .cuda_driver import CudaError, check_cuda, device_index, is_current, torch_context
 
-__all__ = ["ARG_TYPES", "LoadedKernel", "check_tensor", "sm_count"]
+__all__ = ["ARG_TYPES", "LoadedKernel", "PackedArguments", "check_base_alignment", "check_tensor",
+           "current_stream_handle", "sm_count"]
 
 
 @functools.cache
@@ -131,14 +137,7 @@ def check_tensor(
         )
 
     element = tensor.element_size()
-    offset = tensor.data_ptr() % TMA_GLOBAL_ADDRESS_ALIGNMENT
-    if offset:
-        raise ValueError(
-            f"{where} has data_ptr {tensor.data_ptr():#x}, {offset} bytes past a "
-            f"{TMA_GLOBAL_ADDRESS_ALIGNMENT}-byte boundary; TMA needs a "
-            f"{TMA_GLOBAL_ADDRESS_ALIGNMENT}-byte aligned base address — a view that starts mid-row "
-            "(e.g. t[:, 3:]) must be copied with .contiguous() or .clone()"
-        )
+    check_base_alignment(name, tensor.data_ptr())
 
     for dim in range(tensor.dim() - 1):
         if tensor.shape[dim] == 1:
@@ -153,6 +152,18 @@ def check_tensor(
                 f"{TMA_STRIDE_ALIGNMENT} bytes — pad the inner dimension to a multiple of {row_elems} "
                 f"{tensor.dtype} elements"
             )
+
+
+def check_base_alignment(name: str, data_ptr: int) -> None:
+    """TMA's base address rule, checked on every call (a tensor of a seen layout may start anywhere)."""
+    offset = data_ptr % TMA_GLOBAL_ADDRESS_ALIGNMENT
+    if offset:
+        raise ValueError(
+            f"argument '{name}' has data_ptr {data_ptr:#x}, {offset} bytes past a "
+            f"{TMA_GLOBAL_ADDRESS_ALIGNMENT}-byte boundary; TMA needs a "
+            f"{TMA_GLOBAL_ADDRESS_ALIGNMENT}-byte aligned base address — a view that starts mid-row "
+            "(e.g. t[:, 3:]) must be copied with .contiguous() or .clone()"
+        )
 
 
 # ----------------------------------------------------------------------------- arguments
@@ -210,6 +221,59 @@ def _marshal_args(args: Sequence[tuple[str, object]]) -> tuple[tuple, tuple]:
     return tuple(values), tuple(types)
 
 
+# Bytes the driver copies for each argument type: a CUtensorMap is an opaque 128-byte struct.
+PARAM_BYTES = {"tensor_map": 128, "ptr": 8, "i32": 4, "f32": 4}
+
+
+class PackedArguments:
+    """A kernel's argument list packed for cuLaunchKernel once: one slot of storage per parameter
+    (a pointer, an int, a float, or the CUtensorMap itself) and the `void**` array of the slots'
+    addresses that the driver reads. A call re-sets only what changes — data pointers
+    (`set_pointer`) and tensor maps (`set_tensor_map`) — and hands the driver `address`, so
+    nothing is packed per call. The driver copies the values at launch, so the slots may change
+    right after it returns; one buffer must not be patched by two threads at once (the eager
+    call keeps one per thread).
+
+    Built from the (type, value) pairs `LoadedKernel.launch` takes, with the same checks.
+    """
+
+    def __init__(self, args: Sequence[tuple[str, object]]):
+        values, types = _marshal_args(args)
+        self.types = tuple(arg_type for arg_type, _ in args)   # "tensor_map" | "ptr" | "i32" | "f32"
+        # a CUtensorMap is its own storage; every other value gets a ctypes cell
+        self._slots = [value if ctype is None else ctype(value) for value, ctype in zip(values, types)]
+        self._pointers = (ctypes.c_void_p * max(1, len(values)))(
+            *[slot.getPtr() if ctype is None else ctypes.addressof(slot)
+              for slot, ctype in zip(self._slots, types)])
+        self.address = ctypes.addressof(self._pointers) if values else 0   # 0: NULL, no parameters
+
+    def __len__(self) -> int:
+        return len(self.types)
+
+    def set_pointer(self, position: int, address: int) -> None:
+        self._slots[position].value = address
+
+    def set_tensor_map(self, position: int, tensor_map: driver.CUtensorMap) -> None:
+        if self._slots[position] is not tensor_map:
+            self._slots[position] = tensor_map   # kept alive: the driver reads it at launch
+            self._pointers[position] = tensor_map.getPtr()
+
+    def copy(self) -> "PackedArguments":
+        """An independent buffer with the same values (tensor maps shared: they are not edited)."""
+        return PackedArguments(self.pairs())
+
+    def pairs(self) -> list[tuple[str, object]]:
+        """The arguments as (type, value) pairs, as `LoadedKernel.launch` takes them."""
+        return [(arg_type, slot if arg_type == "tensor_map" else
+                 (slot.value or 0) if arg_type == "ptr" else slot.value)   # a NULL c_void_p reads None
+                for arg_type, slot in zip(self.types, self._slots)]
+
+    def raw(self) -> list[bytes]:
+        """The bytes the driver copies for each parameter, in order."""
+        return [ctypes.string_at(self._pointers[i], PARAM_BYTES[arg_type])
+                for i, arg_type in enumerate(self.types)]
+
+
 # ----------------------------------------------------------------------------- grid / cluster
 
 
@@ -259,9 +323,19 @@ def _launch_config(grid: tuple[int, int, int], threads: int, smem_bytes: int,
     return config
 
 
+def _current_stream_handle(device_index: int) -> int:
+    return torch.cuda.current_stream(device_index).cuda_stream
+
+
+# current_stream_handle(device_index): the handle of torch's current stream of that device. Read
+# without building a torch.cuda.Stream where torch has the raw call (Triton's launcher reads the
+# stream the same way); through the public route where this torch build lacks it.
+current_stream_handle = getattr(torch._C, "_cuda_getCurrentRawStream", _current_stream_handle)
+
+
 def _stream_handle(stream: object, device_index: int) -> driver.CUstream:
     if stream is None:
-        return driver.CUstream(torch.cuda.current_stream(device_index).cuda_stream)
+        return driver.CUstream(current_stream_handle(device_index))
     if isinstance(stream, driver.CUstream):
         return stream
     if isinstance(stream, torch.cuda.Stream):
@@ -347,14 +421,14 @@ class LoadedKernel:
         self._functions[device_index] = function
         return function
 
-    def launch(self, grid: int | tuple[int, ...], args: list[tuple[str, object]],
+    def launch(self, grid: int | tuple[int, ...], args: list[tuple[str, object]] | PackedArguments,
                stream: object = None, cluster: int | tuple[int, ...] = (1, 1, 1),
                device: object = None) -> None:
         """Launch asynchronously on `device` (default: torch's current device; pass the device
         the arguments live on) and `stream` (default: torch's current stream of `device`)."""
         grid3 = _grid3(grid)
         cluster3 = _check_cluster(grid3, cluster)
-        params = _marshal_args(args)
+        params = args.address if isinstance(args, PackedArguments) else _marshal_args(args)
         with torch_context(device) as index:
             function = self._function_for(index)
             handle = _stream_handle(stream, index)
@@ -364,12 +438,32 @@ class LoadedKernel:
             else:
                 config = _launch_config(grid3, self.threads, self.smem_bytes, handle, cluster3)
                 result = driver.cuLaunchKernelEx(config, function, params, 0)
-        if result[0] != driver.CUresult.CUDA_SUCCESS:  # the message is built only on failure
-            call = "cuLaunchKernel" if cluster3 == (1, 1, 1) else "cuLaunchKernelEx"
-            check_cuda(result, f"{call}({self.kernel_name} grid={grid3} block=({self.threads}, 1, 1) "
-                               f"cluster={cluster3} smem={self.smem_bytes} args={len(args)} "
-                               f"on cuda:{index})")
+        if result[0]:   # not CUDA_SUCCESS (0); the message is built only on failure
+            self._launch_failed(result, grid3, cluster3, len(args), index)
         self._last_device = index
+
+    def launch_packed(self, grid: int, args: PackedArguments, device_index: int) -> None:
+        """The eager call's launch: `grid` CTAs (an int the caller has checked against the
+        limit), packed arguments, torch's current stream of device `device_index`, no cluster.
+        Once the module is loaded and the device's primary context is current — a call from a
+        thread that already works on that device — this is one context query and the launch."""
+        function = self._functions.get(device_index)
+        if function is not None and is_current(device_index):
+            result = driver.cuLaunchKernel(function, grid, 1, 1, self.threads, 1, 1, self.smem_bytes,
+                                           current_stream_handle(device_index), args.address, 0)
+        else:   # first launch on the device, or another context current: switch, then restore
+            with torch_context(device_index):
+                function = self._function_for(device_index)
+                result = driver.cuLaunchKernel(function, grid, 1, 1, self.threads, 1, 1, self.smem_bytes,
+                                               current_stream_handle(device_index), args.address, 0)
+        if result[0]:
+            self._launch_failed(result, (grid, 1, 1), (1, 1, 1), len(args), device_index)
+        self._last_device = device_index
+
+    def _launch_failed(self, result, grid3, cluster3, arg_count: int, index: int) -> None:
+        call = "cuLaunchKernel" if cluster3 == (1, 1, 1) else "cuLaunchKernelEx"
+        check_cuda(result, f"{call}({self.kernel_name} grid={grid3} block=({self.threads}, 1, 1) "
+                           f"cluster={cluster3} smem={self.smem_bytes} args={arg_count} on cuda:{index})")
 
     def last_error_check(self, device: object = None) -> None:
         """Synchronize `device` (default: that of the last launch); raise CudaError if the

@@ -21,7 +21,7 @@ and `codegen/emit.py` is its CUDA spelling):
   A sub-array of shape (chunks, R, W) holds an [R, chunks*W] tile as column chunks of width W
   (that is how 128-byte-swizzled tiles wider than 64 bf16 are stored).
 * Builtin names, usable in any expression without a declaration: `cta_id` (blockIdx.x),
-  `num_ctas` (gridDim.x), `num_sms` (multiprocessors of the device, host side: grid only),
+  `num_ctas` (gridDim.x), `num_sms` (multiprocessors of the device, host side: the grid and host params only),
   and `wg` (inside a role).
 """
 
@@ -31,12 +31,14 @@ from dataclasses import dataclass, field
 from typing import Iterator, Union
 
 # Element types and tile ops are target facts (wsched/target.py); the IR re-exports them as
-# `ir.DTYPES`, `ir.DTYPE_BYTES`, `ir.UNARY_OPS`, `ir.BINARY_OPS` and `ir.REDUCE_OPS`.
-from wsched.target import BINARY_OPS, DTYPE_BYTES, REDUCE_OPS, UNARY_OPS  # noqa: F401
+# `ir.DTYPES`, `ir.DTYPE_BYTES`, `ir.UNARY_OPS`, `ir.BINARY_OPS`, `ir.COMPARE_OPS` and
+# `ir.REDUCE_OPS`. A `TileBinary` op is one of BINARY_OPS or COMPARE_OPS (`TILE_BINARY_OPS`).
+from wsched.target import BINARY_OPS, COMPARE_OPS, DTYPE_BYTES, REDUCE_OPS, UNARY_OPS  # noqa: F401
 from wsched.target import DTYPE_NAMES as DTYPES  # noqa: F401
 from wsched.target import BARRIER_BYTES, SMEM_ALIGN, SMEM_BASE_SLACK, WARPGROUP_THREADS
 
 BUILTINS = ("cta_id", "num_ctas", "num_sms", "wg")
+TILE_BINARY_OPS = BINARY_OPS + COMPARE_OPS
 
 # ---------------------------------------------------------------------------------------------
 # Expressions
@@ -195,7 +197,31 @@ class GlobalParam:
     shape: tuple[Expr, ...]
 
 
-Param = Union[ScalarParam, TensorMapParam, GlobalParam]
+# --- parameters the host fills in itself (split-K) -------------------------------------------
+
+
+@dataclass(frozen=True)
+class HostParam(ScalarParam):
+    """`i32 splits = min(8, ceil_div(num_sms, tiles))`: a scalar argument the host computes per
+    call from the sizes (the scalar params) and `num_sms`, as it computes the grid; the kernel
+    reads it like any scalar param. The value may read scalar params declared before it."""
+
+    value: "Expr"
+
+
+@dataclass(frozen=True)
+class WorkspaceParam(GlobalParam):
+    """`workspace partials: f32[splits, M, N]` / `workspace tickets: i32[T] zeroed`: a global
+    scratch tensor that belongs to no fusion input or output. The host allocates it once per
+    kernel and device, large enough for the call (its shape, evaluated like the grid), and keeps
+    it between calls; `zeroed` ones are zero-filled when allocated, and the kernel must leave
+    them zero again (split-K's tickets wrap back to 0)."""
+
+    zeroed: bool = False
+
+
+# A subclass first: the type check takes the first class of a Union that a value is an instance of.
+Param = Union[HostParam, ScalarParam, TensorMapParam, WorkspaceParam, GlobalParam]
 
 
 @dataclass(frozen=True)
@@ -506,7 +532,9 @@ class TileUnary:
 @dataclass(frozen=True)
 class TileBinary:
     """`tile.add y, x, bias_t`: operands are tile names or scalar expressions; a tile of extent
-    1 in a dim broadcasts along it."""
+    1 in a dim broadcasts along it. A comparison (`tile.le m, j_t, i_t`, one of COMPARE_OPS)
+    gives 1.0 where it holds and 0.0 elsewhere; `logical_and` / `logical_or` read an operand
+    as true where it is not 0."""
 
     op: str
     dst: str
@@ -569,6 +597,83 @@ class TileStoreSmem:
     src: str
 
 
+# --- sliced epilogues and split-K (matmul) ----------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TileView:
+    """`tile.view acc_j, acc, cols(j * 64, 64)`: declare `name` as the [rows, cols] register tile
+    made of columns col0 .. col0 + cols - 1 of the 2-D tile `src` (an alias, not a copy: what is
+    written through one is read through the other). col0 is a multiple of 8 (a column group of
+    the fragment layout) and the columns lie inside src; col0 reads only constants and the
+    variables of enclosing `unroll` loops, so that every register index is a compile-time
+    constant. An epilogue walks a wide accumulator in such slices, so the tiles it loads beside
+    it are one slice wide."""
+
+    name: str
+    src: str
+    col0: Expr
+    cols: int
+
+
+@dataclass(frozen=True)
+class FenceGpu:
+    """`fence.acq_rel.gpu`: the executing thread's memory accesses before it are ordered before
+    its accesses after it, at GPU scope. Before an atomic it releases what this thread wrote (and
+    what its warpgroup wrote before a barrier the thread took part in); after an atomic that read
+    another CTA's release it acquires what that CTA wrote."""
+
+
+@dataclass(frozen=True)
+class AtomicInc:
+    """`atomic.inc T[wg] <- tickets[t] wrap(splits - 1)`: one thread (inside elect_one) atomically
+    replaces the i32 element of a `workspace` / `global` tensor at `coords` with
+    (old >= wrap ? 0 : old + 1) and writes `old` into the i32 smem element `dst` (a generic-proxy
+    write). The atomic itself is relaxed: a `fence.acq_rel.gpu` before it releases and one after
+    it acquires."""
+
+    dst: SmemRef
+    tensor: str
+    coords: tuple[Expr, ...]
+    wrap: Expr
+
+
+@dataclass(frozen=True)
+class LoadShared:
+    """`ld.shared ticket = T[wg]`: every thread of the warpgroup reads the i32 smem element `src`
+    and binds it to the immutable scalar `name` (how one thread's result reaches its warpgroup:
+    that thread writes the element, a barrier of the warpgroup, then this)."""
+
+    name: str
+    src: SmemRef
+
+
+# --- attention score functions: positions and selection (elementwise, like TileBinary) ----------
+
+
+@dataclass(frozen=True)
+class TileIota:
+    """`tile.iota j_t, axis(1), start(k * 128)`: element (r, c) of the 2-D tile becomes its
+    position along `axis` plus `start` (start + r for axis 0, start + c for axis 1), as a value of
+    the tile's dtype: the query and key index of every score of an attention block."""
+
+    dst: str
+    axis: int
+    start: Expr
+
+
+@dataclass(frozen=True)
+class TileSelect:
+    """`tile.select s, mask_t, s, scalar(-inf)`: dst = on_true where cond is not 0, else
+    on_false; operands are tile names or scalar expressions, a tile of extent 1 in a dim
+    broadcasts along it."""
+
+    dst: str
+    cond: Union[str, Expr]
+    on_true: Union[str, Expr]
+    on_false: Union[str, Expr]
+
+
 Stmt = Union[
     Let, Assign, For, If, Role, ElectOne, Return, Setmaxnreg,
     MbarrierInit, MbarrierArrive, MbarrierArriveExpectTx, MbarrierWait, MbarrierInval,
@@ -577,6 +682,8 @@ Stmt = Union[
     WgmmaFence, Wgmma, WgmmaCommit, WgmmaWait,
     RegDecl, TileFill, TileUnary, TileBinary, TileReduce, TileMask, TileLoadGlobal, TileStoreGlobal,
     TileStoreSmem,
+    TileView, FenceGpu, AtomicInc, LoadShared,   # sliced epilogues and split-K
+    TileIota, TileSelect,                         # attention score functions
 ]
 
 STMT_TYPES: tuple[type, ...] = Stmt.__args__  # type: ignore[attr-defined]
@@ -587,6 +694,8 @@ WARPGROUP_COLLECTIVE: tuple[type, ...] = (
     WgmmaFence, Wgmma, WgmmaCommit, WgmmaWait,
     RegDecl, TileFill, TileUnary, TileBinary, TileReduce, TileMask, TileLoadGlobal, TileStoreGlobal,
     TileStoreSmem,
+    TileView, LoadShared,
+    TileIota, TileSelect,
 )
 
 

@@ -324,6 +324,12 @@ class _ToIR(Transformer):
     def scalar_param(self, dtype, name):
         return ir.ScalarParam(str(name), str(dtype))
 
+    def host_param(self, dtype, name, value):
+        return ir.HostParam(str(name), str(dtype), value)
+
+    def workspace_param(self, name, dtype, shape, zeroed):
+        return ir.WorkspaceParam(str(name), str(dtype), shape, zeroed is not None)
+
     def tensormap_param(self, name, dtype, shape, box, swizzle):
         return ir.TensorMapParam(str(name), str(dtype), shape, box, swizzle)
 
@@ -453,17 +459,17 @@ class _ToIR(Transformer):
 
     def tile_unary(self, keyword, dst, src):
         op = keyword.removeprefix(TILE_OP_PREFIX)
-        if op in ir.BINARY_OPS:
+        if op in ir.TILE_BINARY_OPS:
             raise _SemanticError(f"`{keyword}` takes two operands: `{keyword} dst, lhs, rhs`",
                                  keyword)
-        _check_one_of(op, ir.UNARY_OPS + ir.BINARY_OPS, "tile op", keyword, spell=_tile_op)
+        _check_one_of(op, ir.UNARY_OPS + ir.TILE_BINARY_OPS, "tile op", keyword, spell=_tile_op)
         return ir.TileUnary(op, str(dst), str(src))
 
     def tile_binary(self, keyword, dst, lhs, rhs):
         op = keyword.removeprefix(TILE_OP_PREFIX)
         if op in ir.UNARY_OPS:
             raise _SemanticError(f"`{keyword}` takes one operand: `{keyword} dst, src`", keyword)
-        _check_one_of(op, ir.UNARY_OPS + ir.BINARY_OPS, "tile op", keyword, spell=_tile_op)
+        _check_one_of(op, ir.UNARY_OPS + ir.TILE_BINARY_OPS, "tile op", keyword, spell=_tile_op)
         return ir.TileBinary(op, str(dst), lhs, rhs)
 
     def tile_name(self, name):
@@ -489,6 +495,26 @@ class _ToIR(Transformer):
 
     def tile_store_smem(self, dst, src):
         return ir.TileStoreSmem(dst, str(src))
+
+    # --- sliced epilogues and split-K -------------------------------------------------------
+    def tile_view(self, name, src, col0, cols):
+        return ir.TileView(str(name), str(src), col0, cols)
+
+    def fence_gpu(self):
+        return ir.FenceGpu()
+
+    def atomic_inc(self, dst, tensor, coords, wrap):
+        return ir.AtomicInc(dst, str(tensor), coords, wrap)
+
+    def load_shared(self, name, src):
+        return ir.LoadShared(str(name), src)
+
+    # --- attention score functions -----------------------------------------------------------
+    def tile_iota(self, dst, axis, start):
+        return ir.TileIota(str(dst), axis, start)
+
+    def tile_select(self, dst, cond, on_true, on_false):
+        return ir.TileSelect(str(dst), cond, on_true, on_false)
 
     # --- references -------------------------------------------------------------------------
     def smem_ref(self, buffer, *index):

@@ -98,11 +98,15 @@ def _join(items) -> str:
 
 def _param(p: ir.Param) -> str:
     match p:
+        case ir.HostParam():        # before ScalarParam, its base class
+            return f"{p.dtype} {p.name} = {print_expr(p.value)}"
         case ir.ScalarParam():
             return f"{p.dtype} {p.name}"
         case ir.TensorMapParam():
             return (f"tensormap {p.name}: {p.dtype}[{_join(p.shape)}] box({_join(p.box)}) "
                     f"swizzle({p.swizzle})")
+        case ir.WorkspaceParam():   # before GlobalParam, its base class
+            return f"workspace {p.name}: {p.dtype}[{_join(p.shape)}]" + (" zeroed" if p.zeroed else "")
         case ir.GlobalParam():
             return f"global {p.name}: {p.dtype}[{_join(p.shape)}]"
     raise IRPrintError(f"print_kernel: {p!r} is not a kernel parameter")
@@ -208,7 +212,19 @@ def _operands(s: ir.Stmt) -> str:
             return f"{s.tensor}[{_join(s.coords)}] <- {s.src}"
         case ir.TileStoreSmem():
             return f"{_smem_ref(s.dst)} <- {s.src}"
-        case (ir.Return() | ir.FenceMbarrierInit() | ir.FenceProxyAsync() | ir.SyncThreads()
+        # sliced epilogues and split-K
+        case ir.TileView():
+            return f"{s.name}, {s.src}, cols({print_expr(s.col0)}, {s.cols})"
+        case ir.AtomicInc():
+            return f"{_smem_ref(s.dst)} <- {s.tensor}[{_join(s.coords)}] wrap({print_expr(s.wrap)})"
+        case ir.LoadShared():
+            return f"{s.name} = {_smem_ref(s.src)}"
+        # attention score functions
+        case ir.TileIota():
+            return f"{s.dst}, axis({s.axis}), start({print_expr(s.start)})"
+        case ir.TileSelect():
+            return ", ".join([s.dst] + [_tile_operand(o) for o in (s.cond, s.on_true, s.on_false)])
+        case (ir.Return() | ir.FenceMbarrierInit() | ir.FenceProxyAsync() | ir.SyncThreads() | ir.FenceGpu()
               | ir.TmaCommit() | ir.WgmmaFence() | ir.WgmmaCommit()):
             return ""
     raise IRPrintError(f"print_stmt: {s!r} is not an ir statement")

@@ -68,12 +68,20 @@ SPELLINGS: dict[type, Spelling] = {
     ir.RegDecl: Spelling("reg"),
     ir.TileFill: Spelling("tile.fill"),
     ir.TileUnary: Spelling("tile.", "op", ir.UNARY_OPS),
-    ir.TileBinary: Spelling("tile.", "op", ir.BINARY_OPS),
+    ir.TileBinary: Spelling("tile.", "op", ir.TILE_BINARY_OPS),
     ir.TileReduce: Spelling("tile.reduce.", "op", ir.REDUCE_OPS),
     ir.TileMask: Spelling("tile.mask"),
     ir.TileLoadGlobal: Spelling("tile.load"),
     ir.TileStoreGlobal: Spelling("tile.store"),
     ir.TileStoreSmem: Spelling("tile.store_smem"),
+    # sliced epilogues and split-K
+    ir.TileView: Spelling("tile.view"),
+    ir.FenceGpu: Spelling("fence.acq_rel.gpu"),
+    ir.AtomicInc: Spelling("atomic.inc"),
+    ir.LoadShared: Spelling("ld.shared"),
+    # attention score functions
+    ir.TileIota: Spelling("tile.iota"),
+    ir.TileSelect: Spelling("tile.select"),
 }
 
 # The prefixes of the variant keywords, for the parser (one name per grammar terminal).

@@ -5,25 +5,34 @@ import math
 import torch
 
 import wsched as ws
+from wsched.workloads.attention.schedule import VALUE_DIMS
+
+
+def dims_text(head_dim: int) -> str:
+    """"d128", or "d192v128" where V's head dim differs (in names of fusions and benchmark rows)."""
+    value_dim = VALUE_DIMS.get(head_dim, head_dim)
+    return f"d{head_dim}" + (f"v{value_dim}" if value_dim != head_dim else "")
 
 
 def make_attention(head_dim: int, causal: bool | str = False, lse: bool = False, gqa: bool = False,
                    name: str | None = None, dtype=ws.bf16):
-    """softmax(Q K^T / sqrt(d)) V over [B, H, S, D] (or [B, Hkv, G, S, D] with K/V broadcast over G).
+    """softmax(Q K^T / sqrt(d)) V over [B, H, S, D] (or [B, Hkv, G, S, D] with K/V broadcast over G);
+    V and O have the head dim the kernels implement beside D (128 beside 192, else D).
     The default name encodes the variant, so equal variants give equal kernels (one build)."""
-    name = name or (f"attn_d{head_dim}{'_causal' if causal else ''}{'_br' if causal == 'bottom_right' else ''}"
-                    f"{'_lse' if lse else ''}"
+    name = name or (f"attn_{dims_text(head_dim)}{'_causal' if causal else ''}"
+                    f"{'_br' if causal == 'bottom_right' else ''}{'_lse' if lse else ''}"
                     f"{'_gqa' if gqa else ''}_{dtype.name}")
     scale = 1.0 / math.sqrt(head_dim)
+    dv = VALUE_DIMS.get(head_dim, head_dim)
     if gqa:
         def attention(q: ws.Tensor[dtype, "B", "HK", "G", "S", head_dim],
                       k: ws.Tensor[dtype, "B", "HK", 1, "T", head_dim],
-                      v: ws.Tensor[dtype, "B", "HK", 1, "T", head_dim]):
+                      v: ws.Tensor[dtype, "B", "HK", 1, "T", dv]):
             return _body(q, k, v, scale, causal, lse, dtype)
     else:
         def attention(q: ws.Tensor[dtype, "B", "H", "S", head_dim],
                       k: ws.Tensor[dtype, "B", "H", "T", head_dim],
-                      v: ws.Tensor[dtype, "B", "H", "T", head_dim]):
+                      v: ws.Tensor[dtype, "B", "H", "T", dv]):
             return _body(q, k, v, scale, causal, lse, dtype)
     attention.__name__ = name
     return ws.fusion(attention)
@@ -38,9 +47,107 @@ def _body(q, k, v, scale, causal, lse, dtype):
 
 
 def attention_inputs(B, H, S, T, D, device="cpu", seed=0, gqa_groups=None, dtype=torch.bfloat16):
+    """Q, K, V of random normal values; V of the head dim the kernels implement beside D."""
     g = torch.Generator().manual_seed(seed)
+    dv = VALUE_DIMS.get(D, D)
     if gqa_groups:
-        shapes = [(B, H // gqa_groups, gqa_groups, S, D), (B, H // gqa_groups, 1, T, D), (B, H // gqa_groups, 1, T, D)]
+        shapes = [(B, H // gqa_groups, gqa_groups, S, D), (B, H // gqa_groups, 1, T, D), (B, H // gqa_groups, 1, T, dv)]
     else:
-        shapes = [(B, H, S, D), (B, H, T, D), (B, H, T, D)]
+        shapes = [(B, H, S, D), (B, H, T, D), (B, H, T, dv)]
     return [torch.randn(s, generator=g).to(dtype).to(device) for s in shapes]
+
+
+# --- score functions and masks between Q K^T and the softmax (issue 11) -----------------------
+
+VARIANTS = ("causal", "window", "softcap", "alibi", "document", "document_causal", "softcap_window", "sinks")
+
+
+def make_variant(head_dim: int, variant: str, gqa: bool = False, lse: bool = True, window: int = 100,
+                 softcap: float = 30.0, name: str | None = None, dtype=ws.bf16):
+    """Attention with a score function written in the DSL, as a model would:
+
+        causal          ws.where(j <= i, s, -ws.inf)
+        window          ws.where((j <= i) & (i - j < window), s, -ws.inf)       (Mistral)
+        softcap         softcap * tanh(s / softcap), causal                        (Gemma 2)
+        alibi           s + slope[h] * (j - i), causal                             (ALiBi)
+        document        ws.where(doc_q == doc_k, s, -ws.inf)                       (packed sequences)
+        document_causal document mask and causal
+        softcap_window  softcap and the causal sliding window
+        sinks           causal, with a learned logit per head in the softmax's denominator
+
+    ALiBi reads a slope per head ([H, 1, 1]; [HK, G, 1, 1] with GQA), sinks a logit per head
+    (the same shape), the document masks the
+    document id of every query ([B, 1, S, 1]) and key ([B, 1, 1, T]): `variant_inputs` makes them."""
+    assert variant in VARIANTS, variant
+    scale = 1.0 / math.sqrt(head_dim)
+    name = name or f"attn_{dims_text(head_dim)}_{variant}{'_lse' if lse else ''}{'_gqa' if gqa else ''}_{dtype.name}"
+
+    def body(q, k, v, *extra):
+        s = ws.matmul(q, k.transpose(-1, -2)) * scale
+        i, j = ws.positions(s)
+        if variant in ("softcap", "softcap_window"):
+            s = softcap * ws.tanh(s / softcap)
+        if variant == "alibi":
+            s = s + extra[0] * (j - i)
+        if variant in ("softcap", "alibi"):
+            s = ws.causal_mask(s)
+        if variant in ("causal", "sinks"):
+            s = ws.where(j <= i, s, -ws.inf)
+        if variant in ("window", "softcap_window"):
+            s = ws.where((j <= i) & (i - j < window), s, -ws.inf)
+        if variant.startswith("document"):
+            s = ws.where(extra[0] == extra[1], s, -ws.inf)
+        if variant == "document_causal":
+            s = ws.where(j <= i, s, -ws.inf)
+        sink = extra[0] if variant == "sinks" else None
+        o = ws.matmul(ws.softmax(s, dim=-1, sink=sink), v).to(dtype)
+        return (o, ws.logsumexp(s, dim=-1, sink=sink)) if lse else o
+
+    heads = ("HK", "G") if gqa else ("H",)
+    kv_heads = ("HK", 1) if gqa else ("H",)
+    ones = (1,) * len(heads)
+    q_spec = ws.Tensor[(dtype, "B", *heads, "S", head_dim)]
+    k_spec = ws.Tensor[(dtype, "B", *kv_heads, "T", head_dim)]
+    v_spec = ws.Tensor[(dtype, "B", *kv_heads, "T", VALUE_DIMS.get(head_dim, head_dim))]
+    if variant == "alibi":
+        def attention(q: q_spec, k: k_spec, v: v_spec, slope: ws.Tensor[(ws.f32, *heads, 1, 1)]):
+            return body(q, k, v, slope)
+    elif variant == "sinks":
+        def attention(q: q_spec, k: k_spec, v: v_spec, sink: ws.Tensor[(ws.f32, *heads, 1, 1)]):
+            return body(q, k, v, sink)
+    elif variant.startswith("document"):
+        def attention(q: q_spec, k: k_spec, v: v_spec, doc_q: ws.Tensor[(ws.i32, "B", *ones, "S", 1)],
+                      doc_k: ws.Tensor[(ws.i32, "B", *ones, 1, "T")]):
+            return body(q, k, v, doc_q, doc_k)
+    else:
+        def attention(q: q_spec, k: k_spec, v: v_spec):
+            return body(q, k, v)
+    attention.__name__ = name
+    return ws.fusion(attention)
+
+
+def variant_inputs(fusion, B, H, S, T, D, device="cpu", seed=0, gqa_groups=None, dtype=torch.bfloat16,
+                   documents=4):
+    """Q, K, V and the extra inputs of a `make_variant` fusion: ALiBi slopes 2^(-8 h / H), document
+    ids of `documents` packed documents of random lengths (queries and keys share the ids of their
+    first min(S, T) positions)."""
+    q, k, v = attention_inputs(B, H, S, T, D, device=device, seed=seed, gqa_groups=gqa_groups, dtype=dtype)
+    extra = [node for node in fusion.inputs[3:]]
+    if not extra:
+        return [q, k, v]
+    g = torch.Generator().manual_seed(seed + 1)
+    if extra[0].id == "slope":
+        slope = torch.tensor([2.0 ** (-8.0 * (h + 1) / H) for h in range(H)])
+        return [q, k, v, slope.reshape(*q.shape[1:-2], 1, 1).to(device)]
+    if extra[0].id == "sink":   # logits about as large as the scores' (a sink takes a share of every row)
+        return [q, k, v, (torch.randn(*q.shape[1:-2], 1, 1, generator=g) + 2).to(device)]
+    length = max(S, T)
+    cuts = torch.sort(torch.randperm(length - 1, generator=g)[:documents - 1] + 1).values
+    ids = torch.zeros(B, length, dtype=torch.int32)
+    for b in range(B):
+        shift = int(torch.randint(0, max(length // 8, 1), (1,), generator=g))
+        ids[b] = torch.bucketize(torch.arange(length) + shift, cuts, right=True).to(torch.int32)
+    ones = (1,) * (q.dim() - 3)
+    doc_q = ids[:, :S].reshape(B, *ones, S, 1).contiguous().to(device)
+    doc_k = ids[:, :T].reshape(B, *ones, 1, T).contiguous().to(device)
+    return [q, k, v, doc_q, doc_k]

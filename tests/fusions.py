@@ -31,6 +31,11 @@ def matmul_f16(a: ws.Tensor[ws.f16, "M", "K"], b: ws.Tensor[ws.f16, "K", "N"]):
     return ws.matmul(a, b).to(ws.f16)
 
 
+@ws.fusion
+def gated(a: ws.Tensor[ws.bf16, "M", "K"], w: ws.Tensor[ws.bf16, "K", "N"], g: ws.Tensor[ws.bf16, "M", "N"]):
+    return (ws.silu(ws.matmul(a, w)) * g).to(ws.bf16)
+
+
 def inputs_for(fusion, M, N, K, device="cpu", dtype=None, seed=0):
     """Fresh random inputs of the right shapes and dtypes (normal, scaled to keep sums O(1))."""
     import torch

@@ -578,6 +578,39 @@ def duplicate_tile_fill():
     """Writing the same value twice."""
 
 
+# --- split-K: the ticket of an output tile and the ordering of its partials -------------------------
+
+
+@each(harmful=True, pattern=r"fence\.acq_rel\.gpu$", edit=Text.drop)
+def drop_gpu_fence():
+    """The release before the ticket (the other CTAs may read this unit's partial before it is
+    visible) or the acquire after it (this unit may read the others' partials before they are)."""
+
+
+@each(harmful=False, pattern=r"fence\.acq_rel\.gpu$", edit=Text.duplicate)
+def duplicate_gpu_fence():
+    """A GPU fence right after the same fence orders nothing new."""
+
+
+@operator(harmful=True)
+def ticket_wrap(t):
+    """The ticket wraps one arrival late: the last unit of a tile still finds itself last, but
+    the counter is left non-zero and the next call's units of that tile miscount (a wrong sum)."""
+    for s in heads(t, "atomic.inc "):
+        m = re.search(r"wrap\((.*)\)$", s.head)
+        yield t.rewrite(s, s.head[:m.start()] + f"wrap({m.group(1)} + 1)")
+
+
+@operator(harmful=True)
+def ignore_ticket(t):
+    """Every unit takes itself for the last one and sums the partials: it reads partials the
+    other units may not have stored yet (and several units store the output)."""
+    read = {s.head.split()[1] for s in heads(t, "ld.shared ")}
+    for s in heads(t, "set "):
+        if read & _words(s.head.split("=", 1)[1]):
+            yield t.rewrite(s, f"{s.head.split('=')[0].strip()} = 1")
+
+
 # --- independent statements swapped -----------------------------------------------------------------
 
 

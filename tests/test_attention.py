@@ -1,6 +1,8 @@
 """Attention: partition, lowering (golden IR, round trip) and the CPU simulator against the
-torch reference — causal and not, head dims 64/128/256, ragged sequence lengths, decode, batch,
-GQA / MQA through broadcasting, LSE output."""
+torch reference — causal and not, head dims 64/96/128/256 and 192 with V 128, ragged sequence
+lengths, decode, batch, GQA / MQA through broadcasting, LSE output."""
+
+import re
 
 import pytest
 import torch
@@ -56,10 +58,53 @@ def test_attention_ir_is_golden_and_round_trips(golden):
 
 
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("D", [64, 128, 256])
+@pytest.mark.parametrize("D", [64, 96, 128, 192, 256])
 def test_head_dims_causal_and_not(D, causal):
     f = make_attention(D, causal=causal, lse=True)
     simulate_and_check(f, attention_inputs(1, 2, 200, 200, D, seed=D + causal))
+
+
+@pytest.mark.parametrize("D", [96, 192])
+@pytest.mark.parametrize("S,T", [(77, 300), (300, 129)])
+def test_head_dims_96_and_192_with_gqa_bottom_right_and_odd_lengths(D, S, T):
+    f = make_attention(D, causal="bottom_right", lse=True, gqa=True)
+    simulate_and_check(f, attention_inputs(1, 4, S, T, D, seed=S + D, gqa_groups=2), num_sms=2)
+
+
+def test_head_dim_96_is_three_64_byte_swizzled_chunks():
+    """No padded MMA work: Q, K and V lie in chunks of 32 columns with the 64-byte swizzle."""
+    k = ws.lower(make_attention(96, causal=True))
+    assert [(b.name, b.shape, b.swizzle) for b in k.smem] == [
+        ("Q", (1, 2, 3, 64, 32), 64), ("K", (3, 3, 128, 32), 64), ("V", (3, 3, 128, 32), 64)]
+    maps = {p.name: (p.box, p.swizzle) for p in k.params if isinstance(p, ws.lowering.ir.TensorMapParam)}
+    assert maps == {"q": ((1, 1, 64, 32), 64), "k_in": ((1, 1, 128, 32), 64), "v": ((1, 1, 128, 32), 64)}
+
+
+def test_head_dim_192_has_v_and_o_of_128():
+    f = make_attention(192, lse=True)
+    s = ws.schedule_for(f)
+    assert (s.head_dim, s.value_dim, s.stage_bytes) == (192, 128, 128 * (192 + 128) * 2)
+    k = ws.lower(f)
+    assert [(b.name, b.shape) for b in k.smem] == [("Q", (1, 2, 3, 64, 64)), ("K", (2, 3, 128, 64)),
+                                                   ("V", (2, 2, 128, 64))]
+    assert next(p for p in k.params if p.name == "o").shape[-1] == ws.lowering.ir.IntConst(128)
+
+
+@pytest.mark.parametrize("qk, v", [(80, 80), (192, 192), (128, 64)])
+def test_unsupported_head_dims_name_the_supported_ones(qk, v):
+    @ws.fusion
+    def odd(q: ws.Tensor[ws.bf16, "B", "S", qk], k: ws.Tensor[ws.bf16, "B", "T", qk], v: ws.Tensor[ws.bf16, "B", "T", v]):
+        return ws.matmul(ws.softmax(ws.matmul(q, k.transpose(-1, -2)), dim=-1), v).to(ws.bf16)  # odd-dims
+
+    if qk == 80:
+        message = ("invalid schedule 128x128x80 stages=1 consumers=2 regs=24/240 epilogue=direct:\n"
+                   "  - head dim (BK) 80 is not one of 64, 96, 128, 192, 256 (of Q and K; V: 64, 96, 128, 256 "
+                   "(V the same) or 192 with V 128)")
+    else:
+        message = (f"attention schedule for odd: head dims Q/K {qk}, V {v} are not supported; head dims are 64, 96, "
+                   f"128, 256 (V the same) or 192 with V 128 (v = input(...) at ")
+    with pytest.raises(ScheduleError, match="^" + re.escape(message)):
+        ws.lower(odd)
 
 
 @pytest.mark.parametrize("S,T", [(1, 300), (70, 333), (129, 64), (256, 256)])
@@ -161,9 +206,13 @@ def test_symbolic_head_dim_is_rejected():
 
 
 def test_unfusable_op_between_the_matmuls_is_named():
+    """A row reduction is no score function (tests/test_attention_variants.py: the others)."""
     @ws.fusion
-    def bad(q: ws.Tensor[ws.bf16, "S", 64], k: ws.Tensor[ws.bf16, "T", 64], v: ws.Tensor[ws.bf16, "T", 64]):
-        return ws.matmul(ws.softmax(ws.exp(ws.matmul(q, k.transpose(-1, -2))), dim=-1), v).to(ws.bf16)
+    def bad(q: ws.Tensor[ws.bf16, "B", "S", 64], k: ws.Tensor[ws.bf16, "B", "T", 64], v: ws.Tensor[ws.bf16, "B", "T", 64]):
+        s = ws.matmul(q, k.transpose(-1, -2))
+        return ws.matmul(ws.softmax(s - s.max(-1, keepdim=True), dim=-1), v).to(ws.bf16)
 
-    with pytest.raises(ScheduleError, match=r"only scaling by a constant and a causal mask fuse \(n\d+ = exp\(\.\.\.\) at test_attention\.py:\d+\)"):
+    with pytest.raises(ScheduleError, match=r"max cannot be computed between Q K\^T and the softmax: a score or mask "
+                                            r"function is built from elementwise ops, comparisons, ws.where and "
+                                            r"ws.positions \(n\d+ = max\(\.\.\.\) at test_attention\.py:\d+\)"):
         ws.lower(bad)

@@ -116,7 +116,8 @@ ATTENTION_VALUES = [
     (dict(tile=(128, 256, 128)), "BN=256 keys per block with head dim 128, mma_inflight=1 and 2 consumer"),
     (dict(tile=(128, 128, 256)), "BN=128 keys per block with head dim 256, mma_inflight=1"),
     (dict(tile=(128, 40, 128)), "BN=40 (keys per block) must be a multiple of 16"),
-    (dict(tile=(128, 128, 96)), "head dim (BK) 96 is not one of 64, 128, 256"),
+    (dict(tile=(128, 128, 80)), "head dim (BK) 80 is not one of 64, 96, 128, 192, 256 (of Q and K; V: 64, 96, 128, "
+                                "256 (V the same) or 192 with V 128)"),
     (dict(epilogue="tma_store"), "attention stores O and LSE with epilogue='direct'"),
     (dict(mode="pingpong", mma_inflight=0), "it needs consumer_warpgroups=2 and mma_inflight=1"),
     (dict(tile=(128, 192, 256), mma_inflight=0), "not even one stage fits"),
@@ -153,7 +154,7 @@ case("attention-schedule-for-matmul", lambda: ws.compile(matmul, AttentionSchedu
                     r"AttentionSchedule \(ws\.schedule_for\(matmul, \*\*fields\) builds one\)")
 case("matmul-schedule-for-attention", lambda: ws.compile(ATTENTION, MatmulSchedule(), build=False), ScheduleError,
      "its schedule must be a AttentionSchedule, not MatmulSchedule")
-case("head_dim-str", lambda: ws.schedule_for(ATTENTION, head_dim="x"), ScheduleError, r"head_dim='x' is not one of 64, 128, 256")
+case("head_dim-str", lambda: ws.schedule_for(ATTENTION, head_dim="x"), ScheduleError, r"head_dim='x' is not one of 64, 96, 128, 192, 256")
 case("head_dim-mismatch", lambda: ws.compile(ATTENTION, head_dim=128, build=False), ScheduleError,
      r"the schedule's head dim \(tile\[2\] = 128\) differs from Q's head dim 64")
 case("output_bytes-mismatch", lambda: ws.compile(scaled_silu_f32, MatmulSchedule(), build=False), ScheduleError,
@@ -317,7 +318,7 @@ if not torch.cuda.is_available():
 
 HEADER = "kernel k() grid(1) cluster(1, 1, 1) {"
 PARSE = [
-    ("stray-brace-after-kernel", MATMUL_IR + "}", r"line 92, column 1: unexpected `}`; expected end of input"),
+    ("stray-brace-after-kernel", MATMUL_IR + "}", r"line 97, column 1: unexpected `}`; expected end of input"),
     ("stray-brace-first", "}", r"line 1, column 1: unexpected `}`; expected `kernel`"),
     ("stray-brace-inside", MATMUL_IR.replace("tma.commit", "}", 1), r"unexpected `}`; expected end of input"),
     ("unclosed", HEADER, r"unexpected end of input; expected a statement, `barrier`, `smem` or `}`"),
@@ -398,17 +399,17 @@ FIELDS = [   # (path, field, value, what is expected)
     ((9, 0), "registers", 232.0, "an int"),
     ((9, 1), "shape", [64, 256], "a tuple of ints"),
     ((9, 1), "dtype", None, "a str"),
-    ((9, 2), "start", 0, EXPR), ((9, 2), "stop", None, EXPR), ((9, 2), "var", None, "a str"),
-    ((9, 2), "iteration", None, "a str"),
-    ((9, 3, 0), "pending", "0", "an int"), ((9, 3, 0), "read", None, "a bool"),
-    ((9, 2, 9), "pending", 0.0, "an int"),
-    ((9, 2, 11), "bar", None, "a BarRef"), ((9, 2, 11), "bar", "empty[s]", "a BarRef"),
-    ((9, 2, 13), "id", 1, EXPR), ((9, 2, 13), "threads", "128", "an int"),
-    ((9, 2, 14), "dst", "C_bf16", "a SmemRef"), ((9, 2, 14), "src", None, "a str"),
-    ((9, 2, 17, 0), "coords", None, r"a tuple of expressions"),
-    ((9, 2, 8, 3), "phase", None, EXPR), ((9, 2, 8, 3), "phase", "ph", EXPR),
-    ((9, 2, 8, 5), "b", None, "a SmemRef"), ((9, 2, 8, 5), "a", 3, r"a SmemRef or a str"),
-    ((9, 2, 8, 5), "accumulate", True, EXPR),
+    ((9, 3), "start", 0, EXPR), ((9, 3), "stop", None, EXPR), ((9, 3), "var", None, "a str"),
+    ((9, 3), "iteration", None, "a str"),
+    ((9, 4, 0), "pending", "0", "an int"), ((9, 4, 0), "read", None, "a bool"),
+    ((9, 3, 9), "pending", 0.0, "an int"),
+    ((9, 3, 11), "bar", None, "a BarRef"), ((9, 3, 11), "bar", "empty[s]", "a BarRef"),
+    ((9, 3, 13), "id", 1, EXPR), ((9, 3, 13), "threads", "128", "an int"),
+    ((9, 3, 14, 2), "dst", "C_bf16", "a SmemRef"), ((9, 3, 14, 2), "src", None, "a str"),
+    ((9, 3, 17, 0), "coords", None, r"a tuple of expressions"),
+    ((9, 3, 8, 3), "phase", None, EXPR), ((9, 3, 8, 3), "phase", "ph", EXPR),
+    ((9, 3, 8, 5), "b", None, "a SmemRef"), ((9, 3, 8, 5), "a", 3, r"a SmemRef or a str"),
+    ((9, 3, 8, 5), "accumulate", True, EXPR),
     ((8, 1, 0, 8, 4), "bytes", 49152, EXPR), ((8, 1, 0, 8, 5), "tensor", None, "a str"),
     ((8, 1, 0, 8, 5), "dst", None, "a SmemRef"),
 ]
@@ -419,16 +420,16 @@ for path, name, value, expected in FIELDS:
          lambda p=path, n=name, v=value: verify(replace_at(KERNEL, p, **{n: v})), VerifyError, message)
 NESTED = [   # a field of a node inside a statement, an item of a tuple
     ((9, 1), dict(shape=(64.0, 256)), r"`shape\[0\]` is 64\.0 \(float\); expected an int"),
-    ((9, 2, 17, 0), dict(coords=(ir.Var("m0"), 0)), r"`coords\[1\]` is 0 \(int\); expected " + EXPR),
-    ((9, 2, 8, 3), dict(bar=ir.BarRef("full", None)), r"`bar\.index` is None \(NoneType\); expected " + EXPR),
-    ((9, 2, 8, 3), dict(bar=ir.BarRef(None, ir.Var("s"))), r"`bar\.barrier` is None"),
-    ((9, 2, 8, 3), dict(phase=ir.BinOp("&", ir.Var("ph"), None)), r"`phase\.rhs` is None"),
-    ((9, 2, 8, 3), dict(phase=ir.BinOp(1, ir.Var("ph"), ir.IntConst(1))), r"`phase\.op` is 1 \(int\); expected a str"),
-    ((9, 2, 8, 3), dict(phase=ir.IntConst(1.5)), r"`phase\.value` is 1\.5 \(float\); expected an int"),
-    ((9, 2, 8, 3), dict(phase=ir.FloatConst(1)), r"`phase\.value` is 1 \(int\); expected a float"),
-    ((9, 2, 8, 3), dict(phase=ir.Call("min", [ir.Var("ph"), ir.IntConst(1)])), r"`phase\.args` is \[.*\] \(list\)"),
-    ((9, 2, 8, 5), dict(b=ir.SmemRef("B", None)), r"`b\.index` is None \(NoneType\); expected a tuple of expressions"),
-    ((9, 2, 8, 3), dict(phase=ir.Var(None)), r"`phase\.name` is None"),
+    ((9, 3, 17, 0), dict(coords=(ir.Var("m0"), 0)), r"`coords\[1\]` is 0 \(int\); expected " + EXPR),
+    ((9, 3, 8, 3), dict(bar=ir.BarRef("full", None)), r"`bar\.index` is None \(NoneType\); expected " + EXPR),
+    ((9, 3, 8, 3), dict(bar=ir.BarRef(None, ir.Var("s"))), r"`bar\.barrier` is None"),
+    ((9, 3, 8, 3), dict(phase=ir.BinOp("&", ir.Var("ph"), None)), r"`phase\.rhs` is None"),
+    ((9, 3, 8, 3), dict(phase=ir.BinOp(1, ir.Var("ph"), ir.IntConst(1))), r"`phase\.op` is 1 \(int\); expected a str"),
+    ((9, 3, 8, 3), dict(phase=ir.IntConst(1.5)), r"`phase\.value` is 1\.5 \(float\); expected an int"),
+    ((9, 3, 8, 3), dict(phase=ir.FloatConst(1)), r"`phase\.value` is 1 \(int\); expected a float"),
+    ((9, 3, 8, 3), dict(phase=ir.Call("min", [ir.Var("ph"), ir.IntConst(1)])), r"`phase\.args` is \[.*\] \(list\)"),
+    ((9, 3, 8, 5), dict(b=ir.SmemRef("B", None)), r"`b\.index` is None \(NoneType\); expected a tuple of expressions"),
+    ((9, 3, 8, 3), dict(phase=ir.Var(None)), r"`phase\.name` is None"),
 ]
 for path, fields, message in NESTED:
     case(f"verify-nested-{'.'.join(map(str, path))}-{message[:24]}",
@@ -447,7 +448,7 @@ KERNEL_FIELDS = [
     (dict(cluster=(1, 1)), r"`cluster` is \(1, 1\) \(tuple\); expected a tuple of 3 ints"),
     (dict(cluster=[1, 1, 1]), r"`cluster` is \[1, 1, 1\] \(list\)"),
     (dict(params=None), r"`params` is None \(NoneType\); expected a tuple of parameters"),
-    (dict(params=(None,)), r"`params\[0\]` is None \(NoneType\); expected a ScalarParam or a TensorMapParam or a GlobalParam"),
+    (dict(params=(None,)), r"`params\[0\]` is None \(NoneType\); expected a HostParam or a ScalarParam or a TensorMapParam or a WorkspaceParam or a GlobalParam"),
     (dict(smem=None), r"`smem` is None \(NoneType\); expected a tuple of ir\.SmemDecl"),
     (dict(barriers=[ir.BarrierDecl("full", 3)]), r"`barriers` is .* \(list\); expected a tuple of ir\.BarrierDecl"),
     (dict(body=None), r"`body` is None \(NoneType\); expected a tuple of statements"),
@@ -462,11 +463,11 @@ for fields, message in KERNEL_FIELDS:
          VerifyError, message)
 case("verify(None)", lambda: verify(None), VerifyError, r"verify takes an ir\.Kernel, got NoneType")
 case("verify(text)", lambda: verify(MATMUL_IR), VerifyError, r"verify takes an ir\.Kernel, got str")
-case("print-malformed-kernel", lambda: print_kernel(replace_at(KERNEL, (9, 2, 8, 3), phase=None)), IRPrintError,
+case("print-malformed-kernel", lambda: print_kernel(replace_at(KERNEL, (9, 3, 8, 3), phase=None)), IRPrintError,
      r"cannot print this kernel:\nIR line \d+ \(.*mbarrier\.wait\): `phase` is None")
 case("str-of-malformed-kernel", lambda: str(dataclasses.replace(KERNEL, grid="1")), IRPrintError, r"`grid` is '1' \(str\)")
 SIM_ARGS = {"M": 128, "N": 256, "K": 64, "a": torch.zeros(128, 64), "b": torch.zeros(64, 256), "out": torch.zeros(128, 256)}
-case("simulate-malformed-kernel", lambda: simulate(replace_at(KERNEL, (9, 2, 8, 3), phase="ph"), dict(SIM_ARGS)),
+case("simulate-malformed-kernel", lambda: simulate(replace_at(KERNEL, (9, 3, 8, 3), phase="ph"), dict(SIM_ARGS)),
      VerifyError, r"`phase` is 'ph' \(str\)")
 case("simulate-float-registers", lambda: simulate(replace_at(KERNEL, (8,), registers=24.0), dict(SIM_ARGS)),
      VerifyError, r"`registers` is 24\.0 \(float\); expected an int")

@@ -115,7 +115,7 @@ def bad(a: ws.Tensor[ws.bf16, "M", "K"], b: ws.Tensor[ws.bf16, "N", "K"]):
     (["ir", "no/such/file.py:mlp"], "no such file: no/such/file.py"),
     (["ir", f"{TESTS / 'fusions.py'}:nope"], "has no fusion named 'nope'; it defines: matmul, mlp"),
     (["ir", f"{TESTS / 'fusions.py'}:inputs_for"], "inputs_for in "),
-    (["ir", TESTS / "fusions.py"], "defines 5 fusions"),
+    (["ir", TESTS / "fusions.py"], "defines 6 fusions"),
     (["ir", "{bad_file}:bad"], "matmul: "),
     (["ir", "{broken_file}:x"], "failed: SyntaxError"),
     (["ir", MLP, "--pass", "nope"], "no pass 'nope' on the route of mlp; its passes: build_loops"),

@@ -1,5 +1,6 @@
 """The fusion DSL builds the DAG it should: nodes, shapes, dtypes, attrs, order and printout."""
 
+import re
 
 import networkx as nx
 import pytest
@@ -160,6 +161,47 @@ def test_binary_dtype_promotion(left, right, result):
     assert {f.node(output).dtype for output in f.outputs} == {result}
 
 
+# An i32 input meets a float in that float (the promotion above): in a matmul epilogue it is read
+# into an f32 tile, the conversion torch makes; integer arithmetic there is an early error.
+
+@ws.fusion
+def offset_by_index(a: ws.Tensor[ws.bf16, "M", 128], b: ws.Tensor[ws.bf16, 128, "N"],
+                    col: ws.Tensor[ws.i32, "N"], row: ws.Tensor[ws.i32, "M", 1]):
+    return (ws.matmul(a, b) * 0.01 + col - row).to(ws.bf16)
+
+
+def test_i32_inputs_meet_the_matmul_result_in_f32():
+    a, b = torch.randn(200, 128).bfloat16(), torch.randn(128, 136).bfloat16()
+    col = torch.randint(-1000, 1000, (136,), dtype=torch.int32)
+    row = torch.randint(-100_000, 100_000, (200, 1), dtype=torch.int32)
+    k = ws.compile(offset_by_index)
+    assert [line.strip() for line in k.ir.splitlines() if line.strip().startswith(("reg col_t", "reg row_t"))] == [
+        "reg col_t: f32[1, 64]", "reg row_t: f32[64, 1]"]
+    out = k.simulate(a, b, col, row)
+    ref = offset_by_index.reference(a, b, col, row)
+    torch.testing.assert_close(out.float(), ref.float(), rtol=1e-2, atol=1e-2)
+
+
+def test_integer_arithmetic_in_a_matmul_epilogue_is_an_early_error():
+    @ws.fusion
+    def f(a: ws.Tensor[ws.bf16, "M", 128], b: ws.Tensor[ws.bf16, 128, "N"], col: ws.Tensor[ws.i32, "N"]):
+        return ((ws.matmul(a, b) + col).to(ws.i32) + 0.5).to(ws.bf16)  # i32-epilogue
+    with pytest.raises(ws.ScheduleError, match=re.escape(
+            f"n2 = cast(...) at {source_lines.line_of(__file__, 'i32-epilogue')} computes i32 values; the matmul "
+            "epilogue computes in floating point: an i32 input may meet a float (it is read as f32), not be "
+            "computed on; cast it first with .to(ws.f32)")):
+        ws.compile(f)
+
+
+def test_the_verifier_names_an_i32_register_tile():
+    text = ws.compile(offset_by_index).ir.replace("reg col_t: f32", "reg col_t: i32")
+    line = next(n for n, s in enumerate(text.splitlines(), 1) if "reg col_t" in s)
+    with pytest.raises(ws.lowering.verify.VerifyError, match=re.escape(
+            f"IR line {line} (role consumer > reg col_t): register tile col_t is i32: register tiles hold bf16, "
+            "f16, f32 values; read an i32 tensor into an f32 tile (tile.load converts)")):
+        ws.compile(offset_by_index).with_ir(text)
+
+
 def test_scalars_become_f32_const_nodes_and_keep_the_tensor_dtype():
     @ws.fusion
     def f(x: ws.Tensor[ws.bf16, "N"]):
@@ -311,7 +353,7 @@ def test_dtypes():
         ("bf16", 16, torch.bfloat16, 2), ("f16", 16, torch.float16, 2),
         ("f32", 32, torch.float32, 4), ("i32", 32, torch.int32, 4)]
     assert str(ws.bf16) == "bf16" and repr(ws.bf16) == "ws.bf16"
-    assert promote(ws.bf16, ws.f16) is None and promote(ws.i32, ws.f32) is None
+    assert promote(ws.bf16, ws.f16) is None and promote(ws.i32, ws.f32) == ws.f32
     assert promote(ws.f16, ws.f32) == ws.f32
     assert {ws.bf16: 1}[ws.DType("bf16", 16, torch.bfloat16)] == 1
 

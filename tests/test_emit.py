@@ -168,20 +168,24 @@ def test_wgmma_descriptors_for_n_major_and_k_major_b(default_source):
 def test_fused_epilogues_are_spelled_from_their_tile_ops():
     gelu = emit(bias_gelu).source
     # consecutive elementwise ops share one fragment loop, in IR order
-    assert "// tile.add acc, acc, bias_t; tile.gelu acc, acc\n" in gelu
-    assert ("acc[4 * fj + 2 * fi + 0] = acc[4 * fj + 2 * fi + 0] + __bfloat162float(bias_t[fj].x);\n"
-            "          acc[4 * fj + 2 * fi + 1] = acc[4 * fj + 2 * fi + 1] + __bfloat162float(bias_t[fj].y);\n"
-            "          acc[4 * fj + 2 * fi + 0] = wsp::gelu(acc[4 * fj + 2 * fi + 0]);") in gelu
+    assert "// tile.cast slice_t, acc_j\n" in gelu
+    assert "// tile.add slice_t, slice_t, bias_t; tile.gelu slice_t, slice_t\n" in gelu
+    # a 64-column slice of the accumulator (tile.view) is the same array from element j * 64 / 2
+    assert ("slice_t[4 * fj + 2 * fi + 0] = acc[(j * 64) / 2 + 4 * fj + 2 * fi + 0];\n"
+            "            slice_t[4 * fj + 2 * fi + 1] = acc[(j * 64) / 2 + 4 * fj + 2 * fi + 1];\n") in gelu
+    assert ("slice_t[4 * fj + 2 * fi + 0] = slice_t[4 * fj + 2 * fi + 0] + __bfloat162float(bias_t[fj].x);\n"
+            "            slice_t[4 * fj + 2 * fi + 1] = slice_t[4 * fj + 2 * fi + 1] + __bfloat162float(bias_t[fj].y);\n"
+            "            slice_t[4 * fj + 2 * fi + 0] = wsp::gelu(slice_t[4 * fj + 2 * fi + 0]);") in gelu
     assert "erff(x * 0.7071067811865476f)" in (INCLUDE_DIR / "activation.cuh").read_text()
     # a bf16 row tile: one 32-bit load per pair when the row is aligned, else two 16-bit ones
     assert "bias_t[fj] = wsp::load_pair(ptr + 8 * fj, row_ok && col0 + 8 * fj < N);" in gelu
     assert "bias_t[fj] = wsp::load_split(ptr + 8 * fj, row_ok && col0 + 8 * fj < N, " in gelu
     direct = emit(linear_relu_residual, epilogue="direct").source
-    assert "acc[4 * fj + 2 * fi + 0] = fmaxf(acc[4 * fj + 2 * fi + 0], 0.0f);" in direct
+    assert "slice_t[4 * fj + 2 * fi + 0] = fmaxf(slice_t[4 * fj + 2 * fi + 0], 0.0f);" in direct
     assert "const bool row_ok = row < M;" in direct
     # stores round f32 to the tensor's dtype: the pair is packed at the store
     assert re.search(r"wsp::store_pair\(ptr \+ 8 \* fj, row_ok && col0 \+ 8 \* fj < N, "
-                     r"__floats2bfloat162_rn\(acc\[4 \* fj \+ 2 \* fi \+ 0\], ", direct)
+                     r"__floats2bfloat162_rn\(slice_t\[4 \* fj \+ 2 \* fi \+ 0\], ", direct)
     assert "tma_store" not in direct.split('extern "C"')[1]
 
 

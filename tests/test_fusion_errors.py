@@ -165,12 +165,21 @@ def test_cast_needs_a_ws_dtype():
      "mod: `x % y` is not supported on ws tensors (x is f32[M, N])"),
     ("abs", lambda x: abs(x),  # abs
      "abs: `abs(x)` is not supported on ws tensors (x is f32[M, N])"),
-    ("lt", lambda x: x < 0,  # lt
-     "lt: `x < y` is not supported on ws tensors (x is f32[M, N])"),
-    ("reflected-lt", lambda x: 0 < x,  # reflected-lt
-     "gt: `x > y` is not supported on ws tensors (x is f32[M, N])"),
-    ("eq", lambda x: x == x,  # eq
-     "eq: `x == y` is not supported on ws tensors (x is f32[M, N])"),
+    ("xor", lambda x: x ^ x,  # xor
+     "xor: `x ^ y` is not supported on ws tensors (x is f32[M, N])"),
+    ("and-float", lambda x: x & (x > 0),  # and-float
+     "and: `x & y` combines comparisons (bool tensors), but x is f32[M, N]"),
+    ("not-float", lambda x: ~x,  # not-float
+     "not: `~x` combines comparisons (bool tensors), but x is f32[M, N]"),
+    ("bool-arithmetic", lambda x: (x < 0) + 1,  # bool-arithmetic
+     "add: n1 is a comparison (bool[M, N]); add takes numbers: turn a mask into values with "
+     "ws.where(cond, a, b)"),
+    ("where-of-floats", lambda x: ws.where(x, x, 0.0),  # where-of-floats
+     "where: the condition must be a comparison (a bool tensor such as `j <= i`), but x is f32[M, N]"),
+    ("where-of-a-number", lambda x: ws.where(True, x, 0.0),  # where-of-a-number
+     "where: the condition must be a ws comparison (a bool tensor such as `j <= i`), got bool"),
+    ("positions-of-a-vector", lambda x: ws.positions(x.sum(-1)),  # positions-of-a-vector
+     "positions: needs [..., rows, cols] dims, but n0 is f32[M]"),
     ("if", lambda x: x if x else x,  # if
      "bool: `bool(x) / if x` is not supported on ws tensors (x is f32[M, N])"),
     ("index", lambda x: x[0],  # index
@@ -182,7 +191,7 @@ def test_cast_needs_a_ws_dtype():
     ("tensor+proxy", lambda x: torch.ones(1) + x,  # tensor+proxy
      "torch.add: torch functions cannot take ws tensors (x is f32[M, N]); use ws.add instead"),
     ("torch.where", lambda x: torch.where(x, x, x),  # torch.where
-     "torch.where: torch functions cannot take ws tensors (x is f32[M, N]); use ws ops instead"),
+     "torch.where: torch functions cannot take ws tensors (x is f32[M, N]); use ws.where instead"),
     ("proxy+tensor", lambda x: x + torch.ones(1),  # proxy+tensor
      "add: operand 1 has type torch.Tensor; add takes ws tensors and Python numbers"),
     ("no-tensor", lambda x: ws.exp(1.0),  # no-tensor

@@ -6,7 +6,7 @@ import torch.nn.functional as F
 
 import wsched as ws
 
-from attention_fusions import attention_inputs, make_attention
+from attention_fusions import VARIANTS, attention_inputs, make_attention, make_variant, variant_inputs
 
 pytestmark = pytest.mark.gpu
 
@@ -26,7 +26,7 @@ def run(f, k, inputs):
     for t in outs.values():
         t.fill_(float("nan"))
     k(*inputs, out=outs)
-    k._loaded.last_error_check()
+    k.synchronize()
     return list(outs.values())
 
 
@@ -95,3 +95,54 @@ def test_fp16():
     q, kk, v = attention_inputs(2, 4, 700, 700, 64, device="cuda", dtype=torch.float16)
     (o,) = run(f, k, (q, kk, v))
     assert rel(o, F.scaled_dot_product_attention(q, kk, v, is_causal=True)) < 1e-2
+
+
+# --- score functions and masks written in the DSL (issue 11) ---------------------------------
+
+_variants = {}
+
+
+def compiled_variant(D, variant, gqa=False, window=100):
+    key = (D, variant, gqa, window)
+    if key not in _variants:
+        f = make_variant(D, variant, gqa=gqa, window=window)
+        _variants[key] = (f, ws.compile(f))
+    return _variants[key]
+
+
+def check_variant(f, k, inputs):
+    """Outputs poisoned, then O and LSE against the reference; rows that see no key store O = 0
+    and LSE = -inf (the reference has NaN there)."""
+    o, lse = run(f, k, inputs)
+    ro, rlse = f.reference(*inputs)
+    seen = torch.isfinite(rlse)
+    assert not torch.isnan(o).any() and not torch.isnan(lse).any()
+    assert (o[~seen] == 0).all() and torch.isneginf(lse[~seen]).all()
+    assert rel(o[seen], ro[seen]) < 1e-2
+    assert rel(lse[seen], rlse[seen]) < 1e-3
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("D", [64, 128])
+def test_score_function_variants(D, variant):
+    f, k = compiled_variant(D, variant)
+    check_variant(f, k, variant_inputs(f, 2, 4, 1000, 1000, D, device="cuda", seed=D + len(variant)))
+
+
+@pytest.mark.parametrize("variant, S, T", [("window", 777, 1200), ("alibi", 1200, 777), ("document", 1, 1500),
+                                           ("softcap_window", 1000, 300), ("document_causal", 513, 513)])
+def test_score_function_variants_gqa_and_ragged(variant, S, T):
+    f, k = compiled_variant(128, variant, gqa=True)
+    check_variant(f, k, variant_inputs(f, 2, 8, S, T, 128, device="cuda", seed=S, gqa_groups=4))
+
+
+def test_sliding_window_skips_blocks_at_length_4096():
+    f, k = compiled_variant(128, "window", window=1024)
+    check_variant(f, k, variant_inputs(f, 1, 2, 4096, 4096, 128, device="cuda", seed=7))
+
+
+def test_rows_of_a_document_no_key_belongs_to():
+    f, k = compiled_variant(128, "document")
+    q, kk, v, doc_q, doc_k = variant_inputs(f, 2, 4, 900, 900, 128, device="cuda", seed=5)
+    doc_q[..., 100:300, :] = 99
+    check_variant(f, k, (q, kk, v, doc_q, doc_k))

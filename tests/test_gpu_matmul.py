@@ -9,7 +9,7 @@ import torch
 
 import wsched as ws
 
-from fusions import inputs_for, linear_relu_residual, matmul, matmul_f16, mlp, scaled_silu_f32
+from fusions import gated, inputs_for, linear_relu_residual, matmul, matmul_f16, mlp, scaled_silu_f32
 
 pytestmark = pytest.mark.gpu
 
@@ -38,7 +38,7 @@ def run_and_check(k, fusion, M, N, K, seed, tol=1e-2):
     out = {"out": torch.full((M, N), float("nan"), device="cuda",
                              dtype=names[0].dtype.torch_dtype)}
     k(*inputs, out=out)
-    k._loaded.last_error_check()
+    k.synchronize()
     got = out["out"].float()
     ref = fusion.reference(*[t.cpu() for t in inputs]).float().cuda()
     assert not torch.isnan(got).any(), f"{int(torch.isnan(got).sum())} outputs never written"
@@ -89,3 +89,38 @@ def test_wrong_device_and_dtype_are_named():
         k(a.float(), b)
     with pytest.raises(ValueError, match="16-byte"):
         k(a[:, 1:], b[1:])
+
+
+# --- sliced epilogues and split-K ----------------------------------------------------------------
+
+@pytest.mark.parametrize("M", [1, 33, 4096])
+@pytest.mark.parametrize("fusion", [gated, scaled_silu_f32, linear_relu_residual], ids=lambda f: f.name)
+def test_epilogues_with_mn_inputs_and_f32_outputs(fusion, M):
+    """The gated, f32-output and residual epilogues (they spilled before the epilogue took the
+    accumulator in slices) at decode, odd and large M."""
+    run_and_check(compiled(fusion), fusion, M, 4096, 1024, seed=M)
+
+
+@pytest.mark.parametrize("M,N,K", [(1, 4096, 4096), (33, 4096, 4096), (16, 1000, 3000), (4096, 4096, 1024),
+                                   (200, 512, 100000 // 64 * 64), (128, 264, 40)])
+@pytest.mark.parametrize("fusion", [matmul, gated], ids=lambda f: f.name)
+def test_split_k(fusion, M, N, K):
+    """Few tiles: the host splits their k range (M 1 and 33: 16 tiles of 64 k steps, 8 splits);
+    many tiles: no split (4096); a long K; K < BK (one k step: no split)."""
+    run_and_check(compiled(fusion, split_k=16), fusion, M, N, K, seed=M + K)
+
+
+def test_split_k_is_deterministic_and_its_tickets_reset():
+    """The same inputs three times: the same bits (the partials are summed in split order
+    whichever CTA arrives last), and the tickets are back at 0 after each call (else the second
+    call's last CTA would be another one, or none)."""
+    k = compiled(matmul, split_k=16)
+    a, b = inputs_for(matmul, 40, 4096, 8192, device="cuda", seed=11)
+    outs = [k(a, b).clone() for _ in range(3)]
+    k.synchronize()
+    assert all(torch.equal(outs[0], o) for o in outs[1:])
+    assert all(int(t.count_nonzero()) == 0 for (name, _), held in k._workspaces.items() if name == "tickets"
+               for t in held)
+    ref = matmul.reference(a.cpu(), b.cpu()).float().cuda()
+    assert float((outs[0].float() - ref).norm() / ref.norm()) < 1e-2
+

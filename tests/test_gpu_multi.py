@@ -169,14 +169,14 @@ def test_a_thread_that_never_used_cuda_can_launch(device):
     M, N, K = SHAPE
     a, b = inputs_for(matmul, M, N, K, device=device, seed=9)
     out = {"out": torch.full((M, N), float("nan"), device=device, dtype=torch.bfloat16)}
-    grid, args, _ = k.launch_args((a, b), out=out)
+    bound = k.bind(a, b, out=out)
     torch.cuda.synchronize(device)
     errors = []
 
     def launch():
         try:
-            k._loaded.launch(grid, args, device=device)
-            k._loaded.last_error_check(device)
+            bound()
+            bound.synchronize()
         except Exception as error:  # noqa: BLE001 - reported by the test
             errors.append(error)
 

@@ -11,6 +11,7 @@ import functools
 import logging
 import math
 import re
+import typing
 from pathlib import Path
 
 import lark
@@ -72,7 +73,7 @@ def test_golden_kernels_use_every_statement_kind():
 def test_golden_kernels_use_every_param_kind_and_tile_op():
     kernels = golden_kernels().values()
     params = {type(p) for k in kernels for p in k.params}
-    assert params == {ir.ScalarParam, ir.TensorMapParam, ir.GlobalParam}
+    assert params == set(typing.get_args(ir.Param))
     ops = {s.op for k in kernels for s in ir.walk(k.body)
            if isinstance(s, (ir.TileUnary, ir.TileBinary, ir.TileReduce))}
     assert set(ir.UNARY_OPS + ir.BINARY_OPS + ir.REDUCE_OPS) <= ops
@@ -382,7 +383,7 @@ def test_error_message_in_full(old, new, message):
 def test_error_lists_expected_terminals_in_readable_spellings():
     error = parse_error(SMALL.replace("i32 n", "n"))
     assert error.detail == \
-        "unexpected `n`; expected `)`, `global`, `tensormap` or a dtype (bf16, f16, f32, i32)"
+        "unexpected `n`; expected `)`, `global`, `tensormap`, `workspace` or a dtype (bf16, f16, f32, i32)"
     error = parse_error(SMALL.replace("phase(s & 1)", "phase(s & 1 $)"))
     assert (error.line, error.column) == (4, 39)
     assert error.detail == ("unexpected character `$`; expected `!=`, `%`, `&`, `&&`, `)`, `*`, "
@@ -408,7 +409,8 @@ def test_error_declaration_after_statements():
     ("tile.exp x, x", "tile.expp x, x", (6, 5),
      "unknown tile op `tile.expp`; expected `tile.neg`, `tile.exp`, `tile.exp2`, `tile.log`, "
      "`tile.relu`, `tile.gelu`, `tile.silu`, `tile.sigmoid`, `tile.tanh`, `tile.cast`, "
-     "`tile.add`, `tile.sub`, `tile.mul`, `tile.div`, `tile.maximum` or `tile.minimum`; "
+     "`tile.add`, `tile.sub`, `tile.mul`, `tile.div`, `tile.maximum`, `tile.minimum`, `tile.lt`, "
+     "`tile.le`, `tile.gt`, `tile.ge`, `tile.eq`, `tile.ne`, `tile.logical_and` or `tile.logical_or`; "
      "did you mean `tile.exp`?"),
     ("tile.exp x, x", "tile.exp x, x, x", (6, 5), "`tile.exp` takes one operand: `tile.exp dst, src`"),
     ("tile.exp x, x", "tile.add x, x", (6, 5), "`tile.add` takes two operands: `tile.add dst, lhs, rhs`"),
@@ -587,13 +589,16 @@ def simple_statements(declared_smem: tuple[str, ...]):
         st.builds(ir.RegDecl, tile_names, dtypes, int_tuples()),
         st.builds(ir.TileFill, tile_names, exprs),
         st.builds(ir.TileUnary, st.sampled_from(ir.UNARY_OPS), tile_names, tile_names),
-        st.builds(ir.TileBinary, st.sampled_from(ir.BINARY_OPS), tile_names, tile_operands,
+        st.builds(ir.TileBinary, st.sampled_from(ir.TILE_BINARY_OPS), tile_names, tile_operands,
                   tile_operands),
         st.builds(ir.TileReduce, st.sampled_from(ir.REDUCE_OPS), tile_names, tile_names,
                   signed_ints),
         st.builds(ir.TileLoadGlobal, tile_names, st.sampled_from(TENSOR_NAMES), expr_tuples()),
         st.builds(ir.TileStoreGlobal, st.sampled_from(TENSOR_NAMES), expr_tuples(), tile_names),
         st.builds(ir.TileStoreSmem, smem_refs(), tile_names),
+        # attention score functions
+        st.builds(ir.TileIota, tile_names, signed_ints, exprs),
+        st.builds(ir.TileSelect, tile_names, tile_operands, tile_operands, tile_operands),
     )
 
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import ast
 import contextlib
+import functools
 import ctypes
 import graphlib
 import threading
-import types
 from pathlib import Path
 
 import pytest
@@ -18,7 +18,9 @@ from cuda.bindings import driver
 from wsched.codegen import cuda_driver, launch
 from wsched.codegen.cuda_driver import CudaError, check_cuda
 from wsched.codegen.launch import (
+    PARAM_BYTES,
     LoadedKernel,
+    PackedArguments,
     _check_cluster,
     _grid3,
     _launch_config,
@@ -192,6 +194,59 @@ def test_cuda_python_packs_marshalled_args_as_the_kernel_expects():
     assert ctypes.c_float.from_address(pointers[3]).value == 1.5
 
 
+# ----------------------------------------------------------------------------- PackedArguments
+
+
+def _map_with(data: bytes) -> driver.CUtensorMap:
+    tensor_map = driver.CUtensorMap()
+    ctypes.memmove(tensor_map.getPtr(), data.ljust(PARAM_BYTES["tensor_map"], b"\0"), len(data))
+    return tensor_map
+
+
+def _driver_bytes(args) -> list[bytes]:
+    """What the driver copies for each argument when cuda-python packs `_marshal_args(args)`:
+    a ctypes value of each type, a CUtensorMap's 128 bytes of storage."""
+    values, types = _marshal_args(args)
+    return [ctypes.string_at(value.getPtr(), PARAM_BYTES["tensor_map"]) if ctype is None else bytes(ctype(value))
+            for value, ctype in zip(values, types)]
+
+
+def test_packed_arguments_hold_the_bytes_cuda_python_would_pack():
+    args = [("tensor_map", _map_with(b"map of a")), ("ptr", 0x7F00_0000_0040), ("i32", -5),
+            ("f32", 0.1), ("ptr", driver.CUdeviceptr(4096))]
+    packed = PackedArguments(args)
+    assert packed.raw() == _driver_bytes(args)
+    assert len(packed) == 5 and packed.types == ("tensor_map", "ptr", "i32", "f32", "ptr")
+    # the void** the driver reads: one address per parameter, each at its value's storage
+    pointers = (ctypes.c_void_p * 5).from_address(packed.address)
+    assert pointers[0] == args[0][1].getPtr()
+    assert ctypes.c_int.from_address(pointers[2]).value == -5
+
+
+def test_packed_arguments_patch_pointers_and_maps_in_place():
+    first, second = _map_with(b"first"), _map_with(b"second")
+    packed = PackedArguments([("tensor_map", first), ("ptr", 0), ("i32", 7)])
+    address = packed.address
+    packed.set_pointer(1, 0xABC0)
+    packed.set_tensor_map(0, second)
+    assert packed.address == address   # the same array: nothing packed anew
+    assert packed.raw() == _driver_bytes([("tensor_map", second), ("ptr", 0xABC0), ("i32", 7)])
+    assert packed.pairs() == [("tensor_map", second), ("ptr", 0xABC0), ("i32", 7)]
+
+
+def test_packed_arguments_copy_is_independent():
+    packed = PackedArguments([("ptr", 16), ("f32", 2.0)])
+    copy = packed.copy()
+    copy.set_pointer(0, 32)
+    assert packed.pairs() == [("ptr", 16), ("f32", 2.0)] and copy.pairs() == [("ptr", 32), ("f32", 2.0)]
+
+
+def test_packed_arguments_check_like_marshal():
+    with pytest.raises(ValueError, match="2147483648 does not fit a 32-bit int"):
+        PackedArguments([("i32", 2**31)])
+    assert PackedArguments([]).address == 0   # NULL: a kernel without parameters
+
+
 # ----------------------------------------------------------------------------- check_cuda
 
 
@@ -305,10 +360,11 @@ class FakeDriver:
         self.get_function_error = get_function_error
         self.launch_error = launch_error
         self.contexts = []  # the device of each torch_context entered
+        self.current = None  # the device whose primary context is the thread's current one
         monkeypatch.setattr(launch, "torch_context", self._context)
+        monkeypatch.setattr(launch, "is_current", lambda index: index == self.current)
         monkeypatch.setattr(launch.torch.cuda, "current_device", lambda: 0)
-        monkeypatch.setattr(launch.torch.cuda, "current_stream",
-                            lambda device=None: types.SimpleNamespace(cuda_stream=0x500 + (device or 0)))
+        monkeypatch.setattr(launch, "current_stream_handle", lambda index: 0x500 + index)
         for name in ("cuDeviceGet", "cuDeviceGetAttribute", "cuModuleLoadData",
                      "cuModuleGetFunction", "cuFuncSetAttribute", "cuLaunchKernel", "cuLaunchKernelEx"):
             monkeypatch.setattr(launch.driver, name, self._recorder(name))
@@ -418,6 +474,41 @@ def test_launch_failure_names_the_launch(monkeypatch, cubin):
         kernel.launch(132, [], stream=0)
 
 
+def test_launch_packed_goes_straight_to_the_driver_once_the_context_is_current(monkeypatch, cubin):
+    fake = FakeDriver(monkeypatch)
+    kernel = LoadedKernel(cubin, "wsched_matmul", smem_bytes=200_000, threads=384)
+    packed = PackedArguments([("ptr", 4096), ("i32", 7)])
+    kernel.launch_packed(132, packed, 1)   # first launch on cuda:1: load there, in its context
+    fake.current = 1                       # the thread now works on cuda:1
+    kernel.launch_packed(132, packed, 1)
+    kernel.launch_packed(2, packed, 0)     # another device's context current: switch to cuda:0
+    assert fake.contexts == [1, 1, 0, 0]   # launch and load on each device; the second launch none
+    launches = [args for name, args in fake.calls if name == "cuLaunchKernel"]
+    assert [(args[0], args[1], int(args[8]), args[9]) for args in launches] == [
+        ("<cuModuleGetFunction on cuda:1>", 132, 0x501, packed.address),
+        ("<cuModuleGetFunction on cuda:1>", 132, 0x501, packed.address),
+        ("<cuModuleGetFunction>", 2, 0x500, packed.address)]
+    assert launches[0][1:8] == (132, 1, 1, 384, 1, 1, 200_000) and kernel._last_device == 0
+
+
+def test_launch_packed_failure_names_the_launch(monkeypatch, cubin):
+    FakeDriver(monkeypatch, launch_error=driver.CUresult.CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES)
+    kernel = LoadedKernel(cubin, "wsched_matmul", smem_bytes=0, threads=384)
+    with pytest.raises(CudaError, match=r"cuLaunchKernel\(wsched_matmul grid=\(132, 1, 1\) "
+                                        r"block=\(384, 1, 1\) cluster=\(1, 1, 1\) smem=0 args=1 on cuda:0\) "
+                                        r"failed: CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES"):
+        kernel.launch_packed(132, PackedArguments([("i32", 1)]), 0)
+
+
+def test_launch_takes_packed_arguments(monkeypatch, cubin):
+    fake = FakeDriver(monkeypatch)
+    kernel = LoadedKernel(cubin, "k", smem_bytes=0, threads=128)
+    packed = PackedArguments([("i32", 3)])
+    kernel.launch(4, packed, stream=0x55)
+    name, args = fake.calls[-1]
+    assert name == "cuLaunchKernel" and args[9] == packed.address
+
+
 # ----------------------------------------------------------------------------- several devices
 
 
@@ -464,6 +555,7 @@ class FakeContexts:
     def __init__(self, monkeypatch, device=0, context=0):
         self.device, self.context, self.log = device, context, []
         monkeypatch.setattr(cuda_driver, "_primary_contexts", {})
+        monkeypatch.setattr(cuda_driver, "_primary_handles", {})
         monkeypatch.setattr(cuda_driver.torch, "empty", lambda *a, **k: None)
         monkeypatch.setattr(cuda_driver.torch.cuda, "current_device", lambda: self.device)
         monkeypatch.setattr(cuda_driver.torch.cuda, "device", self._torch_device)
@@ -511,3 +603,183 @@ def test_torch_context_fast_path_when_already_current(monkeypatch):
         with cuda_driver.torch_context(None):
             pass
     assert fake.log == []                                           # nothing to switch
+
+
+def test_is_current_compares_the_thread_context_with_the_primary(monkeypatch):
+    fake = FakeContexts(monkeypatch, device=0, context=0)
+    assert not cuda_driver.is_current(1)        # before init_driver: never
+    cuda_driver.init_driver(1)
+    assert not cuda_driver.is_current(1)        # a fresh thread: no context current
+    fake.context = 0x1001
+    assert cuda_driver.is_current(1) and not cuda_driver.is_current(0)
+
+
+# ----------------------------------------------------------------------------- the eager call
+
+
+class FakeGpu:
+    """A compiled kernel's call on CPU tensors, down to the bytes the driver would copy: the plan
+    takes them for cuda:0's (device checks off, every other check on), a tensor map is 128 bytes
+    naming the parameter, address, shape and box, and the launch records the packed arguments."""
+
+    def __init__(self, monkeypatch):
+        from wsched.codegen import tma
+
+        self.encoded = []    # (parameter, data_ptr) of each map encoded
+        self.launches = []   # (grid, bytes per parameter, device index) of each launch
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+        monkeypatch.setattr(launch, "check_tensor", functools.partial(check_tensor, require_cuda=False))
+        monkeypatch.setattr(launch, "sm_count", lambda device=None: 132)
+        monkeypatch.setattr(tma, "tensor_map_for", self._encode)
+
+    def _encode(self, tensor, box, swizzle, name):
+        self.encoded.append((name, tensor.data_ptr()))
+        return _map_with(self.map_bytes(name, tensor.data_ptr(), tensor.shape, box))
+
+    @staticmethod
+    def map_bytes(name, data_ptr, shape, box) -> bytes:
+        return f"{name} {data_ptr:#x} {tuple(shape)} {tuple(box)}".encode()
+
+    def compile(self, fusion):
+        import wsched as ws
+
+        k = ws.compile(fusion, build=False)
+        k.__dict__["_loaded"] = self   # stands in for the LoadedKernel (a cached_property)
+        return k
+
+    def launch_packed(self, grid, packed, device_index):
+        self.launches.append((grid, packed.raw(), device_index))
+
+
+@pytest.fixture
+def fake_gpu(monkeypatch):
+    return FakeGpu(monkeypatch)
+
+
+def _matmul_call():
+    from fusions import inputs_for, matmul
+
+    a, b = inputs_for(matmul, 200, 296, 72)
+    return matmul, (a, b), {"out": torch.empty(200, 296, dtype=torch.bfloat16)}, {"M": 200, "N": 296, "K": 72}
+
+
+def _attention_call():
+    from attention_fusions import attention_inputs, make_attention
+
+    f = make_attention(128, causal=True, lse=True)
+    q, k, v = attention_inputs(2, 3, 150, 170, 128)
+    out = {"o": torch.empty(2, 3, 150, 128, dtype=torch.bfloat16), "lse": torch.empty(2, 3, 150)}
+    return f, (q, k, v), out, {"batch0": 2, "batch1": 3, "S": 150, "T": 170}
+
+
+def _expected_bytes(k, tensors, out, sizes):
+    """The arguments as the kernel declares them, each from its tensor or size: the oracle."""
+    from wsched.lowering import ir
+    from wsched.partition import param_name
+
+    by_name = {param_name(node.id): t for node, t in zip(k.fusion.inputs, tensors)} | out
+    expected = []
+    for p in k.kernel.params:
+        if isinstance(p, ir.TensorMapParam):
+            t = by_name[p.name]
+            shape = [s if isinstance(s, int) else sizes[s.name] for s in (getattr(e, "value", e) for e in p.shape)]
+            expected.append(_map_with(FakeGpu.map_bytes(p.name, t.data_ptr(), shape, p.box)))
+            expected[-1] = ctypes.string_at(expected[-1].getPtr(), PARAM_BYTES["tensor_map"])
+        elif isinstance(p, ir.GlobalParam):
+            expected.append(by_name[p.name].data_ptr().to_bytes(8, "little"))
+        elif p.name in sizes:
+            expected.append(sizes[p.name].to_bytes(4, "little", signed=True))
+        else:
+            expected.append(None)   # a host-computed scalar: compared with the slow path only
+    return expected
+
+
+@pytest.mark.parametrize("call", [_matmul_call, _attention_call], ids=["matmul", "attention_lse"])
+def test_the_calls_packed_arguments_are_the_kernels_arguments(fake_gpu, call):
+    fusion, tensors, out, sizes = call()
+    k = fake_gpu.compile(fusion)
+    k(*tensors, out=out)
+    k(*tensors, out=out)   # the second call reuses the plan, the buffer and the maps
+    grid, pairs, _ = k.launch_args(tensors, out=out)   # the (type, value) pairs of the slow path
+    (grid1, raw1, index1), (grid2, raw2, _) = fake_gpu.launches
+    assert raw1 == raw2 == _driver_bytes(pairs)
+    assert grid1 == grid2 == grid and index1 == 0
+    expected = _expected_bytes(k, tensors, out, sizes)
+    assert [r for r, e in zip(raw1, expected) if e is not None] == [e for e in expected if e is not None]
+    assert len({name for name, _ in fake_gpu.encoded}) == len(fake_gpu.encoded)   # each map once
+
+
+def test_a_new_data_pointer_gets_its_own_map(fake_gpu):
+    fusion, (a, b), out, sizes = _matmul_call()
+    k = fake_gpu.compile(fusion)
+    k(a, b, out=out)
+    a2 = a.clone()   # the same layout at another address
+    k(a2, b, out=out)
+    k(a, b, out=out)   # the first address again: its map is cached
+    assert fake_gpu.encoded == [("a", a.data_ptr()), ("b", b.data_ptr()), ("out", out["out"].data_ptr()),
+                                ("a", a2.data_ptr())]
+    raws = [raw for _, raw, _ in fake_gpu.launches]
+    assert raws[1] == _expected_bytes(k, (a2, b), out, sizes) and raws[2] == raws[0] != raws[1]
+    assert len(k._plans) == 1
+
+
+def test_a_new_layout_gets_a_new_plan(fake_gpu, monkeypatch):
+    from fusions import inputs_for
+
+    fusion, (a, b), out, _ = _matmul_call()
+    k = fake_gpu.compile(fusion)
+    plans = []
+    plan = k._plan
+    monkeypatch.setattr(k, "_plan", lambda *args: plans.append(args) or plan(*args))
+    for _ in range(3):
+        k(a, b, out=out)
+    a2, b2 = inputs_for(fusion, 100, 296, 72)
+    k(a2, b2, out={"out": torch.empty(100, 296, dtype=torch.bfloat16)})    # another M
+    strided = torch.empty(200, 80, dtype=torch.bfloat16)[:, :72]
+    strided.copy_(a)
+    k(strided, b, out=out)                                                # other strides
+    assert len(plans) == len(k._plans) == 3 and len(fake_gpu.launches) == 5
+
+
+def test_a_misaligned_base_of_a_known_layout_is_refused(fake_gpu):
+    fusion, (a, b), out, _ = _matmul_call()
+    k = fake_gpu.compile(fusion)
+    k(a, b, out=out)
+    storage = torch.empty(200 * 72 + 8, dtype=torch.bfloat16)
+    shifted = storage[1:1 + 200 * 72].view(200, 72)   # the plan's layout, 2 bytes past 16
+    shifted.copy_(a)
+    with pytest.raises(ValueError) as info:
+        k(shifted, b, out=out)
+    assert str(info.value) == (
+        f"argument 'a' has data_ptr {shifted.data_ptr():#x}, 2 bytes past a 16-byte boundary; TMA needs "
+        "a 16-byte aligned base address — a view that starts mid-row (e.g. t[:, 3:]) must be copied "
+        "with .contiguous() or .clone()")
+    assert len(k._plans) == 1 and len(fake_gpu.launches) == 1   # refused before the launch
+
+
+def test_bind_launches_its_own_arguments(fake_gpu):
+    fusion, (a, b), out, _ = _matmul_call()
+    k = fake_gpu.compile(fusion)
+    bound = k.bind(a, b, out=out)
+    k(a.clone(), b, out=out)   # another call of the layout: the thread's buffer, not the bound one
+    assert bound() is out["out"] and bound.outputs is out and bound.device == torch.device("cuda", 0)
+    eager, again = (raw for _, raw, _ in fake_gpu.launches)
+    assert again == _expected_bytes(k, (a, b), out, {"M": 200, "N": 296, "K": 72}) != eager
+
+
+def test_threads_pack_into_their_own_buffers(fake_gpu):
+    fusion, (a, b), out, _ = _matmul_call()
+    k = fake_gpu.compile(fusion)
+    buffers = []
+
+    def call():
+        buffers.append(k._prepare((a, b), out)[1])
+
+    threads = [threading.Thread(target=call) for _ in range(2)]
+    for t in threads:
+        t.start()
+        t.join()
+    call()
+    call()
+    assert buffers[0] is not buffers[1] and buffers[2] is buffers[3] not in buffers[:2]

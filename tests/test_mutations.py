@@ -30,13 +30,13 @@ from wsched.lowering.printer import print_kernel
 from wsched.lowering.simulate import SimulationError
 from wsched.lowering.verify import VerifyError, verify
 
-from attention_fusions import attention_inputs, make_attention
+from attention_fusions import attention_inputs, make_attention, make_variant
 from fusions import inputs_for, linear_relu_residual, matmul, matmul_f16, mlp, scaled_silu_f32
 from mutations import OPERATORS, Edit, Text
 
 GOLDEN = Path(__file__).parent / "golden"
 SEEDS = (0, 1, 2)
-NUM_SMS = 2
+NUM_SMS = 2   # the families' default (Family.num_sms)
 # Mutants judged per (family, operator), drawn with a fixed seed (every operator still runs on
 # every family it fits): harmful, benign. `python tests/test_mutations.py` judges all of them.
 SAMPLE = {True: 2, False: 1}
@@ -54,6 +54,8 @@ class Family:
     fusion: object
     overrides: tuple = ()             # schedule overrides, as (name, value) pairs
     golden: str = ""                  # tests/golden/<golden> holds the IR text
+    shapes: tuple = ()                # (M, N, K)s of a matmul family, where the default does not fit
+    num_sms: int = NUM_SMS            # SMs the simulator runs the CTAs on
 
     @cached_property
     def compiled(self) -> ws.CompiledKernel:
@@ -77,7 +79,8 @@ class Family:
             s, t = (700, 300) if "_br" in self.fusion.name else (450, 450) if "causal" in self.fusion.name else (300, 520)
             return [attention_inputs(1, 2 if gqa else 1, s, t, self.fusion.inputs[0].shape[-1], seed=1,
                                      gqa_groups=2 if gqa else None)]
-        return [inputs_for(self.fusion, 200, 296, 320, seed=1)]   # TMA rows: 16-byte aligned
+        return [inputs_for(self.fusion, *shape, seed=1)    # TMA rows: 16-byte aligned
+                for shape in self.shapes or ((200, 296, 320),)]
 
     @cached_property
     def references(self) -> list:
@@ -100,6 +103,14 @@ FAMILIES = [
     Family("attention_gqa_lse", make_attention(64, lse=True, gqa=True)),
     Family("attention_pingpong", make_attention(128, causal=True, lse=True), (("mode", "pingpong"),)),
     Family("attention_bottom_right", make_attention(64, causal="bottom_right", lse=True)),
+    # softcap and a causal sliding window of 256: tiles from the third on skip their first kv blocks
+    Family("attention_softcap_window_d128.ir",
+           make_variant(128, "softcap_window", window=256, name="attn_d128_softcap_window_causal"),
+           golden="attention_softcap_window_d128.ir"),
+    # On 4 SMs: 2 output tiles of 10 k steps, split in 2 (the last unit of a tile sums them); and 9
+    # tiles, more than the SMs, not split (each CTA walks several tiles and reuses its staging tile)
+    Family("matmul_split_k.ir", matmul, (("split_k", 4),), golden="matmul_split_k.ir",
+           shapes=((100, 264, 640), (300, 520, 320)), num_sms=4),
 ]
 
 
@@ -142,7 +153,7 @@ def judge(family: Family, operator: str, harmful: bool, edit: Edit) -> Verdict:
     for seed in SEEDS:
         for inputs, want in zip(family.inputs, family.references):
             try:
-                got = compiled.simulate(*inputs, seed=seed, num_sms=NUM_SMS)
+                got = compiled.simulate(*inputs, seed=seed, num_sms=family.num_sms)
             except SimulationError as e:
                 return verdict("simulate", e)
             if not close(got, want):
@@ -165,7 +176,8 @@ ALWAYS_CONVERGED = ("the kv loop runs at least once on every tile (ceil_div(m0 +
                     "so its wgmma has converged the warpgroup before the one-thread release of q_empty")
 EQUIVALENT = {
     (name, "drop_named_barrier", "bar.sync 1 + wg, 128"): ALWAYS_CONVERGED
-    for name in ("attention_causal_d128.ir", "attention_d64", "attention_gqa_lse", "attention_pingpong")
+    for name in ("attention_causal_d128.ir", "attention_d64", "attention_gqa_lse", "attention_pingpong",
+                 "attention_softcap_window_d128.ir")
 }
 
 # Harmful mutants the CPU layers cannot catch yet: the simulator's CUDA semantics (issue 13,
@@ -221,6 +233,8 @@ NEEDS = {
     "drop_tma_wait": r"tma\.wait", "wait_count_less": r"wgmma\.wait [1-9]",
     "drop_tile_fill": r"tile\.fill", "tile_fill_value": r"tile\.fill", "duplicate_tile_fill": r"tile\.fill",
     "producer_waits_reordered": r"mbarrier\.wait v_empty",      # two channels stepped together (K, V)
+    "drop_gpu_fence": r"fence\.acq_rel\.gpu", "duplicate_gpu_fence": r"fence\.acq_rel\.gpu",
+    "ticket_wrap": r"atomic\.inc", "ignore_ticket": r"ld\.shared",          # split-K
 }
 
 
@@ -245,7 +259,7 @@ ISSUE_13 = [
      "setmaxnreg.inc 24 in role producer: its warps start with 168 registers per thread"),
     ("mlp_default.ir", "bar.sync 1 + wg, 128", "bar.sync 1, 128", 2, "verify",
      "barrier 1 is reached by 256 threads (role consumer wg 0, role consumer wg 1) but counts 128"),
-    ("mlp_default.ir", "      bar.sync 1 + wg, 128\n      tile.store_smem", "      tile.store_smem", 1, "simulate",
+    ("mlp_default.ir", "      bar.sync 1 + wg, 128\n      for j in", "      for j in", 1, "simulate",
      "tile.store_smem overwrites slot C_bf16"),
     ("matmul_default.ir", "mbarrier.wait empty[s] phase(ph ^ 1)", "mbarrier.wait empty[s] phase((it - 3) / 3 & 1)", 1,
      "verify", "the producer waits on empty stage 1 with phase(0), its 1st use of the stage"),

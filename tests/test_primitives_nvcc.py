@@ -135,7 +135,7 @@ all_primitives(const __grid_constant__ CUtensorMap m1, const __grid_constant__ C
       wsp::mbar_inval(full);
       wsp::mbar_inval(empty);
     }}
-    float y = wsp::ex2_approx(x);
+    float y = wsp::tanh_approx(wsp::ex2_approx(x));
     if (y == 12345.f) wsp::stmatrix_x4_trans(stage, 1u, 2u, 3u, 4u);
   }}
 }}
@@ -172,6 +172,7 @@ EXPECTED_PTX = [
     "cvt.rn.bf16x2.f32",
     "cvt.rn.f16x2.f32",
     "ex2.approx.ftz.f32",
+    "tanh.approx.f32",
 ]
 
 

@@ -43,7 +43,7 @@ ATTENTION_FUSIONS = {d: make_attention(d, causal="bottom_right", lse=True, gqa=T
 # Every word by which a problem may name the field it is about.
 FIELD_WORDS = ("tile", "BM", "BN", "BK", "head dim", "stages", "consumer_warpgroups", "consumer warpgroup",
                "mode", "producer_registers", "consumer_registers", "raster", "swizzle_group", "epilogue",
-               "mma_inflight", "cluster", "operand_bytes", "output_bytes")
+               "mma_inflight", "cluster", "operand_bytes", "output_bytes", "split_k")
 
 
 def lowers_verifies_and_emits(fusion, schedule):
@@ -83,7 +83,8 @@ def typed_fields(draw, workload: str):
     producer = draw(st.sampled_from([24, 32, 40]))
     start = 248 if consumers == 1 else 168
     consumer = draw(st.integers(start // 8, (512 - producer) // consumers // 8).map(lambda r: min(256, 8 * r)))
-    return dict(tile=(64 * consumers, bn, bk), consumer_warpgroups=consumers, stages=draw(st.integers(1, 5)),
+    split = dict(split_k=draw(st.sampled_from([1, 2, 16]))) if workload == "matmul" else {}
+    return dict(**split, tile=(64 * consumers, bn, bk), consumer_warpgroups=consumers, stages=draw(st.integers(1, 5)),
                 mode=draw(st.sampled_from(["cooperative", "pingpong"] if workload == "attention" else ["cooperative"])),
                 producer_registers=producer, consumer_registers=consumer,
                 raster=draw(st.sampled_from(["row", "column"])), swizzle_group=draw(st.integers(1, 32)),
@@ -113,14 +114,16 @@ ANY_VALUE = {
     "operand_bytes": st.sampled_from([2, 1, 4, 2.0, None]),
     "output_bytes": st.sampled_from([2, 4, 6, 8, 1, 3, 16, None, 2.0]),
 }
+ANY_MATMUL_VALUE = {"split_k": st.sampled_from([1, 4, 16, 0, 17, -1, 2.0, None, True])}
 
 
 @st.composite
 def any_fields(draw, workload: str):
     """A well-typed schedule with up to three fields set to any value of the field's space."""
     fields = draw(typed_fields(workload))
-    for name in draw(st.lists(st.sampled_from(sorted(ANY_VALUE)), max_size=3, unique=True)):
-        fields[name] = draw(ANY_VALUE[name])
+    space = {**ANY_VALUE, **(ANY_MATMUL_VALUE if workload == "matmul" else {})}
+    for name in draw(st.lists(st.sampled_from(sorted(space)), max_size=3, unique=True)):
+        fields[name] = draw(space[name])
     return fields
 
 
@@ -158,6 +161,8 @@ def test_every_schedule_of_the_space_lowers_verifies_and_emits(fusion):
 CORNERS = {
     "matmul_one_consumer_bn256_residual": (linear_relu_residual, dict(consumer_warpgroups=1)),
     "matmul_bn64_bf16_and_f32_staged": (bf16_and_f32_outputs, dict(tile=(128, 64, 64))),
+    "matmul_split_k_bf16_and_f32_staged": (bf16_and_f32_outputs, dict(split_k=16)),
+    "matmul_split_k_one_consumer_residual": (linear_relu_residual, dict(consumer_warpgroups=1, split_k=16)),
     "attention_d128_bn192_pingpong": (ATTENTION_FUSIONS[128], dict(tile=(128, 192, 128), stages=2, mode="pingpong")),
     "attention_d256_one_consumer_bn128": (ATTENTION_FUSIONS[256], dict(tile=(64, 128, 256), consumer_warpgroups=1,
                                                                         mma_inflight=0)),

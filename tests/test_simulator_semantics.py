@@ -250,13 +250,13 @@ FENCE_THEN_SYNC = "fence.proxy.async\n      bar.sync 1 + wg, 128\n"
 @pytest.mark.parametrize("seed", range(2))
 def test_staging_tile_rewritten_before_the_warpgroup_knows_the_store_read_it(seed):
     text = mutated(mlp_ir(), WAIT_THEN_SYNC, "  tma.wait.read 0\n      }\n")
-    with pytest.raises(RaceError, match=r"tile\.store_smem overwrites slot C_bf16\[[01]\] while the TMA store may "
+    with pytest.raises(RaceError, match=r"tile\.store_smem overwrites slot C_bf16\[[01], [0-3]\] while the TMA store may "
                                         r"still be reading it: the elected thread's tma\.wait\.read that ends the "
                                         r"read is not yet known to the other threads of consumer wg[01], which "
                                         r"write the slot; put `bar\.sync` over the warpgroup's threads between "
                                         r"`elect_one \{ tma\.wait\.read \.\.\. \}` and the write: writer CTA \d "
-                                        r"consumer wg[01]: tile\.store_smem C_bf16\[[01]\] <- acc \(IR line \d+; "
-                                        r"loop tile=\d+\); TMA store CTA \d consumer wg[01] \(elected thread\): "
+                                        r"consumer wg[01]: tile\.store_smem C_bf16\[[01], [0-3]\] <- slice_t \(IR line "
+                                        r"\d+; loop tile=\d+, j=[0-3]\); TMA store CTA \d consumer wg[01] \(elected thread\): "
                                         r"tma\.store .*; wait CTA \d consumer wg[01] \(elected thread\): "
                                         r"tma\.wait\.read 0"):
         run_mlp(text, seed=seed)

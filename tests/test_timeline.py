@@ -41,7 +41,7 @@ def mlp_trace(mlp_kernel):
 
 
 def _simulation_args(compiled, tensors):
-    inputs, scalars, sizes = compiled._bind(tensors)
+    inputs, scalars, sizes = compiled._bind_inputs(tensors)
     outs = compiled._outputs(sizes, "cpu")
     return {**compiled._kernel_views({**inputs, **outs}, scalars), **scalars}
 

@@ -516,7 +516,8 @@ STRUCTURAL = [
         f"IR line 50 ({WHERE_TILE} > tile.mul): tile.mul acc: operands out [256] and result [64, 256] differ in rank; tiles of one op have one rank (extent 1 broadcasts)",
     ], id="tile-binary-rank"),
     pytest.param(lambda: edit(matmul(), CAST, ir.TileBinary("pow", "acc", "acc", ir.FloatConst(2.0))), [
-        f"IR line 50 ({WHERE_TILE} > tile.pow): tile.pow is not a binary tile op; use one of add, sub, mul, div, maximum, minimum",
+        f"IR line 50 ({WHERE_TILE} > tile.pow): tile.pow is not a binary tile op; use one of add, sub, mul, div, maximum, minimum, "
+        "lt, le, gt, ge, eq, ne, logical_and, logical_or",
     ], id="tile-binary-op"),
     pytest.param(lambda: edit(matmul(), CAST, ir.TileReduce("max", "out", "acc", 2)), [
         f"IR line 50 ({WHERE_TILE} > tile.reduce.max): axis(2) is out of range for acc [64, 256]; use 0..1",

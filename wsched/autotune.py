@@ -539,7 +539,7 @@ def _labeller(candidates: Sequence[Schedule]) -> Callable[[Schedule], str]:
              if len({repr(getattr(s, f.name, None)) for s in candidates}) > 1]
 
     def label(schedule: Schedule) -> str:
-        return " ".join(f"{name}={getattr(schedule, name)}" for name in names)
+        return " ".join(f"{name}={getattr(schedule, name, None)}" for name in names)   # types may differ
     return label
 
 
@@ -580,20 +580,18 @@ class _GpuTimer:
         self.iters, self.warmup = iters, warmup
 
     def __call__(self, kernel) -> float:
-        grid, args, outs = kernel.launch_args(self.inputs)
-        for t in outs.values():
+        launch = kernel.bind(*self.inputs)   # bound once: time the kernel, not the binding
+        for t in launch.outputs.values():
             t.fill_(float("nan"))
-        launch = kernel._loaded.launch   # the arguments are bound once: time the kernel, not the binding
-        launch(grid, args, device=self.device)
-        kernel._loaded.last_error_check(self.device)
-        values = tuple(outs.values())
+        launch()
+        launch.synchronize()
+        values = tuple(launch.outputs.values())
         why = output_error(values if len(values) > 1 else values[0], self.expected)
         if why:
             raise _Rejected(f"wrong output on the GPU: {why}")
         with torch.cuda.device(self.device):
-            ms = median_ms(lambda: launch(grid, args, device=self.device), warmup=self.warmup,
-                           iters=self.iters, device=self.device)
-        kernel._loaded.last_error_check(self.device)
+            ms = median_ms(launch, warmup=self.warmup, iters=self.iters, device=self.device)
+        launch.synchronize()
         return ms
 
 

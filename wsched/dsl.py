@@ -16,9 +16,9 @@ import numbers
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Sequence
 
-from .dtypes import DTYPES, DType, f32, promote
+from .dtypes import DTYPES, DType, bool8, f32, i32, promote
 from .errors import FusionError, type_name
-from .target import ELEMENTWISE_OPS, UNARY_OPS
+from .target import COMPARE_OPS, ELEMENTWISE_OPS, UNARY_OPS
 
 if TYPE_CHECKING:  # the trace and its nodes are built in fusion.py, which imports this module
     from .fusion import Node, Trace
@@ -103,6 +103,19 @@ class Tensor:
     def __matmul__(self, other): return matmul(self, other)
     def __rmatmul__(self, other): return matmul(other, self)
     def __neg__(self): return neg(self)
+    # Comparisons build bool tensors (masks); `& | ~` combine them. Python turns `0 < x` into
+    # `x > 0`, so the reflected forms need nothing of their own.
+    def __lt__(self, other): return lt(self, other)
+    def __le__(self, other): return le(self, other)
+    def __gt__(self, other): return gt(self, other)
+    def __ge__(self, other): return ge(self, other)
+    def __eq__(self, other): return eq(self, other)   # type: ignore[override]
+    def __ne__(self, other): return ne(self, other)   # type: ignore[override]
+    def __and__(self, other): return logical_and(self, other)
+    def __rand__(self, other): return logical_and(other, self)
+    def __or__(self, other): return logical_or(self, other)
+    def __ror__(self, other): return logical_or(other, self)
+    def __invert__(self): return logical_not(self)
 
     def to(self, dtype: DType) -> Tensor:
         return cast(self, dtype)
@@ -144,10 +157,8 @@ for _dunder, _op, _spelling in [
     ("__pow__", "pow", "x ** y"), ("__rpow__", "pow", "x ** y"),
     ("__mod__", "mod", "x % y"), ("__rmod__", "mod", "x % y"),
     ("__floordiv__", "floordiv", "x // y"), ("__rfloordiv__", "floordiv", "x // y"),
-    ("__abs__", "abs", "abs(x)"), ("__pos__", "pos", "+x"), ("__invert__", "invert", "~x"),
-    ("__and__", "and", "x & y"), ("__or__", "or", "x | y"), ("__xor__", "xor", "x ^ y"),
-    ("__lt__", "lt", "x < y"), ("__le__", "le", "x <= y"), ("__gt__", "gt", "x > y"),
-    ("__ge__", "ge", "x >= y"), ("__eq__", "eq", "x == y"), ("__ne__", "ne", "x != y"),
+    ("__abs__", "abs", "abs(x)"), ("__pos__", "pos", "+x"), ("__xor__", "xor", "x ^ y"),
+    ("__rxor__", "xor", "x ^ y"),
     ("__bool__", "bool", "bool(x) / if x"), ("__getitem__", "getitem", "x[...]"),
     ("__iter__", "iter", "iteration over x"), ("__len__", "len", "len(x)"),
     ("__float__", "float", "float(x)"), ("__int__", "int", "int(x)"),
@@ -157,8 +168,8 @@ for _dunder, _op, _spelling in [
 Tensor.__hash__ = object.__hash__  # defining __eq__ would otherwise leave proxies unhashable
 
 # torch function names with a ws op of the same name (for the hint in __torch_function__).
-_WS_OP_NAMES = {*ELEMENTWISE_OPS, "matmul", "softmax", "logsumexp", "sum", "max", "expand",
-                "transpose"}
+_WS_OP_NAMES = {*ELEMENTWISE_OPS, *COMPARE_OPS, "logical_not", "where", "matmul", "softmax",
+                "logsumexp", "sum", "max", "expand", "transpose"}
 
 
 def _describe(t: Tensor) -> str:
@@ -268,14 +279,30 @@ def _binary(op: str, lhs: Tensor | float, rhs: Tensor | float) -> Tensor:
     if conflict:
         raise FusionError(op, f"shapes do not broadcast: {_describe(a)}, {_describe(b)} "
                           f"({conflict[0]} vs {conflict[1]})")
-    # A Python number is weak, as in torch: it takes the tensor's dtype instead of promoting it.
-    if a.node.op == "const":
-        dtype = b.dtype
-    elif b.node.op == "const":
-        dtype = a.dtype
-    else:
-        dtype = _promote(op, a, b)
-    return a._trace.add(op, (a, b), dtype, shape)
+    _require_values(op, a, b)
+    return a._trace.add(op, (a, b), _result_dtype(op, a, b), shape)
+
+
+def _result_dtype(op: str, a: Tensor, b: Tensor) -> DType:
+    """The dtype of an elementwise op on a and b. A Python number is weak, as in torch: it takes
+    the tensor's dtype instead of promoting it (a fractional number meets an i32 tensor in f32)."""
+    if a.node.op == "const" and b.node.op == "const":
+        return f32
+    if a.node.op == "const" or b.node.op == "const":
+        number, tensor = (a, b) if a.node.op == "const" else (b, a)
+        value = number.node.attr("value")
+        if tensor.dtype == i32 and not float(value).is_integer():
+            return f32
+        return tensor.dtype
+    return _promote(op, a, b)
+
+
+def _require_values(op: str, *operands: Tensor) -> None:
+    """Arithmetic takes numbers: a comparison's bool result becomes values through ws.where."""
+    for x in operands:
+        if x.dtype == bool8:
+            raise FusionError(op, f"{x.id} is a comparison ({x.node.type_str}); {op} takes numbers: turn "
+                              "a mask into values with ws.where(cond, a, b)")
 
 
 def _public_op(op: str, doc: str, function: Callable) -> Callable:
@@ -308,6 +335,7 @@ _FLOAT_ONLY = set(UNARY_OPS) - _INTEGER_UNARY_OPS
 
 def _unary(op: str, x: Tensor) -> Tensor:
     (x,) = _operands(op, (x,), allow_scalars=False)
+    _require_values(op, x)
     if op in _FLOAT_ONLY:
         _require_float(op, x)
     return x._trace.add(op, (x,), x.dtype, x.shape)
@@ -406,17 +434,44 @@ def reduce_max(x: Tensor, dim: int | None = None, keepdim: bool = False) -> Tens
     return _reduce("max", x, dim, keepdim)
 
 
-def logsumexp(x: Tensor, dim: int = -1, keepdim: bool = False) -> Tensor:
-    """log(sum(exp(x))) over one dim, computed stably; same dtype as x."""
-    return _reduce("logsumexp", x, dim, keepdim, float_only=True)
+def logsumexp(x: Tensor, dim: int = -1, keepdim: bool = False, sink: Tensor | float | None = None) -> Tensor:
+    """log(sum(exp(x))) over one dim, computed stably; same dtype as x. With `sink` (see
+    ws.softmax) the sum has one more term, exp(sink)."""
+    if sink is None:
+        return _reduce("logsumexp", x, dim, keepdim, float_only=True)
+    out = _reduce("logsumexp", x, dim, keepdim, float_only=True)
+    sink = _sink("logsumexp", x, _normalize_dim("logsumexp", x, dim), sink)
+    return x._trace.add("logsumexp", (x, sink), out.dtype, out.shape, out.node.attrs)
 
 
-def softmax(x: Tensor, dim: int = -1) -> Tensor:
-    """exp(x) / sum(exp(x)) over one dim; same shape and dtype as x."""
+def softmax(x: Tensor, dim: int = -1, sink: Tensor | float | None = None) -> Tensor:
+    """exp(x) / sum(exp(x)) over one dim; same shape and dtype as x. `sink` is an attention sink:
+    one more logit per row that joins the denominator, exp(x) / (exp(sink) + sum(exp(x))), with
+    no value of its own (torch: the softmax of x with the sink appended, the sink's column
+    dropped). It broadcasts against x with the reduced dim 1, e.g. a learned logit per head
+    `ws.Tensor[ws.f32, "H", 1, 1]`; a Python number is one logit for every row."""
     (x,) = _operands("softmax", (x,), allow_scalars=False)
     _require_float("softmax", x)
     dim = _normalize_dim("softmax", x, dim)
-    return x._trace.add("softmax", (x,), x.dtype, x.shape, [("dim", dim)])
+    if sink is None:
+        return x._trace.add("softmax", (x,), x.dtype, x.shape, [("dim", dim)])
+    sink = _sink("softmax", x, dim, sink)
+    return x._trace.add("softmax", (x, sink), x.dtype, x.shape, [("dim", dim)])
+
+
+def _sink(op: str, x: Tensor, dim: int, sink: Tensor | float) -> Tensor:
+    """The sink logit of `op` over dim `dim` of x, checked: over the last dim, broadcasting
+    against x with that dim 1."""
+    (x, sink) = _operands(op, (x, sink))
+    _require_float(op, sink)
+    if dim != -1:
+        raise FusionError(op, f"a sink joins a softmax over the last dim (the keys), not dim {dim}")
+    rows = (*x.shape[:-1], 1)
+    shape, conflict = _broadcast_dims(sink.shape, rows)
+    if conflict or shape != rows:
+        raise FusionError(op, f"the sink {_describe(sink)} must broadcast against {_describe(x)} with "
+                          f"its last dim 1 (one logit per row, e.g. per head [H, 1, 1])")
+    return sink
 
 
 CAUSAL_ALIGNS = ("top_left", "bottom_right")
@@ -434,3 +489,109 @@ def causal_mask(x: Tensor, align: str = "top_left") -> Tensor:
         raise FusionError("causal_mask", f"align must be 'top_left' or 'bottom_right', "
                           f"got {align!r}")
     return x._trace.add("causal_mask", (x,), x.dtype, x.shape, [("align", align)])
+
+
+# --------------------------------------------------------------------------------------------
+# Masks and score functions: comparisons, logic, where, positions
+# --------------------------------------------------------------------------------------------
+
+inf = float("inf")   # `ws.where(mask, s, -ws.inf)`
+
+
+def _compare(op: str, lhs: Tensor | float, rhs: Tensor | float) -> Tensor:
+    a, b = _operands(op, (lhs, rhs))
+    shape, conflict = _broadcast_dims(a.shape, b.shape)
+    if conflict:
+        raise FusionError(op, f"shapes do not broadcast: {_describe(a)}, {_describe(b)} "
+                          f"({conflict[0]} vs {conflict[1]})")
+    if op not in ("eq", "ne"):
+        _require_values(op, a, b)
+    if a.node.op != "const" and b.node.op != "const" and a.dtype != b.dtype:
+        _promote(op, a, b)   # the operands must mix as in arithmetic
+    return a._trace.add(op, (a, b), bool8, shape)
+
+
+def _compare_op(op: str, spelling: str) -> Callable[[Tensor | float, Tensor | float], Tensor]:
+    return _public_op(op, f"a {spelling} b: a bool tensor (a mask), elementwise with numpy "
+                      "broadcasting; take it to ws.where or combine it with & | ~.",
+                      lambda a, b: _compare(op, a, b))
+
+
+lt = _compare_op("lt", "<")
+le = _compare_op("le", "<=")
+gt = _compare_op("gt", ">")
+ge = _compare_op("ge", ">=")
+eq = _compare_op("eq", "==")
+ne = _compare_op("ne", "!=")
+
+
+def _require_bool(op: str, spelling: str, *operands: Tensor) -> None:
+    for x in operands:
+        if x.dtype != bool8:
+            raise FusionError(op, f"`{spelling}` combines comparisons (bool tensors), but "
+                              f"{_describe(x)}")
+
+
+def logical_and(a: Tensor, b: Tensor) -> Tensor:
+    """a & b of two masks (bool tensors), with numpy broadcasting."""
+    a, b = _operands("and", (a, b), allow_scalars=False)
+    _require_bool("and", "x & y", a, b)
+    shape, conflict = _broadcast_dims(a.shape, b.shape)
+    if conflict:
+        raise FusionError("and", f"shapes do not broadcast: {_describe(a)}, {_describe(b)} "
+                          f"({conflict[0]} vs {conflict[1]})")
+    return a._trace.add("logical_and", (a, b), bool8, shape)
+
+
+def logical_or(a: Tensor, b: Tensor) -> Tensor:
+    """a | b of two masks (bool tensors), with numpy broadcasting."""
+    a, b = _operands("or", (a, b), allow_scalars=False)
+    _require_bool("or", "x | y", a, b)
+    shape, conflict = _broadcast_dims(a.shape, b.shape)
+    if conflict:
+        raise FusionError("or", f"shapes do not broadcast: {_describe(a)}, {_describe(b)} "
+                          f"({conflict[0]} vs {conflict[1]})")
+    return a._trace.add("logical_or", (a, b), bool8, shape)
+
+
+def logical_not(x: Tensor) -> Tensor:
+    """~x of a mask (a bool tensor)."""
+    (x,) = _operands("not", (x,), allow_scalars=False)
+    _require_bool("not", "~x", x)
+    return x._trace.add("logical_not", (x,), bool8, x.shape)
+
+
+def where(cond: Tensor, a: Tensor | float, b: Tensor | float) -> Tensor:
+    """a where cond is true, else b (torch.where): cond is a mask (a comparison), a and b ws
+    tensors or Python numbers, all three broadcast. `ws.where(j <= i, s, -ws.inf)` masks scores."""
+    if not isinstance(cond, Tensor):
+        raise FusionError("where", f"the condition must be a ws comparison (a bool tensor such as "
+                          f"`j <= i`), got {type_name(cond)}")
+    cond, x, y = _operands("where", (cond, a, b))
+    if cond.dtype != bool8:
+        raise FusionError("where", f"the condition must be a comparison (a bool tensor such as "
+                          f"`j <= i`), but {_describe(cond)}")
+    _require_values("where", x, y)
+    shape, conflict = _broadcast_dims(cond.shape, x.shape)
+    if not conflict:
+        shape, conflict = _broadcast_dims(shape, y.shape)
+    if conflict:
+        raise FusionError("where", f"shapes do not broadcast: {_describe(cond)}, {_describe(x)}, "
+                          f"{_describe(y)} ({conflict[0]} vs {conflict[1]})")
+    return cond._trace.add("where", (cond, x, y), _result_dtype("where", x, y), shape)
+
+
+def positions(x: Tensor) -> tuple[Tensor, Tensor]:
+    """(i, j): the row and column index of every element of the last two dims of x, as i32
+    tensors of shapes [rows, 1] and [1, cols] that broadcast against x. On attention scores
+    [..., queries, keys] they are the query and the key position:
+
+        i, j = ws.positions(s)
+        s = ws.where((j <= i) & (i - j < 1024), s, -ws.inf)     # causal sliding window
+    """
+    (x,) = _operands("positions", (x,), allow_scalars=False)
+    if x.ndim < 2:
+        raise FusionError("positions", f"needs [..., rows, cols] dims, but {_describe(x)}")
+    rows, cols = x.shape[-2:]
+    return (x._trace.add("position", (), i32, (rows, 1), [("dim", -2)]),
+            x._trace.add("position", (), i32, (1, cols), [("dim", -1)]))

@@ -4,12 +4,15 @@ simulator. `wsched/api.py` puts the public `ws.compile` (with the autotuner) on 
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass, field
 from functools import cached_property
 
 import torch
+from cuda.bindings import driver
 
+from .codegen.launch import PackedArguments, check_base_alignment
 from .codegen.nvcc import nvcc_available
 from .errors import ArgumentError, FusionError, check_argument, short_repr
 from .fusion import check_fusion
@@ -17,7 +20,7 @@ from .lowering.pipeline import lower_partition
 from .partition import Partition, param_name
 from .schedule import Schedule, ScheduleError, check_schedule
 from . import torch_ops
-from .target import TORCH_DTYPES
+from .target import TMA_GLOBAL_ADDRESS_ALIGNMENT, TORCH_DTYPES
 from .workloads import partition, workload_for
 
 
@@ -50,8 +53,8 @@ class CompiledKernel:
     cuda_source: str
     timings: dict = field(default_factory=dict)  # seconds spent in lower / emit / build
     build: object = None                         # codegen.build.BuildResult once built
-    _maps: dict = field(default_factory=dict, repr=False)   # encoded TMA maps by tensor layout
     _plans: dict = field(default_factory=dict, repr=False)  # launch plans by argument layouts
+    _workspaces: dict = field(default_factory=dict, repr=False)  # (name, device) -> scratch tensors
 
     def __post_init__(self):
         # The torch custom op that runs this kernel (wsched/torch_ops.py). Registered now, not
@@ -74,7 +77,7 @@ class CompiledKernel:
         return self.build.resources[self.kernel.name]
 
     # -- binding ---------------------------------------------------------------------------
-    def _bind(self, tensors) -> tuple[dict, dict, dict]:
+    def _bind_inputs(self, tensors) -> tuple[dict, dict, dict]:
         """(inputs by name, scalar params, sizes) for one call; FusionError on bad inputs."""
         sizes = self.fusion.bind_tensors(self.fusion.name, tensors)
         by_id = {node.id: t for node, t in zip(self.fusion.inputs, tensors)}
@@ -98,7 +101,7 @@ class CompiledKernel:
 
         views = dict(tensors_by_name)
         for p in self.kernel.params:
-            if isinstance(p, ir.GlobalParam) and views[p.name].dim() != len(p.shape):
+            if isinstance(p, ir.GlobalParam) and p.name in views and views[p.name].dim() != len(p.shape):
                 views[p.name] = views[p.name].view([evaluate(e, scalars) for e in p.shape])
         return views
 
@@ -153,12 +156,13 @@ class CompiledKernel:
 
     def _plan(self, tensors, out) -> "_LaunchPlan":
         """Everything about a call that depends only on the tensors' shapes, strides, dtypes
-        and devices: binding, the argument checks, output shapes, kernel views and the grid."""
-        from .codegen.launch import check_tensor, sm_count
+        and devices: binding, the argument checks, output shapes, kernel views, the grid and the
+        kernel's argument list (scalar values set here; data pointers and tensor maps per call)."""
+        from .codegen.launch import _grid3, check_tensor, sm_count
         from .lowering import ir
         from .lowering.evaluate import evaluate
 
-        inputs, scalars, sizes = self._bind(tensors)
+        inputs, scalars, sizes = self._bind_inputs(tensors)
         device = next((t.device for t in inputs.values() if t.is_cuda), None)
         if device is None:
             if not torch.cuda.is_available():
@@ -167,9 +171,12 @@ class CompiledKernel:
             device = torch.device("cuda", torch.cuda.current_device())
         outs = out if out is not None else self._outputs(sizes, device)
         views = self._kernel_views({**inputs, **outs}, scalars)
+        scalars = self._host_params(scalars, sm_count(device))   # split-K: host params from the sizes
         params = []
         for p in self.kernel.params:
-            if isinstance(p, ir.TensorMapParam):   # TMA: 16-byte aligned base and rows
+            if isinstance(p, ir.WorkspaceParam):   # split-K scratch: kept by this kernel, a fixed pointer
+                params.append(("ptr", self._workspace(p, scalars, device).data_ptr()))
+            elif isinstance(p, ir.TensorMapParam):   # TMA: 16-byte aligned base and rows
                 check_tensor(p.name, views[p.name], device=device)
                 params.append(("tensor_map", p))
             elif isinstance(p, ir.GlobalParam):    # plain loads/stores: row-major, any alignment
@@ -180,68 +187,92 @@ class CompiledKernel:
                                      f"is not contiguous; the kernel reads it row-major — pass "
                                      f"{p.name}.contiguous()")
                 params.append(("ptr", p))
-            else:
+            else:                                  # a scalar: a size bound from the shapes
                 params.append((p.dtype, scalars[p.name]))
+        # params: ("tensor_map" | "ptr", p) for the call's tensor named p.name, set per call;
+        # (type, value) for a value the layout fixes (a size, anything computed from the sizes)
         view_shapes = {name: tuple(t.shape) for name, t in views.items()
                        if name in inputs or name in outs}
         out_specs = [(name, tuple(t.shape), t.dtype) for name, t in outs.items()]
         grid = max(1, evaluate(self.kernel.grid, {**scalars, "num_sms": sm_count(device)}))
+        _grid3(grid)   # within the CUDA limit: the eager launch does not check it again
         return _LaunchPlan(list(inputs), params, out_specs, view_shapes, grid, device)
 
-    def launch_args(self, tensors, out: dict[str, torch.Tensor] | None = None):
-        """(grid, launch arguments, outputs) for one call, every argument checked. The checks
-        that depend only on layouts run once per layout (a cached plan); the base address of
-        each TMA tensor is checked on every call. Launch them with
-        `self._loaded.launch(grid, args, device=<the tensors' device>)`."""
-        plan, args, outs = self._prepare(tensors, out)
-        return plan.grid, args, outs
-
-    def _prepare(self, tensors, out: dict[str, torch.Tensor] | None):
-        """(plan, launch arguments, outputs) for one call; see launch_args."""
-        from .codegen.tma import tensor_map_for
-
-        if out is not None and (not isinstance(out, dict) or not all(
-                isinstance(n, str) and isinstance(t, torch.Tensor) for n, t in out.items())):
-            raise ArgumentError(f"{self.fusion.name}: out= takes a dict of output name -> torch.Tensor "
-                                f"(names: {', '.join(self.partition.output_names)}), got {short_repr(out)}")
-
-        key = tuple((tuple(t.shape), t.stride(), t.dtype, t.device) if isinstance(t, torch.Tensor) else None
-                    for t in tensors)
+    def _prepare(self, tensors, out: dict[str, torch.Tensor] | None, private: bool = False):
+        """(plan, packed arguments, output tensors) for one call, every argument checked: the checks that
+        depend only on layouts once per layout (the cached plan), the base address of each TMA
+        tensor on every call. The packed arguments are this thread's buffer of the plan (valid
+        until the thread's next call of that layout), or a buffer of the caller's own if `private`."""
+        key = []   # every argument's layout; None if one is not a tensor (the plan says which)
+        for t in tensors:
+            if not isinstance(t, torch.Tensor):
+                key = None
+                break
+            key += (t.shape, t.stride(), t.dtype, t.device)
         if out is not None:
-            key += tuple((n, tuple(t.shape), t.stride(), t.dtype, t.device) for n, t in out.items())
-        plan = self._plans.get(key) if None not in key else None
-        if plan is None:
+            for name, t in out.items() if isinstance(out, dict) else [(None, out)]:
+                if not (isinstance(name, str) and isinstance(t, torch.Tensor)):
+                    raise ArgumentError(f"{self.fusion.name}: out= takes a dict of output name -> torch.Tensor "
+                                        f"(names: {', '.join(self.partition.output_names)}), got {short_repr(out)}")
+                if key is not None:
+                    key += (name, t.shape, t.stride(), t.dtype, t.device)
+        if key is None:
             plan = self._plan(tensors, out)
-            if None not in key:
-                self._plans[key] = plan
-        outs = out if out is not None else {
-            name: torch.empty(shape, dtype=dtype, device=plan.device) for name, shape, dtype in plan.outputs}
-        by_name = dict(zip(plan.inputs, tensors))
-        by_name.update(outs)
-        args = []
-        for binding, p in plan.params:
-            if binding == "tensor_map":
-                t = by_name[p.name]
-                if t.data_ptr() % 16:
-                    raise ValueError(f"argument '{p.name}' has data_ptr {t.data_ptr():#x}, "
-                                     f"{t.data_ptr() % 16} bytes past a 16-byte boundary; TMA needs a "
-                                     f"16-byte aligned base address — pass a .contiguous() copy")
-                # A map encodes only address, shape, strides, box and swizzle: encode it once
-                # per tensor layout (the key holds the device: a map is encoded on its device).
-                # Read into a local: another thread may clear the cache meanwhile.
-                map_key = (p.name, t.data_ptr(), key)
-                tensor_map = self._maps.get(map_key)
-                if tensor_map is None:
-                    if len(self._maps) >= 256:
-                        self._maps.clear()
-                    view = t.view(plan.views[p.name]) if tuple(t.shape) != plan.views[p.name] else t
-                    tensor_map = self._maps[map_key] = tensor_map_for(view, p.box, p.swizzle, p.name)
-                args.append(("tensor_map", tensor_map))
-            elif binding == "ptr":
-                args.append(("ptr", by_name[p.name].data_ptr()))
-            else:
-                args.append((binding, p))
-        return plan, args, outs
+        else:
+            key = tuple(key)
+            plan = self._plans.get(key)
+            if plan is None:
+                plan = self._plans[key] = self._plan(tensors, out)
+        outputs = plan.allocate_outputs() if out is None else tuple(out.values())
+        return plan, plan.pack((*tensors, *outputs), private), outputs
+
+    def bind(self, *tensors, out: dict[str, torch.Tensor] | None = None) -> "BoundCall":
+        """The call `k(*tensors, out=out)` with its arguments checked and packed and its outputs
+        allocated once: `bound()` launches it again on the same tensors (no checks, no packing,
+        no allocation) and returns the outputs. For timing the kernel alone and for loops that
+        refill the same buffers; the tensors must stay where they are while it is in use."""
+        plan, packed, outputs = self._prepare(tensors, out, private=True)
+        return BoundCall(self, plan, packed, tensors, out if out is not None else plan.by_name(outputs))
+
+    # -- host params and workspaces (split-K) ----------------------------------------------
+    def _host_params(self, scalars: dict, num_sms: int) -> dict:
+        """`scalars` with every host param's value for this call (in parameter order: one may
+        read those before it), computed like the grid from the sizes and the SM count."""
+        from .lowering import ir
+        from .lowering.evaluate import evaluate
+
+        out = dict(scalars)
+        for p in self.kernel.params:
+            if isinstance(p, ir.HostParam):
+                out[p.name] = evaluate(p.value, {**out, "num_sms": num_sms})
+        return out
+
+    def _workspace(self, p, scalars: dict, device) -> torch.Tensor:
+        """The scratch tensor of workspace param `p` on `device`, at least as large as this call
+        needs: allocated once and kept, replaced by a larger one when a call needs more (the old
+        one stays alive: plans made before hold its address). `zeroed` ones start at zero and
+        the kernel leaves them so. Two launches of this kernel that run at the same time (on
+        two streams) would share it: a kernel with workspaces runs one launch at a time per
+        device."""
+        from .lowering.evaluate import evaluate
+
+        numel = 1
+        for d in p.shape:
+            numel *= max(1, evaluate(d, scalars))
+        held = self._workspaces.setdefault((p.name, device), [])
+        if not held or held[-1].numel() < numel:
+            dtype = TORCH_DTYPES[p.dtype]
+            held.append(torch.zeros(numel, dtype=dtype, device=device) if p.zeroed
+                        else torch.empty(numel, dtype=dtype, device=device))
+        return held[-1]
+
+    def launch_args(self, tensors, out: dict[str, torch.Tensor] | None = None):
+        """(grid, launch arguments as (type, value) pairs, outputs) for one call, every argument
+        checked: for launching the kernel's arguments with more of one's own (the timeline's
+        traced build appends its record buffer) through `LoadedKernel.launch(grid, args,
+        device=<the tensors' device>)`. A plain call or a repeated launch: `k(...)`, `k.bind(...)`."""
+        plan, packed, outputs = self._prepare(tensors, out, private=True)
+        return plan.grid, packed.pairs(), out if out is not None else plan.by_name(outputs)
 
     def __call__(self, *tensors, out: dict[str, torch.Tensor] | None = None):
         if torch_ops.is_traced(tensors):   # torch.compile / export: the registered op (self.op)
@@ -253,10 +284,15 @@ class CompiledKernel:
 
     def _run(self, tensors, out: dict[str, torch.Tensor] | None = None):
         """The eager launch (`__call__` and the custom op's CUDA implementation)."""
-        plan, args, outs = self._prepare(tensors, out)
+        plan, packed, outputs = self._prepare(tensors, out)
         # on the tensors' device (its context, module, stream), whatever the current device is
-        self._loaded.launch(plan.grid, args, device=plan.device)
-        return self._result(outs)
+        self._loaded.launch_packed(plan.grid, packed, plan.device_index)
+        return outputs[0] if len(outputs) == 1 else outputs
+
+    def synchronize(self, device: object = None) -> None:
+        """Wait for the kernel's launches on `device` (default: that of the last launch); raise
+        CudaError if it faulted (a fault leaves the context unusable: for tests and debugging)."""
+        self._loaded.last_error_check(device)
 
     # -- CPU simulator -------------------------------------------------------------------
     def simulate(self, *tensors, seed: int = 0, num_sms: int = 4):
@@ -265,7 +301,7 @@ class CompiledKernel:
 
         check_argument("seed", seed, int, "an int (it picks the interleaving)")
         check_argument("num_sms", num_sms, int, "a positive int (CTAs resident at a time)")
-        inputs, scalars, sizes = self._bind(tensors)
+        inputs, scalars, sizes = self._bind_inputs(tensors)
         outs = self._outputs(sizes, "cpu")
         if any(t.numel() == 0 for t in outs.values()):
             return self._result(outs)    # an empty output: nothing to compute (a grid of no CTAs)
@@ -291,16 +327,97 @@ class NoGPUError(RuntimeError):
     """A kernel was called on a machine without a CUDA device."""
 
 
-@dataclass(frozen=True)
 class _LaunchPlan:
-    """A call's layout-dependent facts, computed once per argument layout (see _plan)."""
+    """A call's layout-dependent facts, computed once per argument layout (see
+    CompiledKernel._plan), and the per-call work on top of them: allocate the outputs, then set
+    each data pointer and tensor map in packed arguments whose scalars are already in place."""
 
-    inputs: list            # kernel parameter names of the inputs, in call order
-    params: list            # per kernel param: ("tensor_map", p) | ("ptr", p) | (dtype, value)
-    outputs: list           # (name, shape, torch dtype) of outputs to allocate
-    views: dict             # name -> the shape the kernel reads the tensor as
-    grid: int               # sized with the SM count of `device`
-    device: object          # the torch.device every argument is on: the kernel runs there
+    def __init__(self, inputs: list, params: list, outputs: list, views: dict, grid: int, device):
+        self.inputs = inputs      # kernel parameter names of the inputs, in call order
+        self.params = params      # per kernel param: ("tensor_map" | "ptr", p) | (type, fixed value)
+        self.outputs = outputs    # (name, shape, torch dtype) of the outputs, in the call's order
+        self.views = views        # name -> the shape the kernel reads the tensor as
+        self.grid = grid          # sized with the SM count of `device`
+        self.device = device      # the torch.device every argument is on: the kernel runs there
+        self.device_index = device.index
+        # A param with a value fixed for the layout is packed once, in the template; one that
+        # names a tensor of the call is set per call from its place in (*inputs, *outputs).
+        where = {name: i for i, name in enumerate([*inputs, *(name for name, _, _ in outputs)])}
+        per_call = [(i, arg_type, p) for i, (arg_type, p) in enumerate(params)
+                    if not isinstance(p, (int, float))]
+        self.pointer_slots = tuple((i, where[p.name]) for i, arg_type, p in per_call if arg_type == "ptr")
+        # with each map param, its maps encoded so far by data address
+        self.map_slots = tuple((i, where[p.name], p, {}) for i, arg_type, p in per_call
+                               if arg_type == "tensor_map")
+        blank = {"tensor_map": driver.CUtensorMap(), "ptr": 0}
+        self.template = PackedArguments([(arg_type, value if isinstance(value, (int, float)) else blank[arg_type])
+                                         for arg_type, value in params])
+        self._thread = threading.local()   # each thread's own packed arguments
+
+    def allocate_outputs(self) -> tuple[torch.Tensor, ...]:
+        return tuple([torch.empty(shape, dtype=dtype, device=self.device) for _, shape, dtype in self.outputs])
+
+    def by_name(self, outputs: tuple) -> dict[str, torch.Tensor]:
+        return {name: t for (name, _, _), t in zip(self.outputs, outputs)}
+
+    def pack(self, tensors: tuple, private: bool = False) -> PackedArguments:
+        """This thread's packed arguments (a new buffer if `private`) with the data pointers and
+        tensor maps of `tensors` (*inputs, *outputs); ValueError if a TMA tensor's base is not
+        16-byte aligned."""
+        packed = None if private else getattr(self._thread, "packed", None)
+        if packed is None:
+            packed = self.template.copy()
+            if not private:
+                self._thread.packed = packed
+        for position, source in self.pointer_slots:
+            packed.set_pointer(position, tensors[source].data_ptr())
+        for position, source, p, maps in self.map_slots:
+            data_ptr = tensors[source].data_ptr()
+            if data_ptr % TMA_GLOBAL_ADDRESS_ALIGNMENT:
+                check_base_alignment(p.name, data_ptr)
+            # A map encodes only address, shape, strides, box and swizzle, and the plan fixes all
+            # but the address: encode once per (parameter, address). Read into a local: another
+            # thread may clear the cache meanwhile.
+            tensor_map = maps.get(data_ptr)
+            if tensor_map is None:
+                tensor_map = self._encode(maps, tensors[source], p)
+            packed.set_tensor_map(position, tensor_map)
+        return packed
+
+    def _encode(self, maps: dict, tensor: torch.Tensor, p) -> driver.CUtensorMap:
+        from .codegen.tma import tensor_map_for
+
+        if len(maps) >= 64:   # a bound on maps of addresses long gone
+            maps.clear()
+        shape = self.views[p.name]
+        view = tensor.view(shape) if tuple(tensor.shape) != shape else tensor
+        tensor_map = maps[tensor.data_ptr()] = tensor_map_for(view, p.box, p.swizzle, p.name)
+        return tensor_map
+
+
+class BoundCall:
+    """One call of a compiled kernel with its arguments bound (`CompiledKernel.bind`): calling it
+    launches the kernel again on the same tensors, into the same outputs, on torch's current
+    stream of their device, and returns the outputs as the kernel's call does."""
+
+    def __init__(self, kernel: CompiledKernel, plan: _LaunchPlan, packed: PackedArguments, tensors, outputs):
+        self.kernel = kernel
+        self.grid = plan.grid
+        self.device = plan.device
+        self.outputs = outputs          # output name -> tensor, filled by each launch
+        self._tensors = tensors         # kept alive: the packed arguments hold their addresses
+        self._packed = packed
+        self._launch = kernel._loaded.launch_packed
+        self._index = plan.device_index
+        self._result = kernel._result(outputs)
+
+    def __call__(self):
+        self._launch(self.grid, self._packed, self._index)
+        return self._result
+
+    def synchronize(self) -> None:
+        """Wait for the launches on the tensors' device; CudaError if the kernel faulted."""
+        self.kernel.synchronize(self.device)
 
 
 def build_kernel(fusion, schedule: Schedule | None = None, *, build: bool | None = None,

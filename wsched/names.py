@@ -17,6 +17,16 @@ K_VAR = "k"
 ACC = "acc"
 K_BASE = "k_base"      # ring counter base when the k-iteration count varies per tile
 K_COUNT = "kv_tiles"   # k iterations of this tile when it varies per tile (attention)
+K_FIRST = "kv_first"   # the first kv block of a tile whose masks hide the blocks before it (attention)
+
+# Matmul's epilogue walks the accumulator in slices (loop variable EPILOGUE_SLICE); split-K
+# passes the split count as a host param and keeps fp32 partials and per-tile tickets in
+# workspaces, each warpgroup's ticket read back through a smem slot.
+EPILOGUE_SLICE = "j"
+SPLITS = "splits"
+PARTIALS = "partials"
+TICKETS = "tickets"
+TICKET_SLOT = "ticket_slot"
 
 # Named barrier ids (bar.sync): 0 is __syncthreads; WARPGROUP_BARRIER + wg syncs the 128 threads
 # of one consumer warpgroup (a role of n warpgroups uses ids 1 .. n); ids from TOKEN_BARRIER on
@@ -25,7 +35,7 @@ WARPGROUP_BARRIER = 1
 TOKEN_BARRIER = 3
 
 LOWERING_NAMES = frozenset({
-    PRODUCER, CONSUMER, TILE_VAR, K_VAR, ACC, K_BASE, K_COUNT,
+    PRODUCER, CONSUMER, TILE_VAR, K_VAR, ACC, K_BASE, K_COUNT, K_FIRST,
     # circular buffer and wgmma protocol
     "s", "ph", "it", "tile_iter", "prev_s", "last_s", "prev_it", "prev_ph", "last_it", "last_ph",
     # tile raster
@@ -38,4 +48,7 @@ LOWERING_NAMES = frozenset({
     "corr", "o_t", "o", "lse",
     # outputs, buffers, barriers
     "out", "A", "B", "Q", "V", "full", "empty",
+    # matmul: epilogue slices and split-K
+    EPILOGUE_SLICE, SPLITS, PARTIALS, TICKETS, TICKET_SLOT, ACC + "_" + EPILOGUE_SLICE, "num_units", "split", "out_tile", "k_begin",
+    "k_end", "k_count", "ticket", "last_split", "src_split", "part_t", "slice_t",
 })

@@ -27,6 +27,14 @@ ELEMENTWISE_TORCH: dict[str, Callable[..., torch.Tensor]] = {
     "tanh": torch.tanh, "cast": lambda x: x,
 }
 
+# Masks: target.COMPARE_OPS, `~` and ws.where. Comparisons give bool tensors (the node's dtype
+# is bool, so the caller's rounding keeps them 0 / 1); a condition is true where it is not 0.
+MASK_TORCH: dict[str, Callable[..., torch.Tensor]] = {
+    "lt": torch.lt, "le": torch.le, "gt": torch.gt, "ge": torch.ge, "eq": torch.eq, "ne": torch.ne,
+    "logical_and": torch.logical_and, "logical_or": torch.logical_or,
+    "logical_not": torch.logical_not, "where": lambda cond, a, b: torch.where(cond != 0, a, b),
+}
+
 
 def evaluate(fusion: Fusion, inputs: Sequence[torch.Tensor], sizes: dict[str, int],
              ) -> torch.Tensor | tuple[torch.Tensor, ...]:
@@ -53,8 +61,13 @@ def _evaluate_node(node: Node, args: list[torch.Tensor], sizes: dict[str, int],
     op = node.op
     if op in ELEMENTWISE_TORCH:
         return ELEMENTWISE_TORCH[op](*args)
+    if op in MASK_TORCH:
+        return MASK_TORCH[op](*args)
     if op == "const":
         return torch.tensor(node.attr("value"), dtype=torch.float32, device=device)
+    if op == "position":   # the index along one of the last two dims, as [rows, 1] or [1, cols]
+        shape = [sizes[dim] if isinstance(dim, str) else dim for dim in node.shape]
+        return torch.arange(max(shape), dtype=torch.float32, device=device).reshape(shape)
     if op == "matmul":
         return torch.matmul(*args)
     if op == "expand":
@@ -65,6 +78,12 @@ def _evaluate_node(node: Node, args: list[torch.Tensor], sizes: dict[str, int],
         return args[0].sum(node.attr("dim"), keepdim=node.attr("keepdim"))
     if op == "max":
         return args[0].amax(node.attr("dim"), keepdim=node.attr("keepdim"))
+    if op in ("logsumexp", "softmax") and len(args) == 2:   # with a sink: one more logit per row
+        x, sink = args
+        joined = torch.cat([x, sink.expand(*x.shape[:-1], 1)], dim=-1)
+        if op == "softmax":
+            return torch.softmax(joined, -1)[..., :-1]
+        return torch.logsumexp(joined, -1, keepdim=node.attr("keepdim"))
     if op == "logsumexp":
         return torch.logsumexp(args[0], node.attr("dim"), keepdim=node.attr("keepdim"))
     if op == "softmax":

@@ -43,6 +43,7 @@ WGMMA_K = 16                             # k extent of one bf16/f16 wgmma
 WGMMA_N = tuple(range(8, 257, 8))        # the n extents wgmma.mma_async accepts
 WGMMA_OPERAND_DTYPES = ("bf16", "f16")   # A and B element types (accumulating in f32)
 WGMMA_ACCUMULATOR_DTYPE = "f32"
+FRAGMENT_COLUMN_GROUP = 8                # accumulator columns 8j .. 8j+7 of a row: one thread quad's pairs
 
 # --- TMA (cp.async.bulk.tensor and cuTensorMapEncodeTiled, interleave NONE) ------------------------
 TMA_MAX_RANK = 5
@@ -54,6 +55,10 @@ TMA_MAX_BOX_DIM = 256
 TMA_INNER_BOX_ALIGNMENT = 16             # bytes of the innermost box extent
 TMA_SWIZZLES = (0, 32, 64, 128)          # swizzle spans in bytes; the inner box row must fit in it
 SWIZZLE_ROW_BYTES = 128                  # the 128-byte swizzle the operand layouts use
+# wgmma operand layouts in shared memory: rows (or column chunks) of one swizzle span, swizzled
+# with it; 128 bytes where the extent allows (64 x 16-bit), 64 bytes where it is a multiple of
+# 32 values only (attention's head dim 96: three chunks of 32).
+OPERAND_SWIZZLES = (SWIZZLE_ROW_BYTES, 64)
 
 
 # --- element types -------------------------------------------------------------------------------
@@ -95,7 +100,8 @@ ELEMENT_TYPES: dict[str, ElementType] = {
                        "__floats2half2_rn({}, {})", "CU_TENSOR_MAP_DATA_TYPE_FLOAT16"),
     "f32": ElementType(_BY_NAME["f32"], "float", "float2", "{}", "{}", "make_float2({}, {})",
                        "CU_TENSOR_MAP_DATA_TYPE_FLOAT32"),
-    "i32": ElementType(_BY_NAME["i32"], "int", None, None, None, None, None),
+    # i32: read into f32 register tiles (attention's document ids), never stored from them
+    "i32": ElementType(_BY_NAME["i32"], "int", "int2", "static_cast<float>({})", None, None, None),
 }
 DTYPE_NAMES = tuple(ELEMENT_TYPES)                                   # IR element types
 DTYPE_BYTES = {name: t.bytes for name, t in ELEMENT_TYPES.items()}
@@ -110,6 +116,10 @@ DTYPE_OF_TORCH = {t.torch: name for name, t in ELEMENT_TYPES.items()}
 UNARY_OPS = ("neg", "exp", "exp2", "log", "relu", "gelu", "silu", "sigmoid", "tanh", "cast")
 BINARY_OPS = ("add", "sub", "mul", "div", "maximum", "minimum")
 ELEMENTWISE_OPS = UNARY_OPS + BINARY_OPS
+# Comparisons and logic of attention score masks (`j <= i`, `(j <= i) & (i - j < W)`): tile ops
+# like BINARY_OPS (`tile.le m, j_t, i_t`) whose result is 1.0 where true and 0.0 where false;
+# `tile.select` picks by it.
+COMPARE_OPS = ("lt", "le", "gt", "ge", "eq", "ne", "logical_and", "logical_or")
 REDUCE_OPS = ("sum", "max")                 # row reductions of a register tile
 
 

@@ -120,7 +120,7 @@ def simulate_trace(compiled, tensors, *, num_sms: int = 4, seed: int = 0):
     the call is prepared as `CompiledKernel.simulate` prepares it."""
     from .lowering.simulate import simulate
 
-    inputs, scalars, sizes = compiled._bind(tensors)
+    inputs, scalars, sizes = compiled._bind_inputs(tensors)
     outs = compiled._outputs(sizes, "cpu")
     for t in outs.values():
         t.fill_(float("nan"))

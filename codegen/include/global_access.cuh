@@ -92,6 +92,9 @@ template <> struct pair_of<float> {
   static WSP_DEVICE void st2(void* p, uint2 b, bool ok) { st_b64_if(p, b, ok); }
 };
 
+// i32 (document ids read into f32 tiles) moves exactly as f32 (same size), only the pair type differs
+template <> struct pair_of<int> : pair_of<float> { using type = int2; };
+
 // A row of a global tensor moves in pairs (p, p + 1) with one 32/64-bit access when the row
 // pointer is aligned for it and the row length is even (a pair is then wholly inside or wholly
 // outside); otherwise element by element. The generated code decides once per row.

@@ -5,6 +5,7 @@
 #include "mbarrier.cuh"
 #include "tma.cuh"
 #include "sync.cuh"
+#include "atomic.cuh"
 #include "wgmma.cuh"
 #include "stmatrix.cuh"
 #include "math.cuh"

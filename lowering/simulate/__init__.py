@@ -73,7 +73,8 @@ Layout: this package's entry is `simulate`; `errors` holds the error classes, `r
 state (coroutines, mbarriers, smem cells, TMA operations, register tiles); `machine` is the
 scheduler, assembled from one mixin per concern: `prepare` (arguments, statements compiled to
 nodes), `sync` (mbarriers, named barriers, syncthreads), `async_proxy` (smem race checks, TMA,
-wgmma) and `tiles` (register tile ops). `trace` is the timeline's vocabulary (which statements are
+wgmma), `tiles` (register tile ops) and `global_sync` (global memory between CTAs: tile stores
+and loads, GPU fences, atomics, `ld.shared`). `trace` is the timeline's vocabulary (which statements are
 stamped, the events, the builder the GPU trace shares) and `traced_machine` the machine that
 stamps them.
 """
@@ -102,7 +103,10 @@ def simulate(kernel: ir.Kernel, args: dict[str, "torch.Tensor | int | float"], *
 
     `args` maps every parameter name to a Python number (i32 / f32 params) or a CPU torch tensor
     of the declared shape (tensormap / global params; any dtype: reads see values rounded to
-    the declared dtype, writes are rounded to it, then stored in the tensor's dtype).
+    the declared dtype, writes are rounded to it, then stored in the tensor's dtype). A host
+    param left out is computed as the host would (from the scalars and `num_sms`), a workspace
+    left out is allocated (zeros if `zeroed`, else NaN); a zeroed workspace must be zero again
+    when the run ends.
     `seed` picks the interleaving; `max_steps` bounds the run (a DeadlockError past it).
     `trace=True` records a timeline of every warpgroup on the scheduler's step clock into
     `report.trace` (`trace.Trace`; a SimulationError then carries the run so far as `.trace`);

@@ -20,6 +20,7 @@ from ..evaluate import INT_MAX, ExprError, Undefined, compile_expr
 from ..printer import expr_text
 from .async_proxy import AsyncHandlers
 from .errors import DeadlockError, ProtocolError, SimulationError, SimulatorInternalError, check_verified
+from .global_sync import GlobalSyncHandlers
 from .prepare import KernelPreparation
 from .report import SimReport
 from .state import Cell, Co, Cta, Node
@@ -31,7 +32,7 @@ class _ReturnSignal(Exception):
     pass
 
 
-class Machine(KernelPreparation, BarrierHandlers, AsyncHandlers, TileHandlers):
+class Machine(KernelPreparation, BarrierHandlers, AsyncHandlers, TileHandlers, GlobalSyncHandlers):
     """One simulation: the prepared kernel, the resident CTAs and their coroutines, the pending
     asynchronous operations, and the report."""
 
@@ -43,6 +44,8 @@ class Machine(KernelPreparation, BarrierHandlers, AsyncHandlers, TileHandlers):
         self.report = SimReport()
         self.runnable: list[Co] = []
         self.async_ops: list = []
+        self.global_writes: dict = {}     # tensor -> (writer record per element, records): global_sync
+        self.atomic_know: dict = {}       # (tensor, coords) -> clocks released there by atomics
         self._bind_args(args)
         genv = dict(self.scalars, num_sms=num_sms)
         try:
@@ -139,6 +142,7 @@ class Machine(KernelPreparation, BarrierHandlers, AsyncHandlers, TileHandlers):
                     if i < len(async_ops):
                         async_ops[i] = last
         self.report.steps = steps
+        self.check_zeroed_workspaces()
         return self.report
 
     def wake(self, waiters: list) -> None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from wsched.target import FLOAT_DTYPES
+from wsched.target import FLOAT_DTYPES, TORCH_DTYPES
 
 from .. import ir
 from ..evaluate import INT_MAX, INT_MIN, ExprError, Undefined, compile_expr, f32
@@ -16,7 +16,7 @@ from ..printer import expr_text
 from ..verify.lines import statement_lines
 from .errors import SimulationError, SimulatorInternalError, check_verified
 from .state import Node
-from .tiles import BINARY_SEMANTICS, UNARY_SEMANTICS
+from .tiles import BINARY_SEMANTICS, COMPARE_SEMANTICS, UNARY_SEMANTICS
 
 # Kernel-level statements with side effects run once per CTA, by its first warpgroup.
 _LEADER_ONLY = (ir.MbarrierInit, ir.MbarrierInval, ir.MbarrierArrive, ir.MbarrierArriveExpectTx,
@@ -38,7 +38,11 @@ class KernelPreparation:
             raise SimulationError(f"arguments {unknown} are not parameters of kernel {self.kernel.name} "
                                   f"(parameters: {sorted(names)})")
         for p in self.kernel.params:
+            if isinstance(p, ir.HostParam) and p.name not in args:
+                args = {**args, p.name: self._host_value(p)}
             if p.name not in args:
+                if isinstance(p, ir.WorkspaceParam):
+                    continue      # allocated below, once its shape's scalars are bound
                 raise SimulationError(f"missing argument {p.name!r} for kernel {self.kernel.name}")
             value = args[p.name]
             if isinstance(p, ir.ScalarParam):
@@ -54,6 +58,8 @@ class KernelPreparation:
         for p in self.kernel.params:
             if isinstance(p, ir.ScalarParam):
                 continue
+            if isinstance(p, ir.WorkspaceParam) and p.name not in args:
+                args = {**args, p.name: self._workspace(p)}
             value = args[p.name]
             if not isinstance(value, torch.Tensor) or value.device.type != "cpu":
                 raise SimulationError(f"argument {p.name!r} must be a CPU torch tensor, got {type(value).__name__}")
@@ -71,6 +77,30 @@ class KernelPreparation:
                     f"argument {p.name!r} has shape {list(value.shape)} but the kernel declares "
                     f"{p.name}: {p.dtype}[{', '.join(expr_text(d) for d in p.shape)}] = {list(shape)}")
             self.tensors[p.name] = (p, value)
+
+    def _host_value(self, p: ir.HostParam) -> int | float:
+        """A host param the caller did not give: its value, as the host computes it per call."""
+        try:
+            return compile_expr(p.value)(dict(self.scalars, num_sms=self.num_sms))
+        except Undefined:
+            raise SimulatorInternalError(f"the verifier should have rejected this kernel: host param {p.name} "
+                                         f"reads scalar params before it and num_sms only") from None
+        except ExprError as error:
+            raise SimulationError(f"host param {p.name} = {expr_text(p.value)} has no value with these "
+                                  f"arguments: {error}") from None
+
+    def _workspace(self, p: ir.WorkspaceParam) -> torch.Tensor:
+        """A workspace the caller did not give, as the host allocates it: zeros where the kernel
+        needs them, NaN elsewhere (a read of what nothing wrote shows in the numbers)."""
+        try:
+            shape = tuple(compile_expr(d)(self.scalars) for d in p.shape)
+        except (Undefined, ExprError) as error:
+            raise SimulationError(f"the shape of workspace {p.name} has no value with these arguments: "
+                                  f"{error}") from None
+        dtype = TORCH_DTYPES[p.dtype]
+        if p.zeroed or not dtype.is_floating_point:
+            return torch.zeros(shape, dtype=dtype)
+        return torch.full(shape, float("nan"), dtype=dtype)
 
     # -- compilation -------------------------------------------------------------------------
     def _compile_body(self) -> tuple[Node, ...]:
@@ -131,7 +161,8 @@ class KernelPreparation:
             node.ex = c(s.value)
         elif isinstance(s, ir.TileBinary):
             node.ex = tuple(None if isinstance(o, str) else c(o) for o in (s.lhs, s.rhs))
-            check_verified(s.op in BINARY_SEMANTICS, "a binary tile op is one of ir.BINARY_OPS")
+            check_verified(s.op in BINARY_SEMANTICS or s.op in COMPARE_SEMANTICS,
+                           "a binary tile op is one of ir.TILE_BINARY_OPS")
         elif isinstance(s, ir.TileUnary):
             check_verified(s.op in UNARY_SEMANTICS, "a unary tile op is one of ir.UNARY_OPS")
         elif isinstance(s, ir.TileReduce):
@@ -140,9 +171,20 @@ class KernelPreparation:
             node.ex = (c(s.row0), c(s.col0), c(s.limit), None if s.causal is None else c(s.causal))
         elif isinstance(s, (ir.TileLoadGlobal, ir.TileStoreGlobal)):
             node.ex = tuple(c(e) for e in s.coords)
-        elif isinstance(s, ir.TileStoreSmem):
-            node.ex = tuple(c(e) for e in s.dst.index)
+        elif isinstance(s, (ir.TileStoreSmem, ir.LoadShared)):   # one smem reference
+            ref = s.dst if isinstance(s, ir.TileStoreSmem) else s.src
+            node.ex = tuple(c(e) for e in ref.index)
+            self._note_ref(ref)
+        elif isinstance(s, ir.TileView):
+            node.ex = c(s.col0)
+        elif isinstance(s, ir.AtomicInc):
+            node.ex = (tuple(c(e) for e in s.dst.index), tuple(c(e) for e in s.coords), c(s.wrap))
             self._note_ref(s.dst)
+        # attention score functions
+        elif isinstance(s, ir.TileIota):
+            node.ex = c(s.start)
+        elif isinstance(s, ir.TileSelect):
+            node.ex = tuple(None if isinstance(o, str) else c(o) for o in (s.cond, s.on_true, s.on_false))
         return node
 
     def _note_ref(self, ref: ir.SmemRef) -> None:

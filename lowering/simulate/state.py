@@ -64,6 +64,62 @@ class Reg:
         self.written = False
 
 
+class RegView:
+    """`tile.view`: columns col0 .. col0 + cols - 1 of the register tile `base` (named `parent`);
+    reads and writes go to the base tile, so the two stay one set of registers."""
+
+    __slots__ = ("parent", "base", "col0", "cols")
+
+    def __init__(self, parent: str, base: "Reg | RegView", col0: int, cols: int):
+        self.parent = parent
+        self.base = base
+        self.col0 = col0
+        self.cols = cols
+
+    @property
+    def dtype(self) -> str:
+        return self.base.dtype
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (self.base.shape[0], self.cols)
+
+    @property
+    def value(self) -> torch.Tensor:
+        return self.base.value[:, self.col0:self.col0 + self.cols]
+
+    @value.setter
+    def value(self, v: torch.Tensor) -> None:
+        whole = self.base.value.clone()
+        whole[:, self.col0:self.col0 + self.cols] = v
+        self.base.value = whole
+
+    @property
+    def written(self) -> bool:
+        return self.base.written
+
+    @written.setter
+    def written(self, flag: bool) -> None:
+        self.base.written = self.base.written or flag
+
+    def names(self) -> tuple[str, ...]:
+        """This view's base tiles' names, nearest first (what a pending wgmma may hold)."""
+        inner = self.base.names() if isinstance(self.base, RegView) else ()
+        return (self.parent,) + inner
+
+
+class GlobalWrite:
+    """A plain store of a register tile to a global tensor by `agent` at its epoch (split-K's
+    partials): a later `tile.load` of those elements by another agent must be ordered after it."""
+
+    __slots__ = ("agent", "epoch", "ctx")
+
+    def __init__(self, agent: "Agent", ctx: Ctx):
+        self.agent = agent
+        self.epoch = agent.vc[agent]
+        self.ctx = ctx
+
+
 class Write:
     """The last write of a smem cell: a TMA load (`proxy` "async") or a tile.store_smem
     (`proxy` "generic"), by `agent` (a warpgroup, or its elected thread) at its epoch."""
@@ -183,9 +239,11 @@ class WgmmaOp:
 
 class Agent:
     """Who synchronises: a vector clock (own epochs plus, per mbarrier, the number of completed
-    phases observed) with release (publish, then start a new epoch) and acquire (merge)."""
+    phases observed) with release (publish, then start a new epoch) and acquire (merge).
+    `released` is the clock its last `fence.acq_rel.gpu` published to the atomics after it;
+    `observed` what its atomics read since, which its next fence acquires."""
 
-    __slots__ = ("vc",)
+    __slots__ = ("vc", "released", "observed")
 
     def release(self, know: dict) -> None:
         """Publish this agent's clock into `know`; later events get a new epoch."""
@@ -212,6 +270,8 @@ class Lane(Agent):
     def __init__(self, co: "Co"):
         self.co = co
         self.vc = {self: 1}
+        self.released = None
+        self.observed = {}
 
 
 class Co(Agent):
@@ -231,6 +291,8 @@ class Co(Agent):
         self.env = env
         self.regs = {}
         self.vc = {self: 1}
+        self.released = None
+        self.observed = {}
         self.lane = Lane(self)
         self.loops = []
         self.gen = None

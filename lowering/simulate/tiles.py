@@ -9,11 +9,11 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from wsched.target import TORCH_DTYPES
+from wsched.target import FRAGMENT_COLUMN_GROUP, TORCH_DTYPES
 
 from .. import ir
 from .errors import ProtocolError, RaceError, check_verified
-from .state import Co, Ctx, Node, Reg, Write, read_box, write_box
+from .state import Co, Ctx, Node, Reg, RegView, Write, read_box, write_box
 
 
 def round_to_dtype(t: torch.Tensor, dtype: str) -> torch.Tensor:
@@ -33,6 +33,18 @@ BINARY_SEMANTICS: dict[str, Callable] = {
     "add": torch.add, "sub": torch.sub, "mul": torch.mul, "div": torch.div,
     "maximum": torch.maximum, "minimum": torch.minimum,
 }
+# `ir.COMPARE_OPS`: 1.0 where the comparison holds, else 0.0; the logical ops read an operand as
+# true where it is not 0 (tests/test_score_ir.py checks the table covers the ops).
+COMPARE_SEMANTICS: dict[str, Callable] = {
+    "lt": torch.lt, "le": torch.le, "gt": torch.gt, "ge": torch.ge, "eq": torch.eq, "ne": torch.ne,
+    "logical_and": lambda a, b: (a != 0) & (b != 0), "logical_or": lambda a, b: (a != 0) | (b != 0),
+}
+
+
+def _held_names(name: str, reg) -> tuple[str, ...]:
+    """The tile names whose registers an access to `name` touches: itself and, for a view, the
+    tiles it is a view of."""
+    return (name,) + (reg.names() if isinstance(reg, RegView) else ())
 
 
 class TileHandlers:
@@ -46,10 +58,11 @@ class TileHandlers:
 
     def _read_reg(self, co: Co, node: Node, name: str) -> Reg:
         reg = self._reg(co, node, name)
-        if name in co.acc_pending:
-            raise RaceError(f"acc read while wgmma pending (missing wgmma.wait): {name} in {co.where(node)}")
+        for held in _held_names(name, reg):
+            if held in co.acc_pending:
+                raise RaceError(f"acc read while wgmma pending (missing wgmma.wait): {held} in {co.where(node)}")
+            co.touched.add(held)
         self._check_written(co, node, name, reg)
-        co.touched.add(name)
         return reg
 
     @staticmethod
@@ -62,14 +75,15 @@ class TileHandlers:
 
     def _write_reg(self, co: Co, node: Node, name: str, value: torch.Tensor) -> None:
         reg = self._reg(co, node, name)
-        if name in co.acc_pending:
-            raise RaceError(f"acc read while wgmma pending (missing wgmma.wait): {name} written in "
-                            f"{co.where(node)}")
-        if name in co.a_pending:
-            raise RaceError(f"register A operand {name} written while a wgmma reading it is pending "
-                            f"(missing wgmma.wait): {co.where(node)}")
+        for held in _held_names(name, reg):
+            if held in co.acc_pending:
+                raise RaceError(f"acc read while wgmma pending (missing wgmma.wait): {held} written in "
+                                f"{co.where(node)}")
+            if held in co.a_pending:
+                raise RaceError(f"register A operand {held} written while a wgmma reading it is pending "
+                                f"(missing wgmma.wait): {co.where(node)}")
+            co.touched.add(held)
         check_verified(tuple(value.shape) == reg.shape, "a tile op's result has its destination's shape")
-        co.touched.add(name)
         reg.value = round_to_dtype(value.float(), reg.dtype)
         reg.written = True
 
@@ -100,10 +114,11 @@ class TileHandlers:
                 operands.append(self._read_reg(co, node, o).value)
             else:   # a scalar operand: a 0-d fp32 tensor broadcasts like a tile (torch.maximum
                 operands.append(torch.tensor(float(fn(co.env))))   # takes tensors only)
-        result = BINARY_SEMANTICS[s.op](*operands)   # the verifier checked that the shapes broadcast
-        if result.dim() == 0:
-            result = result.expand(self._reg(co, node, s.dst).shape)
-        self._write_reg(co, node, s.dst, result)
+        if s.op in COMPARE_SEMANTICS:
+            result = COMPARE_SEMANTICS[s.op](*operands).float()
+        else:
+            result = BINARY_SEMANTICS[s.op](*operands)   # the verifier checked that the shapes broadcast
+        self._write_reg(co, node, s.dst, result.expand(self._reg(co, node, s.dst).shape).contiguous())
 
     def _h_TileMask(self, co, node):
         s = node.stmt
@@ -145,6 +160,7 @@ class TileHandlers:
         s = node.stmt
         reg = self._reg(co, node, s.dst)
         param, tensor, coords, extents = self._global(co, node, s.tensor, reg.shape)
+        self.check_global_read(co, node, s.tensor, coords, extents)
         data = read_box(tensor, coords, extents, TORCH_DTYPES[param.dtype])
         self._write_reg(co, node, s.dst, data.float().reshape(reg.shape))
 
@@ -153,6 +169,19 @@ class TileHandlers:
         reg = self._read_reg(co, node, s.src)
         param, tensor, coords, extents = self._global(co, node, s.tensor, reg.shape)
         write_box(tensor, coords, reg.value.reshape(extents), TORCH_DTYPES[param.dtype])
+        self.note_global_write(co, node, s.tensor, coords, extents)
+
+    def _h_TileView(self, co, node):
+        s = node.stmt
+        base = self._reg(co, node, s.src)
+        col0 = self._int(co, node, node.ex(co.env), "a view's first column")
+        check_verified(len(base.shape) == 2 and s.cols % FRAGMENT_COLUMN_GROUP == 0,
+                       "a view takes whole column groups of a 2-D tile")
+        if col0 < 0 or col0 % FRAGMENT_COLUMN_GROUP or col0 + s.cols > base.shape[1]:
+            raise ProtocolError(f"tile.view {s.name}: columns {col0}..{col0 + s.cols - 1} are not a whole-group slice "
+                                f"of {s.src} {list(base.shape)} (first column a multiple of {FRAGMENT_COLUMN_GROUP}, "
+                                f"last inside the tile): {co.where(node)}")
+        co.regs[s.name] = RegView(s.src, base, col0, s.cols)
 
     def _h_TileStoreSmem(self, co, node):
         s = node.stmt
@@ -172,3 +201,23 @@ class TileHandlers:
             cell.write = write
             cell.reads = []
         co.unfenced.append(write)
+
+    # -- attention score functions ----------------------------------------------------------------
+
+    def _h_TileIota(self, co, node):
+        s = node.stmt
+        reg = self._reg(co, node, s.dst)
+        check_verified(len(reg.shape) == 2 and s.axis in (0, 1), "tile.iota fills a 2-D tile along axis 0 or 1")
+        start = int(node.ex(co.env))
+        index = torch.arange(reg.shape[s.axis], dtype=torch.float32) + start
+        self._write_reg(co, node, s.dst,
+                        (index[:, None] if s.axis == 0 else index[None, :]).expand(reg.shape).contiguous())
+
+    def _h_TileSelect(self, co, node):
+        s = node.stmt
+        values = []
+        for o, fn in zip((s.cond, s.on_true, s.on_false), node.ex):
+            values.append(self._read_reg(co, node, o).value if fn is None else torch.tensor(float(fn(co.env))))
+        cond, on_true, on_false = values
+        result = torch.where(cond != 0, on_true, on_false)   # the verifier checked that the shapes broadcast
+        self._write_reg(co, node, s.dst, result.expand(self._reg(co, node, s.dst).shape).contiguous())

@@ -311,11 +311,20 @@ def _samples(kernel: ir.Kernel) -> list[_Sample]:
         env: dict = {}
         scalars = [p for p in kernel.params if isinstance(p, ir.ScalarParam)]
         for i, p in enumerate(scalars):
+            if isinstance(p, ir.HostParam):   # as the host computes it, on a device of _SAMPLE_SMS SMs
+                try:
+                    env[p.name] = evaluate(p.value, dict(env, num_sms=_SAMPLE_SMS))
+                except (KeyError, ZeroDivisionError, TypeError, ValueError):
+                    env[p.name] = 1
+                continue
             env[p.name] = values[i % len(values)] if p.dtype not in FLOAT_DTYPES else 1.0
         env.update(cta_id=cta, num_ctas=num)
         text = ", ".join(f"{k}={v}" for k, v in env.items())
         out.append(_Sample(env, text))
     return out
+
+
+_SAMPLE_SMS = 132   # the SM count host params are computed for (an H100 / H200)
 
 
 @dataclass(frozen=True)
@@ -400,6 +409,8 @@ class _Tracer:
             elif isinstance(s, ir.Return):
                 if out is not None:
                     raise _Stop()
+            elif isinstance(s, ir.LoadShared):
+                env[s.name] = 0     # smem values are not traced: a ticket reads as the first arrival
             elif out is not None:
                 event = self._event(s, path, env, point)
                 if event is not None:

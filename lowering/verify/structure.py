@@ -27,6 +27,7 @@ from ..evaluate import evaluate
 from ..printer import expr_text
 from ..spelling import keyword
 from .lines import Report, constant, expr_nodes, location, ref_text, sites, statement_name
+from .global_sync import GlobalSyncChecks
 from .roles import RoleChecks
 from .tiles import SWIZZLE_CHOICES, TileChecks
 
@@ -71,7 +72,7 @@ class _Declaration:
     role: "str | None"
 
 
-class StructureCheck(TileChecks, RoleChecks):
+class StructureCheck(TileChecks, GlobalSyncChecks, RoleChecks):
     """One walk over the kernel in program order, with the names in scope at each statement."""
 
     def __init__(self, kernel: ir.Kernel, report: Report, require_init: bool):
@@ -83,12 +84,14 @@ class StructureCheck(TileChecks, RoleChecks):
         self.fenced = False                       # fence.mbarrier_init seen, syncthreads pending
         self.visibility_reported = False
         self.role_lines: dict[str, int] = {}       # role name -> IR line of its first declaration
+        self.views: set[str] = set()               # register tiles declared by tile.view
         self.declarations = self._index_declarations()
 
     def _index_declarations(self) -> dict[str, list[_Declaration]]:
         """Every let, var, loop variable and register tile, for messages about names used where
         their declaration is not in scope."""
-        declares = {ir.Let: "let", ir.For: "loop variable", ir.RegDecl: "register tile"}
+        declares = {ir.Let: "let", ir.For: "loop variable", ir.RegDecl: "register tile",
+                    ir.TileView: "register tile", ir.LoadShared: "let"}
         found: dict[str, list[_Declaration]] = {}
         for site in sites(self.k):
             s = site.stmt
@@ -127,11 +130,17 @@ class StructureCheck(TileChecks, RoleChecks):
                 seen[name] = (what, line)
                 scope[name] = _Name(what, line, decl)
 
+        declared_scalars: dict[str, _Name] = {}
         for p in self.k.params:
             what = {ir.ScalarParam: "scalar param", ir.TensorMapParam: "tensormap param",
-                    ir.GlobalParam: "global param"}[type(p)]
+                    ir.GlobalParam: "global param", ir.HostParam: "scalar param",
+                    ir.WorkspaceParam: "global param"}[type(p)]
             where = f"{what.split()[0]} {p.name}"
             report = lambda problem, where=where: self.r.header(problem, where)  # noqa: E731
+            if isinstance(p, ir.HostParam):   # computed on the host from the params before it
+                self._host_expr(p.value, declared_scalars, report, f"the value of host param {p.name}")
+            if isinstance(p, ir.ScalarParam):
+                declared_scalars[p.name] = scalars[p.name]
             declare(p.name, what, 1, p, report)
             self._dtype(p.dtype, report)
             if isinstance(p, (ir.TensorMapParam, ir.GlobalParam)):
@@ -299,7 +308,7 @@ class StructureCheck(TileChecks, RoleChecks):
         if isinstance(step, (int, float)) and step <= 0:
             self.r.at(path, f"step {expr_text(s.step)}: a loop counts up; use a step >= 1")
         inner = dict(scope)
-        self._declare(s.var, "loop variable", path, inner)
+        self._declare(s.var, "loop variable", path, inner, s)
         self._block(s.body, path, inner, ctx)
 
     def _If(self, s: ir.If, path, scope, ctx):

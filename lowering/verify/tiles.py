@@ -10,13 +10,14 @@ expressions (`_expr`), barrier references (`_bar`) and dtypes (`_dtype`).
 from __future__ import annotations
 
 from wsched.target import (
-    SWIZZLE_ROW_BYTES, TMA_INNER_BOX_ALIGNMENT, TMA_MAX_BOX_DIM, TMA_SWIZZLES, WGMMA_ACCUMULATOR_DTYPE,
-    WGMMA_K, WGMMA_M, WGMMA_N, WGMMA_OPERAND_DTYPES,
+    DTYPE_NAMES, FLOAT_DTYPES, FRAGMENT_COLUMN_GROUP, OPERAND_SWIZZLES, SWIZZLE_ROW_BYTES, TMA_INNER_BOX_ALIGNMENT,
+    TMA_MAX_BOX_DIM, TMA_SWIZZLES, WGMMA_ACCUMULATOR_DTYPE, WGMMA_K, WGMMA_M, WGMMA_N, WGMMA_OPERAND_DTYPES,
 )
 
 from .. import ir
 from ..printer import expr_text
 from ..spelling import keyword
+from ..evaluate import evaluate
 from .lines import array_text, constant, plural, ref_text, volume
 
 SWIZZLE_CHOICES = ", ".join(map(str, TMA_SWIZZLES[:-1])) + f" or {TMA_SWIZZLES[-1]}"   # "0, 32, 64 or 128"
@@ -150,6 +151,10 @@ class TileChecks:
                 self.r.at(path, f"major({s.a_major}, {s.b_major}): {which}'s major must be "
                                 f"{' or '.join(ir.MMA_MAJORS)}")
         acc = self._tile(s.acc, path, scope, ctx)
+        for name in (s.acc, s.a):
+            if isinstance(name, str) and name in self.views:
+                self.r.at(path, f"wgmma operand {name} is a tile.view; wgmma reads and writes whole `reg` tiles "
+                                f"(an asynchronous wgmma holds the registers it names until its wgmma.wait)")
         n = k = a_dtype = None
         if acc is not None:
             if (acc.dtype != WGMMA_ACCUMULATOR_DTYPE or len(acc.shape) != 2 or acc.shape[0] != WGMMA_M
@@ -195,8 +200,9 @@ class TileChecks:
             if s.b_major == "k":
                 want = f"[{n}, {k}] (K-major: [N, K])"
             else:
-                # Column chunks one 128-byte swizzled row wide (64 bf16).
-                width = SWIZZLE_ROW_BYTES // ir.DTYPE_BYTES[decl.dtype] if decl.dtype in ir.DTYPE_BYTES else 0
+                # Column chunks one swizzle span wide (128 bytes: 64 bf16; or 64 bytes: 32 bf16).
+                span = decl.swizzle if decl.swizzle in OPERAND_SWIZZLES else SWIZZLE_ROW_BYTES
+                width = span // ir.DTYPE_BYTES[decl.dtype] if decl.dtype in ir.DTYPE_BYTES else 0
                 want = (f"({n // width}, {k}, {width}) (N-major column chunks)" if width and n % width == 0
                         else f"[{k}, {n}]")
             self.r.at(path, f"B operand {ref_text(s.b)} is {sub}, a tile with N = {b_n} and K = {b_k}, but the "
@@ -204,6 +210,9 @@ class TileChecks:
 
     def _RegDecl(self, s: ir.RegDecl, path, scope, ctx):
         self._dtype(s.dtype, lambda m: self.r.at(path, m))
+        if s.dtype in DTYPE_NAMES and s.dtype not in FLOAT_DTYPES:
+            self.r.at(path, f"register tile {s.name} is {s.dtype}: register tiles hold {', '.join(FLOAT_DTYPES)} "
+                            f"values; read an {s.dtype} tensor into an f32 tile (tile.load converts)")
         if not s.shape or any(d < 1 for d in s.shape):
             self.r.at(path, f"shape {list(s.shape)}: a register tile needs at least one dim, each >= 1")
         self._declare(s.name, "register tile", path, scope, s)
@@ -222,11 +231,15 @@ class TileChecks:
                             f"{s.dst} is {array_text(dst.dtype, dst.shape)}; an elementwise op keeps the shape")
 
     def _TileBinary(self, s: ir.TileBinary, path, scope, ctx):
-        if s.op not in ir.BINARY_OPS:
-            self.r.at(path, f"tile.{s.op} is not a binary tile op; use one of {', '.join(ir.BINARY_OPS)}")
-        dst = self._tile(s.dst, path, scope, ctx)
+        if s.op not in ir.TILE_BINARY_OPS:
+            self.r.at(path, f"tile.{s.op} is not a binary tile op; use one of {', '.join(ir.TILE_BINARY_OPS)}")
+        self._broadcast_operands(f"tile.{s.op}", s.dst, (s.lhs, s.rhs), path, scope, ctx)
+
+    def _broadcast_operands(self, word, dst_name, operands, path, scope, ctx) -> None:
+        """The tile operands of an elementwise op broadcast to its destination's shape."""
+        dst = self._tile(dst_name, path, scope, ctx)
         shapes = []
-        for operand in (s.lhs, s.rhs):
+        for operand in operands:
             if isinstance(operand, str):
                 t = self._tile(operand, path, scope, ctx)
                 if t is None:
@@ -238,13 +251,13 @@ class TileChecks:
             return
         names = ", ".join(f"{name} {list(shape)}" for name, shape in shapes)
         if any(len(shape) != len(dst.shape) for _, shape in shapes):
-            self.r.at(path, f"tile.{s.op} {s.dst}: operands {names} and result {list(dst.shape)} differ in "
+            self.r.at(path, f"{word} {dst_name}: operands {names} and result {list(dst.shape)} differ in "
                             f"rank; tiles of one op have one rank (extent 1 broadcasts)")
             return
         result = tuple(max(shape[d] for _, shape in shapes) for d in range(len(dst.shape)))
         bad = any(x not in (1, r) for _, shape in shapes for x, r in zip(shape, result))
         if bad or result != tuple(dst.shape):
-            self.r.at(path, f"tile.{s.op} {s.dst}: operands {names} do not broadcast to the result "
+            self.r.at(path, f"{word} {dst_name}: operands {names} do not broadcast to the result "
                             f"{list(dst.shape)}; each dim must equal the result's or be 1")
 
     def _TileMask(self, s: ir.TileMask, path, scope, ctx):
@@ -307,3 +320,76 @@ class TileChecks:
                             f"{ref_text(s.dst)} ({list(ir.smem_subshape(decl, s.dst))}) holds a {list(holds)} "
                             f"tile; the tile and the sub-array must have one shape")
 
+    # -- attention score functions ----------------------------------------------------------------
+
+    def _TileIota(self, s: ir.TileIota, path, scope, ctx):
+        self._expr(s.start, path, scope, ctx)
+        dst = self._tile(s.dst, path, scope, ctx)
+        if dst is not None and len(dst.shape) != 2:
+            self.r.at(path, f"tile.iota {s.dst}: {s.dst} is {list(dst.shape)}; positions fill a 2-D tile")
+        if s.axis not in (0, 1):
+            self.r.at(path, f"tile.iota {s.dst}: axis({s.axis}) is not an axis of a 2-D tile; use 0 (rows) or "
+                            f"1 (columns)")
+
+    def _TileSelect(self, s: ir.TileSelect, path, scope, ctx):
+        self._broadcast_operands("tile.select", s.dst, (s.cond, s.on_true, s.on_false), path, scope, ctx)
+
+    # -- sliced epilogues -------------------------------------------------------------------------
+
+    def _TileView(self, s: ir.TileView, path, scope, ctx):
+        self._expr(s.col0, path, scope, ctx)
+        src = self._tile(s.src, path, scope, ctx)
+        view = None
+        if src is not None:
+            if len(src.shape) != 2:
+                self.r.at(path, f"tile.view {s.name}, {s.src}: {s.src} is {array_text(src.dtype, src.shape)}; a "
+                                f"view takes columns of a 2-D tile")
+            elif s.cols < 1 or s.cols % FRAGMENT_COLUMN_GROUP:
+                self.r.at(path, f"tile.view {s.name}: cols({expr_text(s.col0)}, {s.cols}) is {s.cols} columns; a "
+                                f"view spans whole column groups of the fragment layout, a multiple of "
+                                f"{FRAGMENT_COLUMN_GROUP}")
+            else:
+                self._view_columns(s, src, path, scope)
+                view = ir.RegDecl(s.name, src.dtype, (src.shape[0], s.cols))
+        self.views.add(s.name)
+        self._declare(s.name, "register tile", path, scope, view)
+
+    def _view_columns(self, s: ir.TileView, src: ir.RegDecl, path, scope) -> None:
+        """col0 reads constants and `unroll` loop variables only (every register index is then a
+        compile-time constant); each of its values is a whole column group inside src."""
+        loops = {}
+        for name in ir.expr_vars(s.col0):
+            b = scope.get(name)
+            loop = b.decl if b is not None and b.what == "loop variable" else None
+            if not isinstance(loop, ir.For) or loop.iteration != "unroll":
+                self.r.at(path, f"tile.view {s.name}: the first column {expr_text(s.col0)} reads `{name}`, which "
+                                f"is not the variable of an enclosing `unroll` loop; the registers of a view "
+                                f"must be known at compile time (use constants and unroll loop variables)")
+                return
+            bounds = [constant(e) for e in (loop.start, loop.stop, loop.step)]
+            if not all(isinstance(v, int) for v in bounds) or bounds[2] < 1:
+                return      # checked where the loop's bounds are known: in the simulator
+            loops[name] = range(*bounds)
+        names = list(loops)
+        for values in _product([loops[n] for n in names]):
+            try:
+                col0 = evaluate(s.col0, dict(zip(names, values)))
+            except (KeyError, ZeroDivisionError, TypeError, ValueError):
+                return
+            if not isinstance(col0, int) or col0 < 0 or col0 % FRAGMENT_COLUMN_GROUP or col0 + s.cols > src.shape[1]:
+                at = ", ".join(f"{n} = {v}" for n, v in zip(names, values))
+                self.r.at(path, f"tile.view {s.name}: columns {col0}..{col0 + s.cols - 1 if isinstance(col0, int) else '?'}"
+                                f"{f' (at {at})' if at else ''} are not a whole-group slice of {s.src} "
+                                f"{list(src.shape)}; the first column is a multiple of {FRAGMENT_COLUMN_GROUP} and the "
+                                f"last inside the tile")
+                return
+
+
+
+def _product(ranges):
+    if not ranges:
+        yield ()
+        return
+    for v in ranges[0]:
+        for rest in _product(ranges[1:]):
+            yield (v,) + rest

@@ -120,6 +120,7 @@ extern "C" __global__ void __launch_bounds__(384, 1) matmul(
     const int wg = wg_index - 1;
     wsp::setmaxnreg_inc<240>();
     float acc[128];                 // acc: f32[64, 256], wgmma fragment
+    float slice_t[32];              // slice_t: f32[64, 64], wgmma fragment
     for (int tile = cta_id; tile < num_tiles; tile += num_ctas) {  // persistent: this CTA's tiles
       const int tile_iter = (tile - cta_id) / num_ctas;
       const int group_size = 8 * tiles_n;
@@ -164,13 +165,26 @@ extern "C" __global__ void __launch_bounds__(384, 1) matmul(
         wsp::tma_store_wait_read<0>();
       }
       wsp::named_barrier_sync(1 + wg, 128);
-      {  // tile.store_smem C_bf16[wg] <- acc: one st.shared per pair (stmatrix is a later optimisation)
-        const uint32_t row_addr = wsp::smem_u32(smem_C_bf16 + wg * 32768) + wsp::frag_row() * 128 + wsp::frag_col() * 2;
+      #pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        // tile.view acc_j, acc, cols(j * 64, 64): acc's elements from [(j * 64) / 2]
+        // tile.cast slice_t, acc_j
         #pragma unroll
-        for (int fj = 0; fj < 32; ++fj) {
+        for (int fj = 0; fj < 8; ++fj) {
           #pragma unroll
           for (int fi = 0; fi < 2; ++fi) {
-            wsp::st_shared(wsp::swizzle128(row_addr + 1024 * fi + 8192 * (fj / 8) + 16 * (fj % 8)), wsp::bit_cast<uint32_t>(__floats2bfloat162_rn(acc[4 * fj + 2 * fi + 0], acc[4 * fj + 2 * fi + 1])));
+            slice_t[4 * fj + 2 * fi + 0] = acc[(j * 64) / 2 + 4 * fj + 2 * fi + 0];
+            slice_t[4 * fj + 2 * fi + 1] = acc[(j * 64) / 2 + 4 * fj + 2 * fi + 1];
+          }
+        }
+        {  // tile.store_smem C_bf16[wg, j] <- slice_t: one st.shared per pair (stmatrix is a later optimisation)
+          const uint32_t row_addr = wsp::smem_u32(smem_C_bf16 + wg * 32768 + j * 8192) + wsp::frag_row() * 128 + wsp::frag_col() * 2;
+          #pragma unroll
+          for (int fj = 0; fj < 8; ++fj) {
+            #pragma unroll
+            for (int fi = 0; fi < 2; ++fi) {
+              wsp::st_shared(wsp::swizzle128(row_addr + 1024 * fi + 8192 * (fj / 8) + 16 * (fj % 8)), wsp::bit_cast<uint32_t>(__floats2bfloat162_rn(slice_t[4 * fj + 2 * fi + 0], slice_t[4 * fj + 2 * fi + 1])));
+            }
           }
         }
       }

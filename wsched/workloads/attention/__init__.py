@@ -1,10 +1,11 @@
 """The attention workload: O = softmax(scale * Q K^T [masked]) V as flash attention.
 
 The producer loads Q once per tile and K, V per kv block through their own channels; the
-consumer warpgroups run S = Q K^T, the online softmax in registers and O += P V, then normalise
-and store O (and the log-sum-exp). It takes fusions of the form matmul -> softmax -> matmul
-whose operands are inputs, with scaling by a constant and a causal mask between Q K^T and the
-softmax. Its own passes: overlap_softmax (mma_inflight=1) and pingpong (mode="pingpong").
+consumer warpgroups run S = Q K^T, the score function and the online softmax in registers and
+O += P V, then normalise and store O (and the log-sum-exp). It takes fusions of the form
+matmul -> softmax -> matmul whose operands are inputs, with any elementwise score function and
+masks between Q K^T and the softmax (score.py: what is analysed, score_ops.py: the tile ops).
+Its own passes: overlap_softmax (mma_inflight=1) and pingpong (mode="pingpong").
 """
 
 from __future__ import annotations

@@ -32,9 +32,9 @@ C = ir.IntConst
 
 
 def epilogue(kernel: ir.Kernel, ctx: LoweringContext) -> ir.Kernel:
-    a, d = ctx.partition.payload, ctx.schedule.head_dim
+    a, d = ctx.partition.payload, ctx.schedule.value_dim
     coords = tuple(V(f"b{i}") for i in range(a.batch)) + (ir.add("m0", ir.mul("wg", 64)), C(0))
-    if a.causal == "bottom_right":   # a row with no visible key has l = 0: store O = 0
+    if a.score.rows_may_see_nothing:   # a row with no visible key has l = 0: store O = 0
         normalise = [ir.TileBinary("maximum", "corr", "l_run", ir.FloatConst(1e-30)),
                      ir.TileBinary("div", "o_acc", "o_acc", "corr")]
     else:

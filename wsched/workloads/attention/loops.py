@@ -22,6 +22,13 @@ tiles run in reverse m-block order so that, with a causal mask, the longest tile
       tile.mul o_acc, o_acc, corr
       tile.cast p, s_acc
       wgmma.mma o_acc, p, V[0] major(k, n) accumulate(1)
+
+With a score function (score.py, score_ops.py) the block runs its inner score in place on s_acc
+right after the first wgmma, then the masks that cannot be analysed, and puts the analysed masks'
+tile ops inside the `if` beside the key-tail mask (the `if` then asks whether the block is cut by
+a mask, not only by T). Inputs it reads are loaded per tile or at the top of the kv block. The
+analysed masks also give the tile loop its kv range (`kv_range`): both roles skip the blocks no
+row of the tile sees, addressing block k + kv_first.
 """
 
 from __future__ import annotations
@@ -30,7 +37,11 @@ import math
 
 from wsched.lowering import ir
 from wsched.lowering.context import LoweringContext
-from wsched.names import CONSUMER, K_COUNT, K_VAR, PRODUCER, TILE_VAR
+from wsched.names import CONSUMER, K_COUNT, K_FIRST, K_VAR, PRODUCER, TILE_VAR
+
+from .score import Bound, SideInput
+from .schedule import chunk_columns
+from .score_ops import ScoreOps
 
 LOG2E = 1.0 / math.log(2.0)
 
@@ -42,9 +53,12 @@ def build_loops(kernel: None, ctx: LoweringContext) -> ir.Kernel:
     part, s = ctx.partition, ctx.schedule
     a = part.payload
     bm, bn, d = s.tile
+    dv = s.value_dim
     nwg = s.consumer_warpgroups
-    chunks = d // 64
     dt = a.q.dtype.name
+    # Q and K, and V, in column chunks of one swizzle span (schedule.chunk_columns)
+    qk_width, v_width = (chunk_columns(x, a.q.dtype.itemsize) for x in (d, dv))
+    chunks, v_chunks = d // qk_width, dv // v_width
     nb = a.batch
     batch = [V(f"batch{i}") for i in range(nb)]
     k_batch = [C(1) if a.k_broadcast[i] else batch[i] for i in range(nb)]
@@ -53,16 +67,20 @@ def build_loops(kernel: None, ctx: LoweringContext) -> ir.Kernel:
     params += [ir.ScalarParam("S", "i32"), ir.ScalarParam("T", "i32")]
     ones = (1,) * nb
     q_name, k_name, v_name = (c.loads[0].tensor for c in part.channels)
-    params.append(ir.TensorMapParam(q_name, dt, tuple(batch) + (V("S"), C(d)), ones + (64, 64), 0))
-    for name in (k_name, v_name):
-        params.append(ir.TensorMapParam(name, dt, tuple(k_batch) + (V("T"), C(d)), ones + (bn, 64), 0))
-    params.append(ir.GlobalParam("o", a.out.dtype.name, tuple(batch) + (V("S"), C(d))))
+    params.append(ir.TensorMapParam(q_name, dt, tuple(batch) + (V("S"), C(d)), ones + (64, qk_width), 0))
+    for name, dim, width in ((k_name, d, qk_width), (v_name, dv, v_width)):
+        params.append(ir.TensorMapParam(name, dt, tuple(k_batch) + (V("T"), C(dim)), ones + (bn, width), 0))
+    params.append(ir.GlobalParam("o", a.out.dtype.name, tuple(batch) + (V("S"), C(dv))))
     if a.lse is not None:
         params.append(ir.GlobalParam("lse", "f32", tuple(batch) + (V("S"), C(1))))
+    sf = a.score
+    read = sf.inputs + ((a.sink,) if isinstance(a.sink, SideInput) else ())   # inputs read in the kernel
+    params += [ir.GlobalParam(x.param, x.node.dtype.name, tuple(C(1) if dim is None else V(dim) for dim in x.dims))
+               for x in read]
 
-    smem = (ir.SmemDecl("Q", dt, (1, nwg, chunks, 64, 64), 0),
-            ir.SmemDecl("K", dt, (1, chunks, bn, 64), 0),
-            ir.SmemDecl("V", dt, (1, chunks, bn, 64), 0))
+    smem = (ir.SmemDecl("Q", dt, (1, nwg, chunks, 64, qk_width), 0),
+            ir.SmemDecl("K", dt, (1, chunks, bn, qk_width), 0),
+            ir.SmemDecl("V", dt, (1, v_chunks, bn, v_width), 0))
     barriers = tuple(ir.BarrierDecl(name, 1) for c in part.channels for name in (c.full, c.empty))
 
     heads = C(1)
@@ -78,28 +96,41 @@ def build_loops(kernel: None, ctx: LoweringContext) -> ir.Kernel:
     b_idx = tuple(V(f"b{i}") for i in range(nb))
     kb_idx = tuple(C(0) if a.k_broadcast[i] else b_idx[i] for i in range(nb))
     q_loads = tuple(ir.TmaLoad(ir.SmemRef("Q", (C(0), C(w), C(c))), q_name,
-                               b_idx + (_plus("m0", w * 64), C(c * 64)), q_full)
+                               b_idx + (_plus("m0", w * 64), C(c * qk_width)), q_full)
                     for w in range(nwg) for c in range(chunks))
-    row = ir.mul(K_VAR, bn)
-    kv_loads = tuple(ir.TmaLoad(ir.SmemRef(buf, (C(0), C(c))), name, kb_idx + (row, C(c * 64)), bar)
-                     for buf, name, bar in (("K", k_name, k_full), ("V", v_name, v_full))
-                     for c in range(chunks))
+    # The kv block's first key: k counts this tile's blocks from its first visible one.
+    row = ir.mul(ir.add(K_VAR, K_FIRST), bn) if _lower_bounds(sf) else ir.mul(K_VAR, bn)
+    kv_loads = tuple(ir.TmaLoad(ir.SmemRef(buf, (C(0), C(c))), name, kb_idx + (row, C(c * width)), bar)
+                     for buf, name, bar, count, width in (("K", k_name, k_full, chunks, qk_width),
+                                                           ("V", v_name, v_full, v_chunks, v_width))
+                     for c in range(count))
     producer = ir.Role(PRODUCER, 1, s.producer_registers, (
         tile_loop(ctx, q_loads + (k_loop(kv_loads),)),
     ))
 
     rows0 = ir.add("m0", ir.mul("wg", 64))
-    shift = causal_shift(a)
-    limit = ir.emin("T", _shifted(ir.add(rows0, 1), shift)) if a.causal else V("T")
-    mask = ir.TileMask("s_acc", rows0, row, V("T"), shift)
+    ops = ScoreOps(ctx.partition.fusion, (64, bn))
+    tiles = {x.node.id: (f"{x.param}_t", (64 if x.per_query else 1, bn if x.per_key else 1)) for x in read}
+    positions = {-2: rows0, -1: row}
+    loads = {per_key: tuple(ir.TileLoadGlobal(tiles[x.node.id][0], x.param, _side_coords(x, rows0, row))
+                            for x in read if x.per_key == per_key) for per_key in (False, True)}
+    # The score function: the inner score in place on every block, then the masks that cannot be
+    # analysed; the analysed ones only where a block is cut (beyond the keys, or by a mask).
+    inner, _ = ops.lower(sf.inner, "s_acc", {**tiles, sf.qk: ("s_acc", (64, bn))}, positions, _causal_shift)
+    every_block = [stmt for m in sf.masks if not m.analysed for stmt in _apply_mask(ops, m, tiles, positions)]
+    cut = [stmt for m in sf.masks if m.analysed and m.causal is None for stmt in _apply_mask(ops, m, tiles, positions)]
+    causal = [m.causal for m in sf.masks if m.causal is not None] or [None]
+    cut += [ir.TileMask("s_acc", rows0, row, V("T"), _causal_shift(align)) for align in causal]
     f = ir.FloatConst
-    # Bottom-right alignment can hide every key of a row (S > T): keep its max finite so that
-    # exp2(S - m) is 0, not NaN.
+    # A mask can hide every key of a row in a block, or in all of them (bottom-right alignment
+    # with S > T): keep its max finite so that exp2(S - m) is 0, not NaN.
     finite = ((ir.TileBinary("maximum", "m_blk", "m_blk", f(-1e30)),)
-              if a.causal == "bottom_right" else ())
+              if sf.rows_may_see_nothing else ())
     softmax = (
+        *loads[True],
         ir.Wgmma("s_acc", ir.SmemRef("Q", (C(0), V("wg"))), ir.SmemRef("K", (C(0),)), "k", "k", C(0)),
-        ir.If(ir.BinOp(">", ir.add(row, bn), limit), (mask,)),
+        *inner, *every_block,
+        ir.If(_block_is_cut(sf, rows0, row, bn), tuple(cut)),
         # The row max is taken on the unscaled scores (the scale is positive), so that the
         # scale and the subtraction below fuse into one multiply-add per element.
         ir.TileReduce("max", "m_blk", "s_acc", 1),
@@ -122,27 +153,89 @@ def build_loops(kernel: None, ctx: LoweringContext) -> ir.Kernel:
     consumer = ir.Role(CONSUMER, nwg, s.consumer_registers, (
         ir.RegDecl("s_acc", "f32", (64, bn)),
         ir.RegDecl("p", dt, (64, bn)),
-        ir.RegDecl("o_acc", "f32", (64, d)),
+        ir.RegDecl("o_acc", "f32", (64, dv)),
         ir.RegDecl("m_run", "f32", (64, 1)),
         ir.RegDecl("l_run", "f32", (64, 1)),
         ir.RegDecl("m_blk", "f32", (64, 1)),
         ir.RegDecl("corr", "f32", (64, 1)),
-        tile_loop(ctx, (ir.TileFill("o_acc", f(0.0)), ir.TileFill("l_run", f(0.0)),
-                        ir.TileFill("m_run", f(float("-inf"))), k_loop(softmax))),
+        *(ir.RegDecl(name, "f32", shape) for name, shape in tiles.values()),
+        *ops.decls.values(),
+        tile_loop(ctx, (ir.TileFill("o_acc", f(0.0)), *loads[False], *_running_state(a.sink, tiles),
+                        k_loop(softmax))),
     ))
     grid = ir.emin("num_sms", ir.mul(heads, ir.ceil_div("S", bm)))
     return ir.Kernel(ctx.name, tuple(params), grid, (1, 1, 1), smem, barriers, setup + (producer, consumer))
 
 
-def causal_shift(a) -> ir.Expr | None:
+def _running_state(sink, tiles: dict) -> tuple[ir.Stmt, ...]:
+    """The online softmax before the first kv block: no score yet (l = 0, m = -inf), or the
+    attention sink's logit as the first one, with no value row (l = 1, m = sink log2 e)."""
+    f = ir.FloatConst
+    if sink is None:
+        return ir.TileFill("l_run", f(0.0)), ir.TileFill("m_run", f(float("-inf")))
+    if not isinstance(sink, SideInput):
+        return ir.TileFill("l_run", f(1.0)), ir.TileFill("m_run", f(sink * LOG2E))
+    return (ir.TileFill("l_run", f(1.0)), ir.TileFill("m_run", f(0.0)),
+            ir.TileBinary("add", "m_run", "m_run", tiles[sink.node.id][0]),
+            ir.TileBinary("mul", "m_run", "m_run", f(LOG2E)))
+
+
+def _causal_shift(align: str | None) -> ir.Expr | None:
     """How far right of the diagonal the last visible key of a row lies (None: no causal mask)."""
-    if a.causal is None:
+    if align is None:
         return None
-    return C(0) if a.causal == "top_left" else ir.sub("T", "S")
+    return C(0) if align == "top_left" else ir.sub("T", "S")
 
 
-def _shifted(e: ir.Expr, shift: ir.Expr | None) -> ir.Expr:
-    return e if shift is None or shift == C(0) else ir.add(e, shift)
+def _bound(e: ir.Expr, b: Bound) -> ir.Expr:
+    """e + b: the bottom-right shift T - S first, then the constant."""
+    if b.shifted:
+        e = ir.add(e, ir.sub("T", "S"))
+    if b.value:
+        e = ir.add(e, b.value) if b.value > 0 else ir.sub(e, -b.value)
+    return e
+
+
+def _fold(combine, exprs: list[ir.Expr]) -> ir.Expr:
+    out = exprs[0]
+    for e in exprs[1:]:
+        out = combine(out, e)
+    return out
+
+
+def _lower_bounds(sf) -> bool:
+    return any(m.lower or m.key_lower for m in sf.masks if m.analysed)
+
+
+def _block_is_cut(sf, rows0: ir.Expr, col0: ir.Expr, bn: int) -> ir.Expr:
+    """Whether the block of 64 rows from rows0 and bn keys from col0 needs masking: it reaches
+    beyond the keys, or an analysed mask hides some of its scores (a row's last visible key is
+    before its last column, or its first after its first)."""
+    masks = [m for m in sf.masks if m.analysed]
+    ends = [_bound(ir.add(rows0, 1), b) for m in masks for b in m.upper]
+    ends += [C(v + 1) for m in masks for v in m.key_upper]
+    cut = ir.BinOp(">", ir.add(col0, bn), ir.emin("T", _fold(ir.emin, ends)) if ends else V("T"))
+    starts = [_bound(ir.add(rows0, 63), b) for m in masks for b in m.lower]
+    starts += [C(v) for m in masks for v in m.key_lower]
+    for start in starts:
+        cut = ir.BinOp("||", cut, ir.BinOp("<", col0, start))
+    return cut
+
+
+def _apply_mask(ops: ScoreOps, mask, tiles: dict, positions: dict) -> list[ir.Stmt]:
+    """The mask's condition as tile ops, then -inf into the scores where it does not hold."""
+    stmts, cond = ops.lower(mask.cond.id, None, tiles, positions, _causal_shift)
+    minus_inf = ir.FloatConst(float("-inf"))
+    keep = ("s_acc", minus_inf) if mask.visible else (minus_inf, "s_acc")
+    return stmts + [ir.TileSelect("s_acc", cond, *keep)]
+
+
+def _side_coords(x, rows0: ir.Expr, col0: ir.Expr) -> tuple[ir.Expr, ...]:
+    """Where an input of the score function is read for the block: its batch dims at the tile's
+    (b0, b1, ...), its query dim at the warpgroup's first row, its key dim at the block's first key."""
+    at = {"S": rows0, "T": col0}
+    return tuple(C(0) if dim is None else at.get(dim, V(dim.replace("batch", "b"))) for dim in x.dims)
+
 
 
 def _plus(name: str, offset: int) -> ir.Expr:
@@ -164,10 +257,27 @@ def tile_loop(ctx: LoweringContext, body: tuple[ir.Stmt, ...]) -> ir.For:
                  ir.Let(f"rest{i}", ir.div("rest" if i == a.batch - 1 else f"rest{i + 1}", f"batch{i}"))]
     lets.append(ir.Let("b0", V("rest1") if a.batch > 1 else V("rest")))
     lets.append(ir.Let("m0", ir.mul("m_block", bm)))
-    shift = causal_shift(a)
-    visible = _shifted(ir.add("m0", bm), shift)       # keys up to this one are seen by some row
-    if a.causal == "bottom_right":
-        visible = ir.emax(visible, 0)
-    count = ir.emin("kv_blocks", ir.ceil_div(visible, bn)) if a.causal else V("kv_blocks")
-    lets.append(ir.Let(K_COUNT, count))
+    lets += kv_range(a.score, bm, bn)
     return ir.For(TILE_VAR, V("cta_id"), V("num_tiles"), V("num_ctas"), "persistent", tuple(lets) + body)
+
+
+def kv_range(sf, bm: int, bn: int) -> list[ir.Let]:
+    """The tile's kv blocks [K_FIRST, K_FIRST + K_COUNT): the analysed masks bound the keys its
+    rows m0 .. m0 + bm - 1 can see, so both roles skip the blocks no row sees."""
+    masks = [m for m in sf.masks if m.analysed]
+    uppers = [b for m in masks for b in m.upper]
+    key_uppers = [v for m in masks for v in m.key_upper]
+    # keys before this one are seen by some row
+    ends = [_bound(ir.add("m0", bm), b) for b in uppers] + [C(v + 1) for v in key_uppers]
+    count = V("kv_blocks")
+    if ends:
+        visible = _fold(ir.emin, ends)
+        if any(b.shifted or b.value < 0 for b in uppers) or any(v < 0 for v in key_uppers):
+            visible = ir.emax(visible, 0)
+        count = ir.emin("kv_blocks", ir.ceil_div(visible, bn))
+    if not _lower_bounds(sf):
+        return [ir.Let(K_COUNT, count)]
+    # the first key some row sees
+    starts = [_bound(V("m0"), b) for m in masks for b in m.lower] + [C(v) for m in masks for v in m.key_lower]
+    first = ir.div(ir.emax(_fold(ir.emax, starts), 0), bn)
+    return [ir.Let(K_FIRST, first), ir.Let(K_COUNT, ir.emax(ir.sub(count, K_FIRST), 0))]

@@ -2,13 +2,14 @@
 
     load    : for tile in persistent(batch x m-blocks): { tma.load Q ;
                                                          for k in kv-blocks: tma.load K ; tma.load V }
-    compute : for tile in persistent(same):  { for k in kv-blocks: S = Q K^T ; online softmax ;
+    compute : for tile in persistent(same):  { for k in kv-blocks: S = score(Q K^T) ; online softmax ;
                                                                    O += P V ;
                                                O /= l ; store O (and LSE) }
 
 Q is its own channel (one slot, loaded once per tile); K and V are circular buffers stepped by
 the kv loop. The softmax is online (running max and sum, O rescaled), so S and P never leave
-registers.
+registers. Between Q K^T and the softmax stands any score function (score.py); its masks may
+narrow each tile's kv blocks, and an attention sink starts the online softmax.
 """
 
 from __future__ import annotations
@@ -21,7 +22,9 @@ from wsched.partition import Channel, OperandLoad, Partition, dag_of_loads, para
 from wsched.schedule import ScheduleError
 from wsched.target import WGMMA_OPERAND_DTYPES
 
-from .schedule import HEAD_DIMS, AttentionSchedule
+from . import score
+from .schedule import VALUE_DIMS, AttentionSchedule, chunk_columns, head_dims_text
+from .score import ScoreFunction, SideInput
 
 
 @dataclass(frozen=True)
@@ -33,11 +36,22 @@ class AttentionPayload:
     v: object
     out: object                    # the [..., S, D] output node
     lse: object | None             # the [..., S] logsumexp output node, if any
-    scale: float                   # multiplier applied to Q K^T before the softmax
-    causal: str | None             # None, "top_left" (key j visible to query i if j <= i) or
-                                   # "bottom_right" (if j <= i + T - S: the last query sees all keys)
+    score: ScoreFunction           # what stands between Q K^T and the softmax (score.py)
     batch: int                     # number of leading (batch / head) dims of q
     k_broadcast: tuple[bool, ...]  # per batch dim: K and V have extent 1 there (GQA / MQA)
+    sink: SideInput | float | None = None   # the softmax's sink logit: an input, a constant or none
+
+    @property
+    def scale(self) -> float:
+        """The positive factor around the top of the score function, folded into the exp2."""
+        return self.score.scale
+
+    @property
+    def causal(self) -> str | None:
+        """None, or the causal mask's alignment when it is the only mask: "top_left" (key j is
+        visible to query i if j <= i) or "bottom_right" (if j <= i + T - S: the last query sees
+        all keys)."""
+        return self.score.causal
 
 
 def describe(part: Partition) -> str:
@@ -45,22 +59,31 @@ def describe(part: Partition) -> str:
     a, s = part.payload, part.schedule
     bm, bn, d = s.tile
     batch = " x ".join(f"batch{i}" for i in range(a.batch))
+    sf = a.score
+    plain = sf.inner == sf.qk and (sf.causal is not None or not sf.masks)
     shift = "+T-S" if a.causal == "bottom_right" else ""
     kv = f"min(ceil(T/{bn}), ceil((m0+{bm}{shift})/{bn}))" if a.causal else f"ceil(T/{bn})"
+    if not plain:
+        kv = "kv_first, kv_first + kv_tiles" if any(m.lower or m.key_lower for m in sf.masks if m.analysed) \
+            else ("kv_tiles" if any(m.analysed for m in sf.masks) else f"ceil(T/{bn})")
+    scores = ([f"      S = Q K^T * {a.scale:g}" + ("   causal mask on diagonal blocks" if a.causal else "")
+               + "   key-tail mask on the last block",
+               *(["      (bottom-right: rows with no visible key keep m = -1e30, store O = 0, LSE = -inf)"]
+                 if a.causal == "bottom_right" else [])]
+              if plain else score_lines(part.fusion, sf))
     lines = [f"partition of {part.fusion.name} (attention {s.short()})", "",
              "load sub-DAG  (producer: 1 warp of 1 warpgroup, elected thread)",
              f"  for tile in persistent({batch} x ceil(S/{bm}) tiles):",
              f"    tma.load {a.q.id} -> Q   {bm} x {d} once per tile   (channel q)",
              f"    for k in range({kv}):",
              f"      tma.load {a.k.id} -> K[stage]   {bn} x {d}   (channel k)",
-             f"      tma.load {a.v.id} -> V[stage]   {bn} x {d}   (channel v)", "",
+             f"      tma.load {a.v.id} -> V[stage]   {bn} x {s.value_dim}   (channel v)", "",
              f"compute sub-DAG  (consumers: {s.consumer_warpgroups} warpgroups x 64 query rows)",
              "  for tile in persistent(same tiles, same order):",
              f"    for k in range({kv}):",
-             f"      S = Q K^T * {a.scale:g}" + ("   causal mask on diagonal blocks" if a.causal else "")
-             + "   key-tail mask on the last block",
-             *(["      (bottom-right: rows with no visible key keep m = -1e30, store O = 0, LSE = -inf)"]
-               if a.causal == "bottom_right" else []),
+             *scores,
+             *([f"      attention sink {a.sink if not isinstance(a.sink, SideInput) else a.sink.node.id}: the online "
+                f"softmax starts at m = sink, l = 1 (a logit with no value row)"] if a.sink is not None else []),
              "      online softmax: m = max(m, rowmax S); P = exp(S - m); l = l * c + rowsum P; O *= c",
              "      O += P V   (P in registers as the wgmma A operand)",
              f"    O /= l ; store {a.out.id} -> o" + (f" ; LSE = m + log l -> lse ({a.lse.id})"
@@ -71,6 +94,49 @@ def describe(part: Partition) -> str:
         lines.append(f"  {c.name}: {c.stages} stage(s) x {c.bytes_per_stage} bytes, {level}, barriers "
                      f"{c.full}[{c.stages}] / {c.empty}[{c.stages}] (arrivals {s.consumer_warpgroups})")
     return "\n".join(lines) + "\n"
+
+
+def _same_sink(fusion, a, b) -> bool:
+    """Whether two softmax / logsumexp nodes have one sink: the same node, or equal numbers."""
+    sinks = [fusion.node(n.inputs[1]) if len(n.inputs) > 1 else None for n in (a, b)]
+    if None in sinks:
+        return sinks[0] is sinks[1]
+    if sinks[0].op == sinks[1].op == "const":
+        return sinks[0].attr("value") == sinks[1].attr("value")
+    return sinks[0].id == sinks[1].id
+
+
+def score_lines(fusion, sf) -> list[str]:
+    """The score function of the compute sub-DAG, for `describe`."""
+    def bounds(m) -> str:
+        text = [f"j - i <= {b.value}" + (" + T - S" if b.shifted else "") for b in m.upper]
+        text += [f"j - i >= {b.value}" for b in m.lower]
+        text += [f"j <= {v}" for v in m.key_upper] + [f"j >= {v}" for v in m.key_lower]
+        return " and ".join(text)
+
+    inner = _between(fusion, sf.qk, sf.inner)
+    lines = [f"      S = Q K^T -> {sf.inner}: {len(inner)} op(s) as tile ops on every block" if inner
+             else "      S = Q K^T"]
+    if sf.scale != 1.0:
+        lines[0] += f"; * {sf.scale:g} folded into the exp2"
+    for m in sf.masks:
+        where = f"{m.node.id} = {m.node.op}(...)"
+        lines.append(f"      mask {where}: " + (f"{bounds(m)}: blocks beyond it skipped, masked where cut"
+                                                if m.analysed else "applied on every block"))
+    lines.append("      key-tail mask on the last block"
+                 + ("; a row that sees no key keeps m = -1e30, stores O = 0, LSE = -inf"
+                    if sf.rows_may_see_nothing else ""))
+    for x in sf.inputs:
+        what = "per kv block" if x.per_key else "once per tile"
+        lines.append(f"      tile.load {x.param}_t <- {x.node.id} {x.node.type_str}, {what}")
+    return lines
+
+
+def _between(fusion, first: str, last: str) -> set:
+    """The nodes on paths from `first` (excluded) to `last` (included)."""
+    if first == last:
+        return set()
+    return (nx.descendants(fusion.graph, first) & nx.ancestors(fusion.graph, last)) | {last}
 
 
 def head_dim_of(fusion):
@@ -105,28 +171,7 @@ def partition_attention(workload, fusion, schedule: AttentionSchedule) -> Partit
         fail("the second matmul must take the softmax as its left operand")
     qk = next(m for m in matmuls if m is not pv)
 
-    # Walk from the softmax input back to Q K^T through scalings and one causal mask.
-    scale, causal, x = 1.0, None, nodes[sm.inputs[0]]
-    scores = x
-    while x.id != qk.id:
-        if x.op == "causal_mask":
-            if causal is not None:
-                fail("only one causal mask fuses", x)
-            causal = x.attr("align")
-            x = nodes[x.inputs[0]]
-        elif x.op in ("mul", "div"):
-            consts = [nodes[i] for i in x.inputs if nodes[i].op == "const"]
-            others = [nodes[i] for i in x.inputs if nodes[i].op != "const"]
-            if len(consts) != 1 or len(others) != 1 or (x.op == "div" and x.inputs[1] != consts[0].id):
-                fail("between Q K^T and the softmax only scaling by a constant and a causal mask fuse", x)
-            value = float(consts[0].attr("value"))
-            if value <= 0:
-                fail(f"the softmax scale must be positive, got {value}", x)
-            scale *= value if x.op == "mul" else 1.0 / value
-            x = others[0]
-        else:
-            fail("between Q K^T and the softmax only scaling by a constant and a causal mask fuse", x)
-
+    scores = nodes[sm.inputs[0]]
     q, kt = nodes[qk.inputs[0]], nodes[qk.inputs[1]]
     if kt.op != "transpose" or {kt.attr("dim0"), kt.attr("dim1")} != {-1, -2}:
         fail("the first matmul must be Q @ K.transpose(-1, -2)", qk)
@@ -144,16 +189,23 @@ def partition_attention(workload, fusion, schedule: AttentionSchedule) -> Partit
              f"{len(k.shape)}, {len(v.shape)}")
     d = q.shape[-1]
     if not isinstance(d, int):
-        fail(f"the head dim of Q is the symbol {d!r}; declare it as a number ({_head_dims_text()}) so "
+        fail(f"the head dim of Q is the symbol {d!r}; declare it as a number ({head_dims_text()}) so "
              f"the kernel can be specialised for it", q)
-    if k.shape[-1] != d or v.shape[-1] != d:
-        fail(f"head dims differ: Q {d}, K {k.shape[-1]}, V {v.shape[-1]}")
+    dv = v.shape[-1]
+    if k.shape[-1] != d:
+        fail(f"head dims of Q and K differ: Q {d}, K {k.shape[-1]}")
+    if d not in VALUE_DIMS or dv != VALUE_DIMS[d]:
+        fail(f"head dims Q/K {d}, V {dv} are not supported; head dims are {head_dims_text()}", v)
     if k.shape[-2] != v.shape[-2]:
         fail(f"K and V have different key lengths ({k.shape[-2]} vs {v.shape[-2]})")
     if d != schedule.head_dim:
         fail(f"the schedule's head dim (tile[2] = {schedule.head_dim}) differs from Q's head dim {d}")
     batch = rank - 2
     k_broadcast = tuple(k.shape[i] == 1 and q.shape[i] != 1 for i in range(batch))
+    # Between Q K^T and the softmax: any elementwise score function and masks (score.py).
+    roles = {q.id: "the Q of Q K^T", k.id: "the K of Q K^T", v.id: "the V of P @ V"}
+    function = score.analyse(fusion, scores, qk, roles, batch, fail, param_name)
+    sink = score.sink_of(fusion, sm, qk, batch, fail, param_name)
 
     outputs = [nodes[o] for o in fusion.outputs]
     out = next((o for o in outputs if o.id == pv.id or (o.op == "cast" and o.inputs[0] == pv.id)), None)
@@ -162,6 +214,9 @@ def partition_attention(workload, fusion, schedule: AttentionSchedule) -> Partit
     lse = next((o for o in outputs if o.op == "logsumexp"), None)
     if lse is not None and (lse.inputs[0] != scores.id or lse.attr("dim") != -1 or lse.attr("keepdim")):
         fail("the logsumexp output must reduce the softmax's input over the last dim", lse)
+    if lse is not None and not _same_sink(fusion, lse, sm):
+        fail("the logsumexp output must have the softmax's sink (ws.logsumexp(s, dim=-1, sink=...) with "
+             "the same sink, or neither has one)", lse)
     extra = [o for o in outputs if o is not out and o is not lse]
     if extra:
         fail(f"outputs other than O and LSE cannot be fused: {[o.id for o in extra]}", extra[0])
@@ -170,10 +225,11 @@ def partition_attention(workload, fusion, schedule: AttentionSchedule) -> Partit
 
     bm, bn, _ = schedule.tile
     dt = q.dtype.name
-    chunks = d // 64
-    q_load = OperandLoad(param_name(q.id), "q", "Q", "k", dt, (64, 64), schedule.consumer_warpgroups * chunks)
-    k_load = OperandLoad(param_name(k.id), "k", "K", "k", dt, (bn, 64), chunks)
-    v_load = OperandLoad(param_name(v.id), "v", "V", "n", dt, (bn, 64), chunks)
+    qk_chunk, v_chunk = (chunk_columns(x, q.dtype.itemsize) for x in (d, dv))
+    q_load = OperandLoad(param_name(q.id), "q", "Q", "k", dt, (64, qk_chunk),
+                         schedule.consumer_warpgroups * (d // qk_chunk))
+    k_load = OperandLoad(param_name(k.id), "k", "K", "k", dt, (bn, qk_chunk), d // qk_chunk)
+    v_load = OperandLoad(param_name(v.id), "v", "V", "n", dt, (bn, v_chunk), dv // v_chunk)
     channels = (Channel("q", 1, (q_load,), "q_full", "q_empty", level="tile"),
                 Channel("k", schedule.stages, (k_load,), "k_full", "k_empty"),
                 Channel("v", schedule.stages, (v_load,), "v_full", "v_empty"))
@@ -182,12 +238,9 @@ def partition_attention(workload, fusion, schedule: AttentionSchedule) -> Partit
                                 ("O", "store(o)")] + ([("S", "store(lse)")] if lse is not None else []))
     dims = {f"batch{i}": (q.id, i) for i in range(batch)}
     dims.update({"S": (q.id, batch), "T": (k.id, batch)})
-    payload = AttentionPayload(q, k, v, out, lse, scale, causal, batch, k_broadcast)
+    payload = AttentionPayload(q, k, v, out, lse, function, batch, k_broadcast, sink)
     outputs = (out,) + ((lse,) if lse is not None else ())
     names = ("o",) + (("lse",) if lse is not None else ())
     return Partition(workload, fusion, schedule, channels, dag_of_loads(channels), compute_dag, outputs,
                      names, dims, ("T",), payload)
 
-
-def _head_dims_text() -> str:
-    return ", ".join(map(str, HEAD_DIMS[:-1])) + f" or {HEAD_DIMS[-1]}"

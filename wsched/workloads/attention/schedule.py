@@ -1,8 +1,13 @@
 """The attention workload's schedule: flash attention with an online softmax.
 
 tile = (BM, BN, D): BM query rows per tile (64 per consumer warpgroup), BN keys per kv block
-(the k extent of P @ V), and the head dim D (the k extent of Q @ K^T, so the third entry is the
-k extent of the first GEMM as it is for matmul). `head_dim` names it.
+(the k extent of P @ V), and the head dim D of Q and K (the k extent of Q @ K^T, so the third
+entry is the k extent of the first GEMM as it is for matmul). `head_dim` names it; the head dim
+of V and O follows from it (`value_dim`: the same, or 128 beside 192, DeepSeek-style MLA prefill).
+
+Q, K and V lie in shared memory as column chunks of one swizzle span each (`chunk_columns`):
+64 columns (128-byte rows, 128-byte swizzle) where the dim is a multiple of 64, else 32 (64-byte
+rows, 64-byte swizzle): a head dim of 96 is 3 chunks of 32, so no MMA work is padded.
 """
 
 from __future__ import annotations
@@ -12,19 +17,39 @@ from typing import Iterator
 
 from wsched.schedule import (Schedule, ScheduleError, check_overrides, default_consumer_registers, is_int,
                              max_stages)
-from wsched.target import WGMMA_K, launch_registers
+from wsched.target import SWIZZLE_ROW_BYTES, WGMMA_K, launch_registers
 
-HEAD_DIMS = (64, 128, 256)
+# The head dims of Q and K the kernels implement, and the head dim of V and O beside each.
+VALUE_DIMS = {64: 64, 96: 96, 128: 128, 192: 128, 256: 256}
+HEAD_DIMS = tuple(VALUE_DIMS)
+
+
+def head_dims_text() -> str:
+    """The supported head dims, for errors: "64, 96, 128, 256 (V the same) or 192 with V 128"."""
+    same = [d for d, v in VALUE_DIMS.items() if d == v]
+    other = [f"{d} with V {v}" for d, v in VALUE_DIMS.items() if d != v]
+    return f"{', '.join(map(str, same))} (V the same) or {' or '.join(other)}"
+
+
+def chunk_columns(dim: int, element_bytes: int) -> int:
+    """Columns of one swizzled smem chunk of a Q, K or V tile whose rows hold `dim` values:
+    a 128-byte row where `dim` is a multiple of it, else a 64-byte one (head dim 96)."""
+    wide = SWIZZLE_ROW_BYTES // element_bytes
+    return wide if dim % wide == 0 else wide // 2
+
 
 # The most keys per kv block (BN) whose S tile, P, the O accumulator and the softmax state fit
-# the registers of a consumer thread, by (consumer_warpgroups, head dim, mma_inflight): beyond
-# it ptxas spills (a build error). Measured with nvcc 12 on the causal + LSE + GQA kernels, the
-# largest of each family; with 2 consumer warpgroups a thread has 168 registers, with 1 it starts with 248 (`target.launch_registers`).
+# the registers of a consumer thread, by (consumer_warpgroups, head dim of V and O, mma_inflight):
+# beyond it ptxas spills (a build error). Measured with nvcc on the causal + LSE + GQA kernels, the
+# largest of each family; with 2 consumer warpgroups a thread has 168 registers, with 1 it starts
+# with 248 (`target.launch_registers`). Q and K stay in shared memory: their head dim does not count.
 MAX_KEYS_PER_BLOCK = {
     (2, 64, 0): 192, (2, 64, 1): 192,
+    (2, 96, 0): 192, (2, 96, 1): 192,
     (2, 128, 0): 192, (2, 128, 1): 192,
     (2, 256, 0): 128, (2, 256, 1): 64,
     (1, 64, 0): 256, (1, 64, 1): 256,
+    (1, 96, 0): 256, (1, 96, 1): 256,
     (1, 128, 0): 256, (1, 128, 1): 192,
     (1, 256, 0): 128, (1, 256, 1): 128,
 }
@@ -42,12 +67,18 @@ class AttentionSchedule(Schedule):
 
     @property
     def head_dim(self) -> int:
+        """The head dim of Q and K."""
         return self.tile[2]
 
     @property
+    def value_dim(self) -> int:
+        """The head dim of V and O (the head dim's own where it is not supported)."""
+        return VALUE_DIMS.get(self.head_dim, self.head_dim)
+
+    @property
     def stage_bytes(self) -> int:
-        """A K block and a V block, each [BN, D]."""
-        return 2 * self.bn * self.head_dim * self.operand_bytes
+        """A K block [BN, D] and a V block [BN, value_dim]."""
+        return self.bn * (self.head_dim + self.value_dim) * self.operand_bytes
 
     @property
     def epilogue_bytes(self) -> int:
@@ -61,14 +92,15 @@ class AttentionSchedule(Schedule):
             p.append("attention ping-pong alternates 2 consumer warpgroups around the overlapped "
                      "softmax: it needs consumer_warpgroups=2 and mma_inflight=1")
         if d not in HEAD_DIMS:
-            p.append(f"head dim (BK) {d} is not one of {', '.join(map(str, HEAD_DIMS))}")
+            p.append(f"head dim (BK) {d} is not one of {', '.join(map(str, HEAD_DIMS))} (of Q and K; V: "
+                     f"{head_dims_text()})")
         if bn % WGMMA_K or bn > 256 or bn % 64 and bn > 64:
             p.append(f"BN={bn} (keys per block) must be a multiple of {WGMMA_K} (the k extent of "
                      f"P @ V), at most 256, and a multiple of 64 above 64")
         if self.epilogue != "direct":
             p.append("attention stores O and LSE with epilogue='direct' (tma_store is not "
                      "implemented for attention yet)")
-        widest = MAX_KEYS_PER_BLOCK.get((self.consumer_warpgroups, d, self.mma_inflight))
+        widest = MAX_KEYS_PER_BLOCK.get((self.consumer_warpgroups, self.value_dim, self.mma_inflight))
         if widest is not None and bn > widest:
             p.append(f"BN={bn} keys per block with head dim {d}, mma_inflight={self.mma_inflight} and "
                      f"{self.consumer_warpgroups} consumer warpgroup(s) needs more registers than a consumer "
@@ -84,7 +116,7 @@ def default_schedule(head_dim: int, **overrides) -> AttentionSchedule:
     check_overrides(AttentionSchedule, overrides)
     consumers = overrides.get("consumer_warpgroups", 2)
     rows = 64 * consumers if is_int(consumers) and consumers >= 1 else 128
-    base = dict(tile=(rows, 64 if head_dim == 256 else 128, head_dim), stages=1,
+    base = dict(tile=(rows, 64 if VALUE_DIMS.get(head_dim) == 256 else 128, head_dim), stages=1,
                 consumer_warpgroups=2, producer_registers=24,
                 consumer_registers=default_consumer_registers(consumers, overrides.get("producer_registers", 24)),
                 epilogue="direct", mma_inflight=1)

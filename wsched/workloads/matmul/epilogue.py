@@ -1,24 +1,65 @@
 """epilogue for matmul: the fused elementwise ops on the accumulator, then the stores of the outputs.
 
-Each compute-DAG value after the MMA becomes a register tile of the consumer warpgroup (a full
-[64, BN] tile, a [1, BN] row such as a bias, a [64, 1] column, or a scalar). A result reuses
-the tile of an operand that dies at it, so the epilogue needs no more registers than its widest
-point. Outputs are stored either with plain stores (`direct`) or through shared memory and TMA
-(`tma_store`): wait until the previous tile's store has read the staging buffer, write it
-(generic proxy), `fence.proxy.async`, sync the warpgroup, and one thread issues the copies.
+The consumers walk their [64, BN] accumulator in slices of EPILOGUE_COLUMNS columns (`tile.view`)
+and copy each into a slice tile of its own, `slice_t`, on which the fused ops run: every tile the
+epilogue loads beside it (a bias, a gate, a residual) and every intermediate is one slice wide, so
+its registers do not grow with its inputs (a [64, 256] bf16 side tile next to the 128 accumulator
+registers spilled), and wgmma stays the only writer of the accumulator (non-wgmma writes of it
+made ptxas serialise the k loop's wgmmas). Each compute-DAG value after the MMA becomes a
+register tile of the slice (a full [64, 64] tile, a [1, 64] row such as a bias, a [64, 1] column,
+or a scalar). A result reuses the tile of an operand that dies at it, so the epilogue needs no
+more registers than its widest point. Outputs are stored either with plain stores (`direct`) or
+through shared memory and TMA (`tma_store`): wait until the previous tile's stores have read the
+staging buffer, write each slice into it (generic proxy), `fence.proxy.async`, sync the
+warpgroup, and one thread issues the copies. A second output of a dtype already staged is stored
+directly (one staging buffer per dtype, as the schedule counts them).
 
-    after (tma_store):
-      tile.load bias_t <- bias[n0]
-      tile.add acc, acc, bias_t
-      tile.gelu acc, acc                    # the output cast to bf16 happens in the store
+With split-K (`split_k > 1`) each (tile, split) unit first stores its fp32 partial and takes a
+ticket; only the last unit of a tile to arrive runs the epilogue, on the sum of the partials in
+split order 0, 1, ... (the same bits whichever unit is last).
+
+    after (tma_store, BN = 256):
       elect_one { tma.wait.read 0 }
       bar.sync 1 + wg, 128
-      tile.store_smem C[wg] <- acc
+      for j in unroll(0, 4, 1) {
+        tile.view acc_j, acc, cols(j * 64, 64)
+        tile.cast slice_t, acc_j
+        tile.load bias_t <- bias[n0 + j * 64]
+        tile.add slice_t, slice_t, bias_t
+        tile.gelu slice_t, slice_t          # the output cast to bf16 happens in the store
+        tile.store_smem C_bf16[wg, j] <- slice_t
+      }
       fence.proxy.async
       bar.sync 1 + wg, 128
-      elect_one { tma.store out[m0 + wg * 64, n0] <- C[wg, 0]  ...  tma.commit }
+      elect_one { tma.store out[m0 + wg * 64, n0] <- C_bf16[wg, 0]  ...  tma.commit }
     and after the tile loop:  elect_one { tma.wait 0 }
+
+    split-K (docs/architecture.md, "Split-K"):
+      var last_split = 1
+      if splits > 1 {
+        for j ... { tile.view acc_j, ...; tile.store partials[split, m0 + wg * 64, n0 + j * 64] <- acc_j }
+        bar.sync 1 + wg, 128                # every thread's partial before the release
+        elect_one {
+          fence.acq_rel.gpu                 # release the partial
+          atomic.inc ticket_slot[wg] <- tickets[out_tile * 2 + wg] wrap(splits - 1)
+          fence.acq_rel.gpu                 # acquire the other units' partials
+        }
+        bar.sync 1 + wg, 128                # the ticket (and what it acquired) to the warpgroup
+        ld.shared ticket = ticket_slot[wg]
+        set last_split = ticket == splits - 1
+      }
+      if last_split {
+        ... for j in unroll(0, 4, 1) {
+          if splits > 1 {
+            tile.fill slice_t, 0.0
+            for src_split in serial(0, splits, 1) {
+              tile.load part_t <- partials[src_split, m0 + wg * 64, n0 + j * 64]
+              tile.add slice_t, slice_t, part_t }
+            ... the fused ops and stores of slice_t
+          } else { tile.view acc_j ...; tile.cast slice_t, acc_j; ... the same } } ...
+      }
 """
+
 
 from __future__ import annotations
 
@@ -27,20 +68,116 @@ from dataclasses import replace
 from wsched.lowering import ir
 from wsched.lowering.context import LoweringContext
 from wsched.lowering.rewrite import map_loop, map_role
-from wsched.names import ACC, CONSUMER, TILE_VAR, WARPGROUP_BARRIER
+from wsched.names import (ACC, CONSUMER, EPILOGUE_SLICE, PARTIALS, SPLITS, TICKET_SLOT, TICKETS, TILE_VAR,
+                          WARPGROUP_BARRIER)
 from wsched.partition import param_name
 from wsched.target import DTYPE_BYTES, SWIZZLE_ROW_BYTES, UNARY_OPS, WARPGROUP_THREADS
 
 V = ir.Var
 C = ir.IntConst
 
+EPILOGUE_COLUMNS = 64     # accumulator columns per epilogue slice
+ACC_SLICE = f"{ACC}_{EPILOGUE_SLICE}"
+SLICE = "slice_t"         # the epilogue's tile: a slice of acc copied, or (split-K) the partials' sum
+
 
 def epilogue(kernel: ir.Kernel, ctx: LoweringContext) -> ir.Kernel:
     part, s = ctx.partition, ctx.schedule
-    mm = part.payload
     rows, bn = s.rows_per_consumer, s.bn
+    width = min(bn, EPILOGUE_COLUMNS)
+    slices = bn // width
+    j = V(EPILOGUE_SLICE) if slices > 1 else C(0)
     row0 = ir.add("m0", ir.mul("wg", rows))
-    shapes = {"full": (rows, bn), "row": (1, bn), "col": (rows, 1)}
+    col0 = ir.add("n0", ir.mul(j, width)) if slices > 1 else V("n0")
+    split = s.split_k > 1
+
+    # Where each output goes: a TMA store through its dtype's staging buffer, or plain stores.
+    params = list(kernel.params)
+    extra_smem: list[ir.SmemDecl] = []
+    staged: list[tuple[str, ir.SmemDecl, int]] = []    # (output param, staging buffer, chunk width)
+    store_to: dict[str, "ir.SmemDecl | None"] = {}
+    for out, name in zip(part.outputs, part.output_names):
+        dtype = out.dtype.name
+        buf = f"C_{dtype}"
+        if s.epilogue == "direct" or any(b.name == buf for b in extra_smem):
+            store_to[name] = None
+            continue
+        chunk = min(width, SWIZZLE_ROW_BYTES // DTYPE_BYTES[dtype])   # one 128-byte swizzled row
+        swizzle = SWIZZLE_ROW_BYTES if chunk * DTYPE_BYTES[dtype] == SWIZZLE_ROW_BYTES else 0
+        chunks = width // chunk
+        shape = (s.consumer_warpgroups, slices) + ((chunks,) if chunks > 1 else ()) + (rows, chunk)
+        decl = store_to[name] = ir.SmemDecl(buf, dtype, shape, swizzle)
+        extra_smem.append(decl)
+        staged.append((name, decl, chunk))
+        i = next(k for k, p in enumerate(params) if p.name == name)
+        params[i] = ir.TensorMapParam(name, dtype, (V("M"), V("N")), (rows, chunk), swizzle)
+
+    decls: dict[str, ir.RegDecl] = {}
+
+    def fused(source: str) -> tuple[ir.Stmt, ...]:
+        """The fused ops and the stores of one slice whose matmul result is in tile `source`."""
+        body: list[ir.Stmt] = []
+        tile_of = _elementwise(part, (rows, width), row0, col0, source, decls, body)
+        for out, name in zip(part.outputs, part.output_names):
+            decl = store_to[name]
+            body.append(ir.TileStoreGlobal(name, (row0, col0), tile_of[out.id]) if decl is None else
+                        ir.TileStoreSmem(ir.SmemRef(decl.name, (V("wg"), j)), tile_of[out.id]))
+        return tuple(body)
+
+    # The epilogue runs on a slice tile of its own, never on the accumulator: wgmma is the only
+    # writer of acc (with non-wgmma writes of it, ptxas serialized the k loop's wgmmas, its C7514,
+    # for f32 outputs and in split kernels). The slice is a copy of acc's columns, or with split-K
+    # the sum of the partials.
+    decls[SLICE] = ir.RegDecl(SLICE, "f32", (rows, width))
+    view = (ir.TileView(ACC_SLICE, ACC, ir.mul(j, width), width),) if slices > 1 else ()
+    copy = view + (ir.TileUnary("cast", SLICE, ACC_SLICE if slices > 1 else ACC),)
+    if not split:
+        slice_body = copy + fused(SLICE)
+    else:       # the epilogue in both branches: joined before it, ptxas spilled
+        summed = _sum_of_partials(row0, col0, rows, width, decls)
+        slice_body = (ir.If(ir.BinOp(">", V(SPLITS), C(1)), summed + fused(SLICE), copy + fused(SLICE)),)
+
+    body: list[ir.Stmt] = []
+    sync = ir.NamedBarrierSync(ir.add(WARPGROUP_BARRIER, "wg"), WARPGROUP_THREADS)
+    if staged:
+        body += [ir.ElectOne((ir.TmaWait(0, True),)), sync]
+    if slices > 1:
+        body.append(ir.For(EPILOGUE_SLICE, C(0), C(slices), C(1), "unroll", slice_body))
+    else:
+        body += slice_body
+    if staged:
+        stores: list[ir.Stmt] = []
+        for name, decl, chunk in staged:
+            for jj in range(slices):
+                for c in range(width // chunk):
+                    col = ir.add("n0", jj * width + c * chunk) if jj or c else V("n0")
+                    index = (V("wg"), C(jj)) + ((C(c),) if len(decl.shape) == 5 else ())
+                    stores.append(ir.TmaStore(name, (row0, col), ir.SmemRef(decl.name, index)))
+        body += [ir.FenceProxyAsync(), sync, ir.ElectOne(tuple(stores) + (ir.TmaCommit(),))]
+    tail: tuple[ir.Stmt, ...] = (ir.ElectOne((ir.TmaWait(0, False),)),) if staged else ()
+
+    smem = kernel.smem + tuple(extra_smem)
+    if split:
+        body = [ir.Let("last_split", C(1), mutable=True),
+                ir.If(ir.BinOp(">", V(SPLITS), C(1)), _ticket(s, row0, sync, width, slices)),
+                ir.If(V("last_split"), tuple(body))]
+        smem += (ir.SmemDecl(TICKET_SLOT, "i32", (s.consumer_warpgroups, 1), 0),)
+
+    def consumer(role: ir.Role) -> ir.Role:
+        new = map_loop(role.body, TILE_VAR, lambda loop: replace(loop, body=loop.body + tuple(body)))
+        head = tuple(x for x in new if isinstance(x, ir.RegDecl))
+        rest = tuple(x for x in new if not isinstance(x, ir.RegDecl))
+        return replace(role, body=head + tuple(decls.values()) + rest + tail)
+
+    kernel = map_role(kernel, CONSUMER, consumer)
+    return replace(kernel, params=tuple(params), smem=smem)
+
+
+def _elementwise(part, shape, row0, col0, acc: str, decls: dict, body: list) -> dict[str, str]:
+    """The fused ops of one slice, appended to `body`; the register tile of every value."""
+    mm = part.payload
+    rows, width = shape
+    shapes = {"full": (rows, width), "row": (1, width), "col": (rows, 1)}
 
     # Liveness: the last epilogue step that reads each value (outputs live to the stores).
     steps = list(mm.epilogue)
@@ -51,9 +188,7 @@ def epilogue(kernel: ir.Kernel, ctx: LoweringContext) -> ir.Kernel:
     for out in part.outputs:
         last_use[out.id] = len(steps)
 
-    tile_of: dict[str, str] = {mm.matmul.id: ACC}
-    decls: dict[str, ir.RegDecl] = {}
-    body: list[ir.Stmt] = []
+    tile_of: dict[str, str] = {mm.matmul.id: acc}
 
     def declare(name: str, dtype: str, layout: str) -> str:
         decls.setdefault(name, ir.RegDecl(name, dtype, shapes[layout]))
@@ -64,11 +199,10 @@ def epilogue(kernel: ir.Kernel, ctx: LoweringContext) -> ir.Kernel:
         if info.layout == "scalar":
             node = part.fusion.node(node_id)
             return ir.FloatConst(float(node.attr("value")))
-        if node_id not in tile_of:   # a side input: load its slice of this tile
+        if node_id not in tile_of:   # a side input: load its part of this slice
             node = part.fusion.node(node_id)
             name = declare(f"{node_id}_t", info.dtype, info.layout)
-            coords = _side_coords(node, info.layout, row0)
-            body.append(ir.TileLoadGlobal(name, param_name(node_id), coords))
+            body.append(ir.TileLoadGlobal(name, param_name(node_id), _side_coords(node, info.layout, row0, col0)))
             tile_of[node_id] = name
         return tile_of[node_id]
 
@@ -77,7 +211,7 @@ def epilogue(kernel: ir.Kernel, ctx: LoweringContext) -> ir.Kernel:
         info = mm.tiles[node.id]
         if node.op == "cast" and not consumers[node.id] and mm.tiles[node.inputs[0]].layout == "full":
             # An output cast is done by the store itself (stores round to the tensor's dtype):
-            # no second [64, BN] tile stays live beside the accumulator.
+            # no second tile stays live beside the accumulator.
             tile_of[node.id] = operand(node.inputs[0])
             continue
         args = [operand(x) for x in node.inputs]
@@ -95,51 +229,57 @@ def epilogue(kernel: ir.Kernel, ctx: LoweringContext) -> ir.Kernel:
             body.append(ir.TileUnary(node.op, dst, args[0]))
         else:
             body.append(ir.TileBinary(node.op, dst, args[0], args[1]))
+    return tile_of
 
-    tail: tuple[ir.Stmt, ...] = ()
-    extra_smem: list[ir.SmemDecl] = []
-    params = list(kernel.params)
-    for out, name in zip(part.outputs, part.output_names):
-        src = tile_of[out.id]
-        dtype = out.dtype.name
-        if s.epilogue == "direct":
-            body.append(ir.TileStoreGlobal(name, (row0, V("n0")), src))
-            continue
-        width = min(bn, SWIZZLE_ROW_BYTES // DTYPE_BYTES[dtype])
-        buf = f"C_{dtype}"
-        swizzle = SWIZZLE_ROW_BYTES if width * DTYPE_BYTES[dtype] == SWIZZLE_ROW_BYTES else 0
-        if not any(b.name == buf for b in extra_smem):   # outputs of one dtype share the buffer
-            extra_smem.append(ir.SmemDecl(buf, dtype, (s.consumer_warpgroups, bn // width, rows, width), swizzle))
-        i = next(j for j, p in enumerate(params) if p.name == name)
-        params[i] = ir.TensorMapParam(name, dtype, (V("M"), V("N")), (rows, width), swizzle)
-        sync = ir.NamedBarrierSync(ir.add(WARPGROUP_BARRIER, "wg"), WARPGROUP_THREADS)
-        stores = tuple(ir.TmaStore(name, (row0, V("n0") if j == 0 else ir.add("n0", j * width)),
-                                   ir.SmemRef(buf, (V("wg"), C(j))))
-                       for j in range(bn // width))
-        body += [ir.ElectOne((ir.TmaWait(0, True),)), sync,
-                 ir.TileStoreSmem(ir.SmemRef(buf, (V("wg"),)), src),
-                 ir.FenceProxyAsync(), sync,
-                 ir.ElectOne(stores + (ir.TmaCommit(),))]
-        tail = (ir.ElectOne((ir.TmaWait(0, False),)),)
 
-    def consumer(role: ir.Role) -> ir.Role:
-        new = map_loop(role.body, TILE_VAR, lambda loop: replace(loop, body=loop.body + tuple(body)))
-        head = tuple(x for x in new if isinstance(x, ir.RegDecl))
-        rest = tuple(x for x in new if not isinstance(x, ir.RegDecl))
-        return replace(role, body=head + tuple(decls.values()) + rest + tail)
+def _store_partial(row0, width: int, slices: int) -> ir.Stmt:
+    """This unit's fp32 partial, slice by slice."""
+    if slices == 1:
+        return ir.TileStoreGlobal(PARTIALS, (V("split"), row0, V("n0")), ACC)
+    j = V(EPILOGUE_SLICE)
+    return ir.For(EPILOGUE_SLICE, C(0), C(slices), C(1), "unroll", (
+        ir.TileView(ACC_SLICE, ACC, ir.mul(j, width), width),
+        ir.TileStoreGlobal(PARTIALS, (V("split"), row0, ir.add("n0", ir.mul(j, width))), ACC_SLICE),
+    ))
 
-    kernel = map_role(kernel, CONSUMER, consumer)
-    return replace(kernel, params=tuple(params), smem=kernel.smem + tuple(extra_smem))
+
+def _ticket(s, row0: ir.Expr, sync: ir.Stmt, width: int, slices: int) -> tuple[ir.Stmt, ...]:
+    """Store this unit's partial and take the ticket of its (tile, warpgroup): `last_split`
+    becomes 1 for the unit that arrives last."""
+    nwg = s.consumer_warpgroups
+    slot = ir.SmemRef(TICKET_SLOT, (V("wg"),))
+    counter = ir.add(ir.mul("out_tile", nwg), "wg") if nwg > 1 else V("out_tile")
+    last = ir.sub(SPLITS, 1)
+    return (
+        _store_partial(row0, width, slices),
+        sync,
+        ir.ElectOne((ir.FenceGpu(), ir.AtomicInc(slot, TICKETS, (counter,), last), ir.FenceGpu())),
+        sync,
+        ir.LoadShared("ticket", slot),
+        ir.Assign("last_split", ir.eq("ticket", last)),
+    )
+
+
+def _sum_of_partials(row0, col0, rows: int, width: int, decls: dict) -> tuple[ir.Stmt, ...]:
+    """For the last unit of a split tile: slice_t = 0 + partial 0 + partial 1 + ..., in split
+    order (the same bits whichever unit runs it)."""
+    decls.setdefault("part_t", ir.RegDecl("part_t", "f32", (rows, width)))
+    return (
+        ir.TileFill(SLICE, ir.FloatConst(0.0)),
+        ir.For("src_split", C(0), V(SPLITS), C(1), "serial", (
+            ir.TileLoadGlobal("part_t", PARTIALS, (V("src_split"), row0, col0)),
+            ir.TileBinary("add", SLICE, SLICE, "part_t"),
+        )),
+    )
 
 
 def _tile_dtype(decls, name) -> str:
-    return decls[name].dtype if name in decls else "f32"   # only acc is declared elsewhere
+    return decls[name].dtype if name in decls else "f32"   # only acc (and its slices) is declared elsewhere
 
 
-def _side_coords(node, layout: str, row0: ir.Expr) -> tuple[ir.Expr, ...]:
-    n0 = V("n0")
+def _side_coords(node, layout: str, row0: ir.Expr, col0: ir.Expr) -> tuple[ir.Expr, ...]:
     if layout == "full":
-        return (row0, n0)
+        return (row0, col0)
     if layout == "row":
-        return (n0,) if len(node.shape) == 1 else (C(0), n0)
+        return (col0,) if len(node.shape) == 1 else (C(0), col0)
     return (row0, C(0))

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 from wsched.lowering import ir
 from wsched.lowering.context import LoweringContext
-from wsched.names import ACC, CONSUMER, K_VAR, PRODUCER, TILE_VAR
+from wsched.names import ACC, CONSUMER, K_VAR, PARTIALS, PRODUCER, SPLITS, TICKETS, TILE_VAR
 from wsched.partition import param_name
 
 V = ir.Var
@@ -50,6 +50,9 @@ def build_loops(kernel: None, ctx: LoweringContext) -> ir.Kernel:
         return tuple(dims.get(d, C(d) if isinstance(d, int) else V(str(d))) for d in shape)
 
     params: list[ir.Param] = [ir.ScalarParam("M", "i32"), ir.ScalarParam("N", "i32"), ir.ScalarParam("K", "i32")]
+    split = s.split_k > 1
+    if split:
+        params.append(ir.HostParam(SPLITS, "i32", split_count(s)))
     params.append(ir.TensorMapParam(a_load.tensor, a_load.dtype, (V("M"), V("K")), a_load.box, 0))
     b_shape = (V("N"), V("K")) if b_load.major == "k" else (V("K"), V("N"))
     params.append(ir.TensorMapParam(b_load.tensor, b_load.dtype, b_shape, b_load.box, 0))
@@ -57,6 +60,10 @@ def build_loops(kernel: None, ctx: LoweringContext) -> ir.Kernel:
         params.append(ir.GlobalParam(param_name(node.id), node.dtype.name, shape_expr(node.shape)))
     for out, name in zip(part.outputs, part.output_names):
         params.append(ir.GlobalParam(name, out.dtype.name, (V("M"), V("N"))))
+    if split:   # fp32 partials [split, row, col] and one ticket per (output tile, consumer warpgroup)
+        params.append(ir.WorkspaceParam(PARTIALS, "f32", (V(SPLITS), V("M"), V("N"))))
+        tiles = ir.mul(ir.mul(ir.ceil_div("M", bm), ir.ceil_div("N", bn)), s.consumer_warpgroups)
+        params.append(ir.WorkspaceParam(TICKETS, "i32", (tiles,), zeroed=True))
 
     nwg = s.consumer_warpgroups
     a_buf = ir.SmemDecl("A", a_load.dtype, (1, nwg, bm // nwg, bk), 0)
@@ -71,9 +78,9 @@ def build_loops(kernel: None, ctx: LoweringContext) -> ir.Kernel:
         ir.Let("tiles_n", ir.ceil_div("N", bn)),
         ir.Let("num_tiles", ir.mul("tiles_m", "tiles_n")),
         ir.Let("k_tiles", ir.ceil_div("K", bk)),
-    )
+    ) + ((ir.Let("num_units", ir.mul("num_tiles", SPLITS)),) if split else ())
     full0 = ir.BarRef(ch.full, C(0))
-    k0 = ir.mul(K_VAR, bk)
+    k0 = ir.mul(ir.add("k_begin", K_VAR) if split else V(K_VAR), bk)
     loads: list[ir.Stmt] = [ir.TmaLoad(ir.SmemRef("A", (C(0),)), a_load.tensor, (V("m0"), k0), full0)]
     if b_load.major == "k":
         loads.append(ir.TmaLoad(ir.SmemRef("B", (C(0),)), b_load.tensor, (V("n0"), k0), full0))
@@ -84,36 +91,59 @@ def build_loops(kernel: None, ctx: LoweringContext) -> ir.Kernel:
             loads.append(ir.TmaLoad(ir.SmemRef("B", (C(0), C(j))), b_load.tensor, (k0, col), full0))
 
     producer = ir.Role(PRODUCER, 1, s.producer_registers, (
-        tile_loop(ctx, (k_loop(tuple(loads)),)),
+        tile_loop(ctx, (k_loop(tuple(loads), split),)),
     ))
     mma = ir.Wgmma(ACC, ir.SmemRef("A", (C(0), V("wg"))), ir.SmemRef("B", (C(0),)), "k", b_load.major, C(1))
     consumer = ir.Role(CONSUMER, nwg, s.consumer_registers, (
         ir.RegDecl(ACC, "f32", (bm // nwg, bn)),
-        tile_loop(ctx, (ir.TileFill(ACC, ir.FloatConst(0.0)), k_loop((mma,)))),
+        tile_loop(ctx, (ir.TileFill(ACC, ir.FloatConst(0.0)), k_loop((mma,), split))),
     ))
-    grid = ir.emin("num_sms", ir.mul(ir.ceil_div("M", bm), ir.ceil_div("N", bn)))
+    units = ir.mul(ir.ceil_div("M", bm), ir.ceil_div("N", bn))
+    grid = ir.emin("num_sms", ir.mul(units, SPLITS) if split else units)
     return ir.Kernel(ctx.name, tuple(params), grid, (1, 1, 1), (a_buf, b_buf), barriers,
                      setup + (producer, consumer))
 
 
-def k_loop(body: tuple[ir.Stmt, ...]) -> ir.For:
-    return ir.For(K_VAR, C(0), V("k_tiles"), C(1), "serial", body)
+def split_count(s) -> ir.Expr:
+    """The host's split count for a call: enough (tile, split) units to fill the SMs in one wave,
+    at most `split_k`, and at least one k step per split."""
+    bm, bn, bk = s.tile
+    tiles = ir.mul(ir.ceil_div("M", bm), ir.ceil_div("N", bn))
+    return ir.emin(ir.emin(s.split_k, ir.ceil_div("K", bk)), ir.emax(1, ir.div("num_sms", tiles)))
+
+
+def k_loop(body: tuple[ir.Stmt, ...], split: bool = False) -> ir.For:
+    """The k loop: over all k steps, or (split-K) over this unit's k_count steps from k_begin."""
+    return ir.For(K_VAR, C(0), V("k_count" if split else "k_tiles"), C(1), "serial", body)
 
 
 def tile_loop(ctx: LoweringContext, body: tuple[ir.Stmt, ...]) -> ir.For:
-    """The persistent tile loop both roles run, with the same tile -> (m0, n0) raster."""
-    return ir.For(TILE_VAR, V("cta_id"), V("num_tiles"), V("num_ctas"), "persistent",
-                  raster_lets(ctx) + body)
+    """The persistent tile loop both roles run, with the same tile -> (m0, n0) raster. With
+    split-K it walks (output tile, split) units, the splits of one tile next to each other; a
+    split takes the k steps [split * k_tiles / splits, (split + 1) * k_tiles / splits)."""
+    if ctx.schedule.split_k == 1:
+        return ir.For(TILE_VAR, V("cta_id"), V("num_tiles"), V("num_ctas"), "persistent",
+                      raster_lets(ctx, V(TILE_VAR)) + body)
+    unit = (
+        ir.Let("split", ir.mod(TILE_VAR, SPLITS)),
+        ir.Let("out_tile", ir.div(TILE_VAR, SPLITS)),
+    )
+    k_range = (
+        ir.Let("k_begin", ir.div(ir.mul("split", "k_tiles"), SPLITS)),
+        ir.Let("k_end", ir.div(ir.mul(ir.add("split", 1), "k_tiles"), SPLITS)),
+        ir.Let("k_count", ir.sub("k_end", "k_begin")),
+    )
+    return ir.For(TILE_VAR, V("cta_id"), V("num_units"), V("num_ctas"), "persistent",
+                  unit + raster_lets(ctx, V("out_tile")) + k_range + body)
 
 
-def raster_lets(ctx: LoweringContext) -> tuple[ir.Stmt, ...]:
-    """Grouped raster: tiles are visited `swizzle_group` rows (row raster) or columns at a time,
-    so that consecutive CTAs share operand tiles in L2."""
+def raster_lets(ctx: LoweringContext, t: ir.Var) -> tuple[ir.Stmt, ...]:
+    """Grouped raster of output tile `t`: tiles are visited `swizzle_group` rows (row raster) or
+    columns at a time, so that consecutive CTAs share operand tiles in L2."""
     s = ctx.schedule
     bm, bn, _ = s.tile
     g = s.swizzle_group
     major, minor = ("m", "n") if s.raster == "row" else ("n", "m")
-    t = V(TILE_VAR)
     lets = (
         ir.Let("group_size", ir.mul(g, f"tiles_{minor}")),
         ir.Let("first_" + major, ir.mul(ir.div(t, "group_size"), g)),

@@ -87,6 +87,11 @@ def partition_matmul(workload, fusion, schedule: Schedule) -> Partition:
                                     f"computed from inputs outside the matmul; only inputs and "
                                     f"scalars can join the epilogue")
         tiles[node.id] = _result_tile(node, tiles)
+        if not node.dtype.is_float:
+            raise ScheduleError(f"{node.id} = {node.op}(...) at {node.source} computes {node.dtype.name} values; "
+                                f"the matmul epilogue computes in floating point: an {node.dtype.name} input may "
+                                f"meet a float (it is read as f32), not be computed on; cast it first with "
+                                f".to(ws.f32)")
     outputs = [fusion.node(o) for o in fusion.outputs]
     for out in outputs:
         if out.id != mm.id and out.id not in downstream:
@@ -189,7 +194,9 @@ def _operand(fusion, node_id: str, which: str, schedule: Schedule):
 
 
 def _side_tile(node, m_sym, n_sym, user) -> EpilogueTile:
-    dtype = node.dtype.name
+    # An integer input meets a float (the DSL's promotion): it is read into an f32 tile, the
+    # conversion torch's promotion makes too.
+    dtype = node.dtype.name if node.dtype.is_float else "f32"
     if node.op == "const" or len(node.shape) == 0:
         return EpilogueTile(node.id, "scalar", dtype)
     shape = tuple(node.shape)

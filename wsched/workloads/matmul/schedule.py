@@ -12,19 +12,31 @@ from typing import Iterator
 
 from wsched.schedule import (Schedule, ScheduleError, check_overrides, default_consumer_registers, is_int,
                              max_stages)
-from wsched.target import SWIZZLE_ROW_BYTES, WGMMA_K, WGMMA_M
+from wsched.target import SMEM_ALIGN, SWIZZLE_ROW_BYTES, WGMMA_K, WGMMA_M
 
 # Output columns per tile: whole 64-column chunks. Narrower tiles have no 128-byte swizzled B
 # tile (N-major) or output staging tile the emitter can address.
 TILE_N = (64, 128, 192, 256)
 
 
+# The most CTAs one output tile's k range is split across (split-K).
+MAX_SPLIT_K = 16
+
+
 @dataclass(frozen=True)
 class MatmulSchedule(Schedule):
     """A `Schedule` whose tile is (BM, BN, BK) of C = A @ B. `mma_inflight=1` keeps one wgmma
-    group in flight across k iterations and releases the previous stage after `wgmma.wait 1`."""
+    group in flight across k iterations and releases the previous stage after `wgmma.wait 1`.
+
+    `split_k` is the most CTAs an output tile's k range may be split across. 1 builds the plain
+    persistent kernel; above 1 the kernel takes a host param `splits` that the host computes per
+    call (`splits = min(split_k, k_tiles, max(1, num_sms / tiles))`: enough work units for the
+    SMs, never a second wave), each unit stores its fp32 partial to a workspace, and the last of
+    a tile's units to take its ticket sums the partials in split order and runs the epilogue
+    (docs/architecture.md, "Split-K")."""
 
     workload = "matmul"
+    split_k: int = 1
 
     @property
     def stage_bytes(self) -> int:
@@ -33,12 +45,21 @@ class MatmulSchedule(Schedule):
 
     @property
     def epilogue_bytes(self) -> int:
-        """The output staging buffer [BM, BN] of the TMA-store epilogue (none for direct stores)."""
-        return self.bm * self.bn * self.output_bytes if self.epilogue == "tma_store" else 0
+        """The output staging buffer [BM, BN] of the TMA-store epilogue (none for direct stores),
+        and with split-K the smem slot each consumer warpgroup reads its ticket from (one aligned
+        buffer)."""
+        staging = self.bm * self.bn * self.output_bytes if self.epilogue == "tma_store" else 0
+        return staging + (SMEM_ALIGN if self.split_k > 1 else 0)
+
+    def short(self) -> str:
+        return super().short() + (f" split_k={self.split_k}" if self.split_k != 1 else "")
 
     def _workload_problems(self) -> list[str]:
         p: list[str] = []
         bk = self.bk
+        if not is_int(self.split_k) or not 1 <= self.split_k <= MAX_SPLIT_K:
+            p.append(f"split_k={self.split_k!r} must be an int in [1, {MAX_SPLIT_K}] (the most CTAs one output "
+                     f"tile's k range is split across; 1: no split)")
         if self.mode == "pingpong":
             p.append("mode 'pingpong' is not implemented for matmul yet; use 'cooperative'")
         if self.bn not in TILE_N:
@@ -93,23 +114,39 @@ def _fitting(fields: dict, widths) -> list[MatmulSchedule]:
 
 
 def schedule_space(output_bytes: int = 2, operand_bytes: int = 2) -> Iterator[MatmulSchedule]:
-    """Schedules of the space this workload implements, for a search: 2 consumer warpgroups,
-    BN 64..256, both epilogues, 1 stage up to as many as fit, either raster, wgmma groups in flight
-    or not. (`MatmulSchedule` also takes 1 consumer warpgroup, other register budgets and raster
-    groups.)"""
-    for bn in TILE_N:
-        for epilogue in ("tma_store", "direct"):
-            for raster in ("row", "column"):
-                try:
-                    probe = default_schedule(tile=(128, bn, 128 // operand_bytes), epilogue=epilogue, raster=raster,
-                                             output_bytes=output_bytes, operand_bytes=operand_bytes, stages=1,
-                                             mma_inflight=0)
-                except ScheduleError:
-                    continue       # not even one stage fits beside the staged outputs
-                for stages in range(1, max_stages(probe) + 1):
-                    for inflight in ((0, 1) if stages >= 2 else (0,)):
+    """Schedules of the space this workload implements, for a search: BM 128 (2 consumer
+    warpgroups) or 64 (1), BN 64..256, both epilogues, either raster, and split-K off or up to
+    MAX_SPLIT_K (the host picks the split per call). With 2 consumers and no split every stage
+    count that fits, with and without a wgmma group in flight; the other families with the
+    default's stages (as many as fit, at most 4) and a group in flight, which keeps the space a
+    search times small. (`MatmulSchedule` also takes other register budgets, raster
+    groups and split bounds.)"""
+    for consumers in (2, 1):
+        for split_k in (1, MAX_SPLIT_K):
+            for bn in TILE_N:
+                for epilogue in ("tma_store", "direct"):
+                    for raster in ("row", "column"):
+                        fields = dict(tile=(WGMMA_M * consumers, bn, SWIZZLE_ROW_BYTES // operand_bytes),
+                                      consumer_warpgroups=consumers, epilogue=epilogue, raster=raster,
+                                      split_k=split_k, output_bytes=output_bytes, operand_bytes=operand_bytes)
+                        if consumers == 2 and split_k == 1:
+                            yield from _stage_choices(fields)
+                            continue
                         try:
-                            candidate = replace(probe, stages=stages, mma_inflight=inflight)
+                            yield default_schedule(**fields)
                         except ScheduleError:
                             continue
-                        yield candidate
+
+
+def _stage_choices(fields: dict) -> Iterator[MatmulSchedule]:
+    """`fields` with every stage count that fits, with and without a wgmma group in flight."""
+    try:
+        probe = default_schedule(**fields, stages=1, mma_inflight=0)
+    except ScheduleError:
+        return       # not even one stage fits beside the staged outputs
+    for stages in range(1, max_stages(probe) + 1):
+        for inflight in ((0, 1) if stages >= 2 else (0,)):
+            try:
+                yield replace(probe, stages=stages, mma_inflight=inflight)
+            except ScheduleError:
+                continue

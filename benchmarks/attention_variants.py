@@ -1,0 +1,188 @@
+"""Attention variants written in the DSL next to FlexAttention (and SDPA cuDNN where it runs the
+variant), timed side by side in one run: causal, sliding window, softcap + causal, ALiBi + causal,
+document mask. TFLOP/s are counted on the visible scores (4 D flops per visible query-key pair).
+
+    python benchmarks/attention_variants.py [--iters 20] [--cases causal,window] [--tanh-approx]
+    python benchmarks/attention_variants.py --prebuild     # build this and the GPU tests' kernels
+
+`--tanh-approx` also times the softcap kernel with `tanhf` spelled as PTX `tanh.approx.f32` (an
+experiment on the emitted CUDA, not a schedule: the IR and the simulator keep tanh exact).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+import wsched as ws  # noqa: E402
+from attention_fusions import make_attention, make_variant, variant_inputs  # noqa: E402
+from wsched.timing import median_ms, rel_error  # noqa: E402
+
+WINDOW, SOFTCAP = 1024, 30.0
+# (label, our variant, B, H, S, D)
+CASES = [("causal", "causal", 4, 16, 4096, 128), ("window", "window", 4, 16, 4096, 128),
+         ("softcap", "softcap", 4, 16, 4096, 128), ("alibi", "alibi", 4, 16, 4096, 128),
+         ("document", "document", 4, 16, 4096, 128), ("sinks", "sinks", 4, 16, 4096, 128)]
+
+
+def flex_mods(variant, extra):
+    """(score_mod, mask_mod) of FlexAttention for one of our variants, on the same inputs."""
+    def causal(b, h, q, kv):
+        return q >= kv
+
+    def window(b, h, q, kv):
+        return (q >= kv) & (q - kv < WINDOW)
+
+    def softcap(score, b, h, q, kv):
+        return SOFTCAP * torch.tanh(score / SOFTCAP)
+
+    if variant == "alibi":
+        slope = extra[0].reshape(-1)
+
+        def alibi(score, b, h, q, kv):
+            return score + slope[h] * (kv - q)
+        return alibi, causal
+    if variant == "document":
+        doc = extra[0].reshape(extra[0].shape[0], -1)
+
+        def document(b, h, q, kv):
+            return doc[b, q] == doc[b, kv]
+        return None, document
+    return {"causal": (None, causal), "window": (None, window), "softcap": (softcap, causal)}[variant]
+
+
+def visible_pairs(variant, extra, B, S) -> float:
+    """Query-key pairs the mask keeps, summed over the batch (per head)."""
+    i = torch.arange(S, device="cuda")
+    if variant in ("causal", "softcap", "alibi", "sinks"):
+        return B * S * (S + 1) / 2
+    if variant == "window":
+        return B * float(torch.clamp(i + 1, max=WINDOW).sum())
+    doc = extra[0].reshape(B, S)
+    return float(sum((torch.bincount(doc[b]).double() ** 2).sum() for b in range(B)))
+
+
+def our_call(k, inputs):
+    """A launch of our kernel on fixed inputs (pre-bound arguments where the kernel has them)."""
+    if hasattr(k, "bind"):
+        bound = k.bind(*inputs)
+        return bound, bound
+    return (lambda: k(*inputs)), (lambda: k(*inputs))
+
+
+def with_tanh_approx(k):
+    """The same kernel with tanhf spelled as tanh.approx.f32 in its CUDA (built anew)."""
+    approx = ('#include "wsched.cuh"\n__device__ __forceinline__ float tanh_approx(float x) '
+              '{ float y; asm("tanh.approx.f32 %0, %1;" : "=f"(y) : "f"(x)); return y; }')
+    source = k.cuda_source.replace("tanhf(", "tanh_approx(").replace('#include "wsched.cuh"', approx)
+    fresh = {f.name: {} for f in dataclasses.fields(k) if f.name in ("_plans", "_workspaces", "_maps")}
+    variant = dataclasses.replace(k, cuda_source=source, build=None, **fresh)
+    variant.compile_cuda()
+    return variant
+
+
+def benchmark_fusion(variant, D):
+    return make_variant(D, variant, lse=False, window=WINDOW, softcap=SOFTCAP) if variant != "causal" \
+        else make_attention(D, causal=True)
+
+
+def prebuild() -> None:
+    """Build, in parallel into the build cache, the kernels of this benchmark and of the variant
+    tests in tests/test_gpu_attention.py."""
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    from attention_fusions import VARIANTS
+
+    fusions = [make_variant(d, v) for d in (64, 128) for v in VARIANTS]
+    fusions += [make_variant(128, v, gqa=True) for v in ("window", "alibi", "document", "softcap_window",
+                                                         "document_causal")]
+    fusions += [make_variant(128, "window", window=1024)] + [benchmark_fusion(c[1], c[5]) for c in CASES]
+    fusions += [make_attention(128, causal=c, lse=True) for c in (False, True)]   # plain, for comparison
+
+    def build(f):
+        t0 = time.time()
+        try:
+            r = ws.compile(f, build=True).resources
+            return f"{f.name}: {time.time() - t0:.1f}s regs {r.registers} spills {r.spill_stores}/{r.spill_loads}"
+        except Exception as e:   # report every failure, keep building the others
+            return f"{f.name}: FAILED {type(e).__name__}: {e}"
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 4) as pool:
+        for line in pool.map(build, fusions):
+            print(line, flush=True)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--cases", default=",".join(c[0] for c in CASES))
+    ap.add_argument("--tanh-approx", action="store_true")
+    ap.add_argument("--prebuild", action="store_true")
+    args = ap.parse_args(argv)
+    if args.prebuild:
+        return prebuild()
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    flex = torch.compile(flex_attention)
+    print(f"# {torch.cuda.get_device_name()}  torch {torch.__version__}  bf16, median of {args.iters}; "
+          f"TFLOP/s on visible scores; window {WINDOW}, softcap {SOFTCAP:g}")
+    rows, ours_causal = [], {}
+    for label, variant, B, H, S, D in CASES:
+        if label not in args.cases.split(","):
+            continue
+        f = benchmark_fusion(variant, D)
+        k = ws.compile(f)
+        inputs = variant_inputs(f, B, H, S, S, D, device="cuda", seed=1)
+        q, kk, v, *extra = inputs
+        run, outputs = our_call(k, inputs)
+        out = outputs()
+        o = out[0] if isinstance(out, tuple) else out
+        flops = 4 * D * H * visible_pairs(variant, extra, B, S)
+        t_ours = median_ms(run, iters=args.iters)
+        ref, t_flex = None, float("nan")
+        if variant != "sinks":    # FlexAttention has no sink logit
+            score_mod, mask_mod = flex_mods(variant, extra)
+            block_mask = create_block_mask(mask_mod, B if variant == "document" else None, None, S, S, device="cuda")
+
+            def flex_fn():
+                return flex(q, kk, v, score_mod=score_mod, block_mask=block_mask)
+            ref = flex_fn()
+            t_flex = median_ms(flex_fn, iters=args.iters)
+        t_cudnn = float("nan")
+        if variant == "causal":
+            def cudnn():
+                with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                    return F.scaled_dot_product_attention(q, kk, v, is_causal=True)
+            t_cudnn = median_ms(cudnn, iters=args.iters)
+        err = rel_error(o, ref) if ref is not None else float("nan")
+        row = [label, flops / t_ours / 1e9, flops / t_flex / 1e9, flops / t_cudnn / 1e9, err]
+        if variant == "causal":
+            ours_causal = row[1]
+        rows.append(row)
+        print(f"{label:>10} B{B} H{H} S{S} D{D}  wsched {row[1]:6.1f}  flex {row[2]:6.1f}  cuDNN {row[3]:6.1f} "
+              f"TFLOP/s  vs flex {row[1] / row[2]:.2f}  vs our causal {row[1] / (ours_causal or row[1]):.2f}  "
+              f"rel.err vs flex {err:.1e}", flush=True)
+        if args.tanh_approx and variant == "softcap":
+            k2 = with_tanh_approx(k)
+            run2, outputs2 = our_call(k2, inputs)
+            out2 = outputs2()
+            t2 = median_ms(run2, iters=args.iters)
+            err2 = rel_error(out2[0] if isinstance(out2, tuple) else out2, ref)
+            rows.append([label + " (tanh.approx)", flops / t2 / 1e9, row[2], float("nan"), err2])
+            print(f"{label + ' approx':>10}  wsched {flops / t2 / 1e9:6.1f} TFLOP/s  rel.err vs flex {err2:.1e}", flush=True)
+    print("\n| variant | wsched TFLOP/s | FlexAttention | SDPA cuDNN | vs flex | vs our causal |\n|---|---|---|---|---|---|")
+    for r in rows:
+        cudnn = f"{r[3]:.0f}" if r[3] == r[3] else "n/a"
+        flex_text, versus = (f"{r[2]:.0f}", f"{r[1] / r[2]:.2f}") if r[2] == r[2] else ("n/a", "")
+        causal = f"{r[1] / ours_causal:.2f}" if ours_causal else ""
+        print(f"| {r[0]} | {r[1]:.0f} | {flex_text} | {cudnn} | {versus} | {causal} |")
+
+
+if __name__ == "__main__":
+    main()

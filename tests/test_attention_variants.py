@@ -1,0 +1,384 @@
+"""Attention score functions and masks written in the DSL (issue 11): each variant in the CPU
+simulator against the torch reference (odd lengths, GQA), the kv blocks a mask hides skipped and
+the blocks it cuts masked (checked against brute force), a golden IR for softcap + sliding
+window, spill-free builds, and the errors for definitions the kernel cannot compute."""
+
+import math
+import re
+
+import pytest
+import torch
+
+import source_lines
+import wsched as ws
+from wsched.lowering import ir
+from wsched.lowering.evaluate import evaluate
+from wsched.lowering.parser import parse_kernel
+from wsched.lowering.printer import print_kernel
+from wsched.names import K_COUNT, K_FIRST
+from wsched.schedule import ScheduleError
+
+from attention_fusions import VARIANTS, attention_inputs, make_attention, make_variant, variant_inputs
+
+
+def rel(out, ref):
+    return float((out.float() - ref.float()).norm() / ref.float().norm())
+
+
+def compiled(fusion, **overrides) -> ws.CompiledKernel:
+    schedule = ws.schedule_for(fusion, **overrides)
+    return ws.CompiledKernel(fusion, schedule, ws.partition(fusion, schedule), ws.lower(fusion, schedule),
+                             cuda_source="")
+
+
+def check(fusion, inputs, num_sms=3, seed=0, **overrides):
+    """Simulate with outputs poisoned (the simulator's fresh outputs are NaN) and compare with
+    the reference; rows that see no key must store O = 0 and LSE = -inf (the reference: NaN)."""
+    o, lse = compiled(fusion, **overrides).simulate(*inputs, num_sms=num_sms, seed=seed)
+    ro, rlse = fusion.reference(*inputs)
+    seen = torch.isfinite(rlse)
+    assert not torch.isnan(o).any() and not torch.isnan(lse).any()
+    assert (o[~seen] == 0).all() and torch.isneginf(lse[~seen]).all()
+    assert rel(o[seen], ro[seen]) < 1e-2
+    assert rel(lse[seen], rlse[seen]) < 1e-3
+    return o, lse
+
+
+# ---------------------------------------------------------------------------------------------
+# The DSL: masks, positions, where
+# ---------------------------------------------------------------------------------------------
+
+
+def test_a_score_function_is_a_dag_of_elementwise_nodes():
+    f = make_variant(64, "softcap_window", lse=False, window=256)
+    text = str(f)
+    assert "position(dim=-2) : i32[S, 1]" in text and "position(dim=-1) : i32[1, T]" in text
+    assert re.search(r"le\(n\d+, n\d+\) : bool\[S, T\]", text)
+    assert re.search(r"logical_and\(n\d+, n\d+\) : bool\[S, T\]", text)
+    assert re.search(r"const\(value=-inf\) : f32\[\]", text)
+    assert re.search(r"where\(n\d+, n\d+, n\d+\) : f32\[B, H, S, T\]", text)
+
+
+def test_dtype_rules_of_positions_and_comparisons():
+    @ws.fusion
+    def f(x: ws.Tensor[ws.f32, "H", "S", "T"], slope: ws.Tensor[ws.f32, "H", 1, 1]):
+        i, j = ws.positions(x)
+        return j - i, (j - i) * 2, (j - i) * 0.5, slope * (j - i), ~(i < j) | (i == j), ws.where(j <= i, x, 0)
+    types = [f.node(o).type_str for o in f.outputs]
+    assert types == ["i32[S, T]", "i32[S, T]", "f32[S, T]", "f32[H, S, T]", "bool[S, T]", "f32[H, S, T]"]
+
+
+def test_the_reference_of_a_sliding_window():
+    f = make_variant(64, "window", window=5)
+    q, k, v = attention_inputs(1, 2, 20, 20, 64, seed=1)
+    o, lse = f.reference(q, k, v)
+    s = q.float() @ k.float().transpose(-1, -2) / 8
+    i, j = torch.arange(20)[:, None], torch.arange(20)[None, :]
+    s = s.masked_fill(~((j <= i) & (i - j < 5)), -math.inf)
+    assert torch.allclose(lse, torch.logsumexp(s, -1))
+    assert torch.allclose(o.float(), (torch.softmax(s, -1) @ v.float()).bfloat16().float())
+
+
+# ---------------------------------------------------------------------------------------------
+# Each variant in the simulator
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("gqa", [False, True], ids=["mha", "gqa"])
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_variant_matches_the_reference(variant, gqa):
+    f = make_variant(64, variant, gqa=gqa)
+    check(f, variant_inputs(f, 1, 4, 200, 333, 64, seed=len(variant), gqa_groups=2 if gqa else None))
+
+
+@pytest.mark.parametrize("variant, S, T", [
+    ("window", 1, 300), ("window", 300, 129), ("softcap", 129, 64), ("alibi", 77, 333),
+    ("document", 1, 257), ("document_causal", 130, 130), ("softcap_window", 300, 100)])
+def test_ragged_lengths_and_decode(variant, S, T):
+    f = make_variant(64, variant)
+    check(f, variant_inputs(f, 2, 2, S, T, 64, seed=S + T), num_sms=4)
+
+
+@pytest.mark.parametrize("overrides", [dict(mma_inflight=0), dict(mode="pingpong")], ids=["inflight0", "pingpong"])
+def test_other_schedules(overrides):
+    f = make_variant(64, "softcap_window", window=150)
+    check(f, variant_inputs(f, 1, 2, 300, 300, 64, seed=2), **overrides)
+
+
+def test_head_dims_128_and_256():
+    for d, variant in ((128, "alibi"), (256, "softcap_window")):
+        f = make_variant(d, variant, window=70)
+        check(f, variant_inputs(f, 1, 2, 150, 150, d, seed=d))
+
+
+def test_rows_that_see_no_key_store_zero_and_minus_inf():
+    """Queries of a document no key belongs to (and with bottom-right causal, S > T) see nothing."""
+    f = make_variant(64, "document")
+    q, k, v, doc_q, doc_k = variant_inputs(f, 1, 2, 150, 150, 64, seed=3)
+    doc_q = doc_q.clone()
+    doc_q[..., 40:70, :] = 99
+    o, lse = check(f, [q, k, v, doc_q, doc_k])
+    assert (o[..., 40:70, :] == 0).all() and torch.isneginf(lse[..., 40:70]).all()
+
+    @ws.fusion
+    def br(q: ws.Tensor[ws.bf16, "B", "H", "S", 64], k: ws.Tensor[ws.bf16, "B", "H", "T", 64],
+           v: ws.Tensor[ws.bf16, "B", "H", "T", 64]):
+        s = ws.causal_mask(30 * ws.tanh(ws.matmul(q, k.transpose(-1, -2)) / 240), align="bottom_right")
+        return ws.matmul(ws.softmax(s, dim=-1), v).to(ws.bf16), ws.logsumexp(s, dim=-1)
+    o, lse = check(br, attention_inputs(1, 2, 300, 100, 64, seed=4))
+    assert torch.isneginf(lse[..., :200]).all()
+
+
+def test_attention_sinks():
+    """A sink logit joins the denominator with no value row: a row that sees no key puts all its
+    weight on the sink (O = 0, LSE = the sink); a Python number is one sink for every head."""
+    @ws.fusion
+    def sunk(q: ws.Tensor[ws.bf16, "B", "H", "S", 64], k: ws.Tensor[ws.bf16, "B", "H", "T", 64],
+             v: ws.Tensor[ws.bf16, "B", "H", "T", 64], sink: ws.Tensor[ws.f32, "H", 1, 1]):
+        s = ws.causal_mask(ws.matmul(q, k.transpose(-1, -2)) * 0.125, align="bottom_right")
+        return ws.matmul(ws.softmax(s, dim=-1, sink=sink), v).to(ws.bf16), ws.logsumexp(s, dim=-1, sink=sink)
+    q, k, v = attention_inputs(1, 3, 300, 100, 64, seed=8)
+    sink = torch.tensor([-1.0, 2.0, 5.0]).reshape(3, 1, 1)
+    o, lse = check(sunk, [q, k, v, sink])
+    assert (o[..., :200, :] == 0).all() and torch.equal(lse[..., :200], sink[..., 0].expand(1, 3, 200))
+    text = print_kernel(ws.lower(sunk))
+    assert "tile.load sink_t <- sink[b1, 0, 0]" in text and "tile.fill l_run, 1.0" in text
+
+    @ws.fusion
+    def number(q: ws.Tensor[ws.bf16, "B", "S", 64], k: ws.Tensor[ws.bf16, "B", "S", 64], v: ws.Tensor[ws.bf16, "B", "S", 64]):
+        s = ws.matmul(q, k.transpose(-1, -2)) * 0.125
+        return ws.matmul(ws.softmax(s, dim=-1, sink=3.0), v).to(ws.bf16), ws.logsumexp(s, dim=-1, sink=3.0)
+    check(number, [x[0] for x in attention_inputs(1, 1, 150, 150, 64, seed=9)])
+
+
+def test_several_interleavings():
+    f = make_variant(64, "document_causal")
+    inputs = variant_inputs(f, 1, 1, 260, 260, 64, seed=1)
+    for seed in range(3):
+        check(f, inputs, num_sms=2, seed=seed)
+
+
+# ---------------------------------------------------------------------------------------------
+# What the mask analysis proves: skipped kv blocks, masks on cut blocks only
+# ---------------------------------------------------------------------------------------------
+
+
+def _visible(fusion, S, T):
+    """Brute force: which (query, key) pairs the reference keeps (True) for one head."""
+    q = torch.zeros(1, 1, S, 64, dtype=torch.bfloat16)
+    k = torch.zeros(1, 1, T, 64, dtype=torch.bfloat16)
+    inputs = [q, k, k] + [torch.zeros(1, 1, 1, 1)] * (len(fusion.inputs) - 3)
+    scores = [n for n in fusion.nodes() if n.op == "softmax"][0].inputs[0]
+    from wsched.reference import evaluate as reference
+    probe = type(fusion)(fusion.name, fusion.nodes(), [scores])
+    return torch.isfinite(reference(probe, inputs, probe.bind(*inputs)))[0, 0]
+
+
+def _tile_lets(kernel, role="producer"):
+    """The lets of a role's tile loop (both roles compute the kv range alike)."""
+    loop = next(s for r in kernel.roles() if r.name == role for s in ir.walk(r.body)
+                if isinstance(s, ir.For) and s.var == "tile")
+    return [s for s in loop.body if isinstance(s, ir.Let)]
+
+
+@pytest.mark.parametrize("variant, window, S, T", [
+    ("window", 1024, 4096, 4096), ("window", 100, 1000, 777), ("softcap_window", 300, 700, 1500),
+    ("causal", 0, 1000, 1000), ("softcap", 0, 1000, 700)])
+def test_kv_blocks_outside_the_mask_are_skipped(variant, window, S, T):
+    """Each tile's kv range [kv_first, kv_first + kv_tiles) is exactly the blocks below ceil(T / 128)
+    that some row of the tile sees (the masks read positions only: counted over all 128 rows and
+    unbounded keys), for the producer and the consumers alike."""
+    f = make_variant(64, variant, window=window, lse=False)
+    kernel = ws.lower(f)
+    bm, bn, _ = ws.schedule_for(f).tile
+    kv_blocks = math.ceil(T / bn)
+    visible = _visible(f, math.ceil(S / bm) * bm, kv_blocks * bn + S)
+    lets = {role: _tile_lets(kernel, role) for role in ("producer", "consumer")}
+    assert [print_kernel_lets(x) for x in lets["producer"]] == [print_kernel_lets(x) for x in lets["consumer"]]
+    for m_block in range(math.ceil(S / bm)):
+        env = {"T": T, "S": S, "kv_blocks": math.ceil(T / bn), "m0": m_block * bm}
+        first = evaluate(next(s.value for s in lets["producer"] if s.name == K_FIRST), env) \
+            if any(s.name == K_FIRST for s in lets["producer"]) else 0
+        env[K_FIRST] = first
+        count = evaluate(next(s.value for s in lets["producer"] if s.name == K_COUNT), env)
+        rows = visible[m_block * bm:(m_block + 1) * bm]
+        blocks = {j // bn for j in torch.nonzero(rows.any(0)).flatten().tolist() if j // bn < kv_blocks}
+        assert set(range(first, first + count)) == blocks, (m_block, first, count)
+
+
+def print_kernel_lets(let):
+    return f"{let.name} = {let.value}"
+
+
+def test_the_mask_is_paid_on_cut_blocks_only():
+    """The consumer's `if` around the mask is true exactly for the blocks (64 rows of a warpgroup
+    x 128 keys) that hold a hidden score or keys beyond T."""
+    f = make_variant(64, "softcap_window", window=300, lse=False)
+    kernel = ws.lower(f)
+    bm, bn, _ = ws.schedule_for(f).tile
+    S, T = 700, 1500
+    padded = torch.zeros(math.ceil(S / bm) * bm, math.ceil(T / bn) * bn, dtype=torch.bool)
+    padded[:, :T] = _visible(f, padded.shape[0], T)   # the mask reads positions only
+    cut = next(s for s in ir.walk(kernel.body) if isinstance(s, ir.If) and any(isinstance(x, ir.TileSelect) for x in s.then))
+    checked = 0
+    for m_block in range(math.ceil(S / bm)):
+        env = {"T": T, "S": S, "kv_blocks": math.ceil(T / bn), "m0": m_block * bm}
+        for let in _tile_lets(kernel)[-2:]:
+            env[let.name] = evaluate(let.value, env)
+        for wg in (0, 1):
+            for k in range(env[K_COUNT]):
+                r0, c0 = m_block * bm + wg * 64, (k + env[K_FIRST]) * bn
+                hidden = not bool(padded[r0:r0 + 64, c0:c0 + bn].all())
+                assert bool(evaluate(cut.cond, {**env, "wg": wg, "k": k})) == hidden, (m_block, wg, k)
+                checked += hidden
+    assert 0 < checked
+
+
+def test_masks_that_cannot_be_analysed_apply_on_every_block():
+    kernel = ws.lower(make_variant(64, "document_causal", lse=False))
+    consumer = next(r for r in kernel.roles() if r.name == "consumer")
+    kv = next(s for s in ir.walk(consumer.body) if isinstance(s, ir.For) and s.var == "k")
+    every_block = [s for s in kv.body if isinstance(s, ir.TileSelect)]
+    on_cut = [x for s in kv.body if isinstance(s, ir.If) for x in s.then if isinstance(x, ir.TileSelect)]
+    assert len(every_block) == 1 and len(on_cut) == 1      # the document mask, the causal one
+    loads = [s for s in ir.walk(consumer.body) if isinstance(s, ir.TileLoadGlobal)]
+    assert [(s.dst, s.tensor, print_kernel_coords(s)) for s in loads] == [
+        ("doc_q_t", "doc_q", "b0, 0, m0 + wg * 64, 0"), ("doc_k_t", "doc_k", "b0, 0, 0, k * 128")]
+    assert loads[1] in kv.body    # per kv block; doc_q once per tile
+
+
+def print_kernel_coords(s):
+    from wsched.lowering.printer import print_expr
+    return ", ".join(print_expr(c) for c in s.coords)
+
+
+def test_plain_attention_keeps_its_kernel():
+    """Scale and causal_mask take no tile op and no select: the plain kernel is the same as ever
+    (tests/golden/attention_causal_d128.ir), and a causal `where` costs the same blocks."""
+    text = print_kernel(ws.lower(make_attention(64, causal=True)))
+    assert "tile.iota" not in text and "tile.select" not in text and "kv_first" not in text
+    where = print_kernel(ws.lower(make_variant(64, "causal", lse=False)))
+    count = re.compile(r"let kv_tiles = .*")
+    assert count.findall(where) == count.findall(text)
+
+
+# ---------------------------------------------------------------------------------------------
+# Golden IR and builds
+# ---------------------------------------------------------------------------------------------
+
+
+def softcap_window_d128():
+    return make_variant(128, "softcap_window", window=256, name="attn_d128_softcap_window_causal")
+
+
+def test_softcap_sliding_window_ir_is_golden_and_round_trips(golden):
+    k = ws.lower(softcap_window_d128())
+    golden.check("attention_softcap_window_d128.ir", print_kernel(k))
+    for snapshot in k.ir_after.values():
+        assert parse_kernel(print_kernel(snapshot)) == snapshot
+
+
+@pytest.mark.nvcc
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_variants_build_without_spills(variant, head_dim):
+    from wsched.codegen.build import compile_cuda
+    from wsched.codegen.emit import emit_kernel
+
+    kernel = ws.lower(make_variant(head_dim, variant))
+    resources = compile_cuda(emit_kernel(kernel).source, name=kernel.name).resources[kernel.name]
+    assert resources.spill_stores == 0 and resources.spill_loads == 0
+
+
+def test_score_ops_run_as_one_loop_over_the_fragment():
+    """The inner score and each mask are one unrolled loop each: temporaries stay per element."""
+    from wsched.codegen.emit import emit_kernel
+
+    source = emit_kernel(ws.lower(softcap_window_d128())).source
+    assert source.count("wsp::tanh_approx(") == 2      # c = 0, 1 of one fragment position
+    assert re.search(r"// tile\.mul s_acc, s_acc, [^;]*; tile\.mul s_acc, s_acc, [^;]*; tile\.tanh s_acc, s_acc\n", source)
+    assert re.search(r"// tile\.iota score0_t, axis\(0\), start\(m0 \+ wg \* 64\); tile\.iota score1_t, axis\(1\), "
+                     r"start\(\(k \+ kv_first\) \* 128\); tile\.le [^\n]*; tile\.select s_acc, score2_t, s_acc, -INFINITY\n",
+                     source)
+
+
+# ---------------------------------------------------------------------------------------------
+# Errors: what the kernel cannot compute between Q K^T and the softmax
+# ---------------------------------------------------------------------------------------------
+
+
+def where_is(marker: str) -> str:
+    return source_lines.line_of(__file__, marker)
+
+
+def schedule_error(message: str, node: str, op: str, marker: str):
+    return pytest.raises(ScheduleError, match="^" + re.escape(
+        f"attention schedule for bad: {message} ({node} = {op}(...) at {where_is(marker)})") + "$")
+
+
+def attention_of(score):
+    @ws.fusion
+    def bad(q: ws.Tensor[ws.bf16, "B", "H", "S", 64], k: ws.Tensor[ws.bf16, "B", "H", "S", 64],
+            v: ws.Tensor[ws.bf16, "B", "H", "S", 64]):
+        s = score(ws.matmul(q, k.transpose(-1, -2)) * 0.125, v)
+        return ws.matmul(ws.softmax(s, dim=-1), v).to(ws.bf16)
+    return bad
+
+
+def test_a_mask_that_depends_on_v_is_named():
+    f = attention_of(lambda s, v: ws.where(
+        v.max(-1, keepdim=True).transpose(-1, -2) > 0, s, -ws.inf))  # mask-of-v
+    with schedule_error("max reads v, which is the V of P @ V; a score or mask function reads Q K^T, "
+                        "ws.positions(...), constants and small inputs (a slope per head, a document id per "
+                        "token), never Q, K or V themselves", "n4", "max", "mask-of-v"):
+        ws.lower(f)
+
+
+def test_an_unsupported_op_in_the_score_function_is_named():
+    f = attention_of(lambda s, v: s - ws.logsumexp(s, dim=-1, keepdim=True))  # logsumexp
+    with schedule_error("logsumexp cannot be computed between Q K^T and the softmax: a score or mask function "
+                        "is built from elementwise ops, comparisons, ws.where and ws.positions",
+                        "n4", "logsumexp", "logsumexp"):
+        ws.lower(f)
+
+
+def test_integer_division_is_named():
+    def score(s, v):
+        i, j = ws.positions(s)
+        return ws.where(j / 64 == i / 64, s, -ws.inf)  # block-div
+    with schedule_error("an integer division in a score function is not supported (the kernel computes in "
+                        "fp32); divide floats: cast an operand with .to(ws.f32)", "n7", "div", "block-div"):
+        ws.lower(attention_of(score))
+
+
+def test_a_sink_must_be_one_logit_per_row_and_reach_the_logsumexp():
+    with pytest.raises(ws.FusionError, match=re.escape(
+            "softmax: the sink sink is f32[H, 1, T] must broadcast against n1 is f32[B, H, S, T] with its last "
+            "dim 1 (one logit per row, e.g. per head [H, 1, 1]) at " + where_is("sink-per-key"))):
+        @ws.fusion
+        def per_key(q: ws.Tensor[ws.bf16, "B", "H", "S", 64], k: ws.Tensor[ws.bf16, "B", "H", "T", 64],
+                    v: ws.Tensor[ws.bf16, "B", "H", "T", 64], sink: ws.Tensor[ws.f32, "H", 1, "T"]):
+            s = ws.matmul(q, k.transpose(-1, -2))
+            return ws.matmul(ws.softmax(s, dim=-1, sink=sink), v).to(ws.bf16)  # sink-per-key
+
+    @ws.fusion
+    def bad(q: ws.Tensor[ws.bf16, "B", "H", "S", 64], k: ws.Tensor[ws.bf16, "B", "H", "T", 64],
+            v: ws.Tensor[ws.bf16, "B", "H", "T", 64], sink: ws.Tensor[ws.f32, "H", 1, 1]):
+        s = ws.matmul(q, k.transpose(-1, -2))
+        return ws.matmul(ws.softmax(s, dim=-1, sink=sink), v).to(ws.bf16), ws.logsumexp(s, dim=-1)  # lse-no-sink
+    with schedule_error("the logsumexp output must have the softmax's sink (ws.logsumexp(s, dim=-1, sink=...) "
+                        "with the same sink, or neither has one)", "n5", "logsumexp", "lse-no-sink"):
+        ws.lower(bad)
+
+
+def test_an_input_that_does_not_broadcast_dim_by_dim_is_named():
+    @ws.fusion
+    def bad(q: ws.Tensor[ws.bf16, "B", "S", 64], k: ws.Tensor[ws.bf16, "B", "S", 64],
+            v: ws.Tensor[ws.bf16, "B", "S", 64], bias: ws.Tensor[ws.f32, "H", "B", 1, "S"]):
+        s = ws.matmul(q, k.transpose(-1, -2)) + bias  # big-bias
+        return ws.matmul(ws.softmax(s, dim=-1), v).to(ws.bf16)
+    with pytest.raises(ScheduleError, match=re.escape(
+            "bias is f32[H, B, 1, S]; an input read by the score function broadcasts against the scores "
+            "f32[B, S, S] dim by dim, each dim 1 or the scores' own (e.g. [H, 1, 1] per head, [B, 1, S, 1] "
+            "per query, [B, 1, 1, T] per key)")):
+        ws.lower(bad)

@@ -1,0 +1,127 @@
+"""The loop-IR nodes of attention score functions in every layer: `tile.iota`, `tile.select`, the
+comparison tile ops (`tile.lt` ... `tile.logical_or`) and i32 tile loads — text round trip,
+verifier messages, simulator semantics against torch, the CUDA spelling (and an nvcc build)."""
+
+import math
+
+import pytest
+import torch
+
+from wsched.codegen import emit_tiles
+from wsched.codegen.emit import emit_kernel
+from wsched.lowering import ir
+from wsched.lowering.parser import parse_kernel
+from wsched.lowering.printer import print_kernel
+from wsched.lowering.simulate import simulate
+from wsched.lowering.simulate.tiles import COMPARE_SEMANTICS
+from wsched.lowering.verify import VerifyError, verify
+from wsched.reference import MASK_TORCH
+from wsched.target import COMPARE_OPS
+
+V, C = ir.Var, ir.const
+ROWS, COLS = 64, 32
+
+
+def mask_kernel(op: str = "le") -> ir.Kernel:
+    """out[r, c] = c - r where `op`(c, r) holds and the query's id equals the key's, else -inf:
+    positions, a comparison, an i32 row / column loaded into f32 tiles, a logical and, a select."""
+    row0 = ir.mul("cta_id", ROWS)
+    return ir.Kernel(
+        name="mask_tile",
+        params=(ir.ScalarParam("R", "i32"), ir.GlobalParam("ids", "i32", (V("R"), C(1))),
+                ir.GlobalParam("keys", "i32", (C(1), C(COLS))), ir.GlobalParam("out", "f32", (V("R"), C(COLS)))),
+        grid=ir.ceil_div("R", ROWS), cluster=(1, 1, 1), smem=(), barriers=(),
+        body=(ir.Role("worker", 1, 168, (
+              ir.RegDecl("i_t", "f32", (ROWS, COLS)), ir.RegDecl("j_t", "f32", (ROWS, COLS)),
+              ir.RegDecl("id_t", "f32", (ROWS, 1)), ir.RegDecl("key_t", "f32", (1, COLS)),
+              ir.RegDecl("m_t", "f32", (ROWS, COLS)), ir.RegDecl("o_t", "f32", (ROWS, COLS)),
+              ir.TileLoadGlobal("id_t", "ids", (row0, C(0))),
+              ir.TileLoadGlobal("key_t", "keys", (C(0), C(0))),
+              ir.TileIota("i_t", 0, row0),
+              ir.TileIota("j_t", 1, C(0)),
+              ir.TileBinary(op, "m_t", "j_t", "i_t"),
+              ir.TileBinary("eq", "o_t", "id_t", "key_t"),
+              ir.TileBinary("logical_and", "m_t", "m_t", "o_t"),
+              ir.TileBinary("sub", "o_t", "j_t", "i_t"),
+              ir.TileSelect("o_t", "m_t", "o_t", ir.FloatConst(-math.inf)),
+              ir.TileStoreGlobal("out", (row0, C(0)), "o_t"))),),
+    )
+
+
+def test_the_nodes_print_and_parse_back():
+    kernel = mask_kernel()
+    text = print_kernel(kernel)
+    assert "tile.iota i_t, axis(0), start(cta_id * 64)" in text
+    assert "tile.le m_t, j_t, i_t" in text and "tile.logical_and m_t, m_t, o_t" in text
+    assert "tile.select o_t, m_t, o_t, scalar(-inf)" in text
+    assert parse_kernel(text) == kernel
+    for op in COMPARE_OPS:
+        assert parse_kernel(print_kernel(mask_kernel(op))) == mask_kernel(op)
+
+
+def test_the_tables_cover_the_comparisons():
+    assert tuple(COMPARE_SEMANTICS) == COMPARE_OPS == ir.COMPARE_OPS
+    assert tuple(emit_tiles._COMPARE) == COMPARE_OPS
+    assert set(MASK_TORCH) == {*COMPARE_OPS, "logical_not", "where"}
+
+
+@pytest.mark.parametrize("op", COMPARE_OPS[:6])
+@pytest.mark.parametrize("num_sms", [1, 2])
+def test_the_simulator_computes_masks_like_torch(op, num_sms):
+    R = 150
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 3, (R, 1), generator=g, dtype=torch.int32)
+    keys = torch.randint(0, 3, (1, COLS), generator=g, dtype=torch.int32)
+    out = torch.full((R, COLS), float("nan"))
+    simulate(mask_kernel(op), {"R": R, "ids": ids, "keys": keys, "out": out}, num_sms=num_sms)
+    i, j = torch.arange(R)[:, None], torch.arange(COLS)[None, :]
+    keep = getattr(torch, op)(j, i) & (ids == keys)
+    assert torch.equal(out, torch.where(keep, (j - i).float(), -math.inf))
+
+
+def with_body(body) -> ir.Kernel:
+    kernel = mask_kernel()
+    (role,) = kernel.body
+    return ir.Kernel(**{**kernel.__dict__, "body": (ir.Role(role.name, 1, 168, tuple(body)),)})
+
+
+def test_the_verifier_names_bad_positions_and_selections():
+    body = list(mask_kernel().body[0].body)
+    body[8] = ir.TileIota("i_t", 2, C(0))
+    body[14] = ir.TileSelect("o_t", "m_t", "key_t", "id_t")    # broadcasts: [64, 32]
+    body[12] = ir.TileBinary("and", "m_t", "m_t", "o_t")
+    with pytest.raises(VerifyError) as error:
+        verify(with_body(body))
+    text = str(error.value)
+    assert "tile.iota i_t: axis(2) is not an axis of a 2-D tile; use 0 (rows) or 1 (columns)" in text
+    assert "tile.select" not in text
+    assert ("tile.and is not a binary tile op; use one of add, sub, mul, div, maximum, minimum, lt, le, gt, ge, "
+            "eq, ne, logical_and, logical_or") in text
+    body = list(mask_kernel().body[0].body)
+    body[14] = ir.TileSelect("id_t", "m_t", "o_t", ir.FloatConst(0.0))
+    with pytest.raises(VerifyError, match=r"tile\.select id_t: operands m_t \[64, 32\], o_t \[64, 32\] do not "
+                                          r"broadcast to the result \[64, 1\]"):
+        verify(with_body(body))
+
+
+def test_the_cuda_spelling():
+    source = emit_kernel(mask_kernel()).source
+    # one int-to-float conversion per thread (loop-invariant), a constant added per element
+    assert "i_t[4 * fj + 2 * fi + 0] = static_cast<float>(cta_id * 64 + wsp::frag_row()) + (8 * fi);" in source
+    assert "j_t[4 * fj + 2 * fi + 1] = static_cast<float>(0 + wsp::frag_col()) + (8 * fj + 1);" in source
+    assert "m_t[4 * fj + 2 * fi + 0] = ((j_t[4 * fj + 2 * fi + 0]) <= (i_t[4 * fj + 2 * fi + 0])) ? 1.0f : 0.0f;" in source
+    assert ("o_t[4 * fj + 2 * fi + 0] = (m_t[4 * fj + 2 * fi + 0]) != 0.0f ? o_t[4 * fj + 2 * fi + 0] : -INFINITY;"
+            in source)
+    # i32 ids read as pairs (one 64-bit load) into f32 tiles
+    assert ("{ const int2 v = wsp::load_pair(ptr + 8 * fj, row_ok && col0 + 8 * fj < 32); "
+            "key_t[2 * fj + 0] = static_cast<float>(v.x); key_t[2 * fj + 1] = static_cast<float>(v.y); }") in source
+    # the positions, comparisons and the select run as one loop
+    assert "// tile.iota i_t, axis(0), start(cta_id * 64); tile.iota j_t, axis(1), start(0); tile.le" in source
+
+
+@pytest.mark.nvcc
+def test_the_cuda_builds():
+    from wsched.codegen.build import compile_cuda
+
+    emitted = emit_kernel(mask_kernel())
+    assert compile_cuda(emitted.source, name=emitted.name).resources[emitted.name].spill_stores == 0

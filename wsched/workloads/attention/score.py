@@ -1,0 +1,328 @@
+"""The score function of an attention fusion: what stands between Q K^T and the softmax.
+
+A user writes any elementwise function of the scores, the query and key positions
+(`ws.positions`), constants and small inputs that broadcast against the scores (a slope per head
+[H, 1, 1], a document id per query [B, 1, S, 1] or per key [B, 1, 1, T]):
+
+    s = ws.matmul(q, k.transpose(-1, -2)) * scale
+    i, j = ws.positions(s)
+    s = 30 * ws.tanh(s / 30) + slope * (j - i)
+    s = ws.where((j <= i) & (i - j < 1024), s, -ws.inf)
+
+`analyse` checks it (every node elementwise; Q, K and V read only through Q K^T) and takes it
+apart for the kernel:
+
+  * masks: `causal_mask` and `where(cond, x, -inf)` around the top, whose condition reads
+    positions, constants and inputs but not the scores. A condition built from comparisons of
+    `j - i` or `j` with constants, joined by `&`, is *analysed*: it bounds the visible keys of a
+    block of rows, so the kernel skips the kv blocks it hides and masks only the blocks it cuts.
+    Any other condition (document ids) is applied to every block.
+  * scale: positive constant factors around the top, folded into the exp2 of the softmax (the
+    row max of the unscaled scores is the scaled one's, divided by the factor).
+  * inner: the rest, the score before the masks and the scale (Q K^T itself for plain
+    attention), computed as tile ops on the score accumulator in every block.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import networkx as nx
+
+from wsched.target import COMPARE_OPS, ELEMENTWISE_OPS
+
+# Ops a score function is built from (besides its leaves: Q K^T, inputs, constants, positions).
+SCORE_OPS = frozenset(ELEMENTWISE_OPS) | frozenset(COMPARE_OPS) | {"logical_not", "where", "causal_mask"}
+_LEAVES = ("const", "position", "input")
+
+
+@dataclass(frozen=True)
+class Bound:
+    """`value`, plus T - S when `shifted` (the bottom-right causal diagonal)."""
+
+    value: int
+    shifted: bool = False
+
+
+@dataclass(frozen=True)
+class Mask:
+    """One mask around the top of the score function: scores where it does not hold are -inf.
+
+    `node` is the causal_mask or where node; for a where, `cond` its condition and `visible`
+    the branch that keeps the score (where(cond, x, -inf): True). An analysed mask holds exactly
+    where every bound holds: j - i <= each of `upper`, j - i >= each of `lower`, j <= each of
+    `key_upper`, j >= each of `key_lower`."""
+
+    node: object
+    cond: object | None = None
+    visible: bool = True
+    analysed: bool = False
+    upper: tuple[Bound, ...] = ()
+    lower: tuple[Bound, ...] = ()
+    key_upper: tuple[int, ...] = ()
+    key_lower: tuple[int, ...] = ()
+
+    @property
+    def causal(self) -> str | None:
+        """The alignment of a `causal_mask` (None for a where)."""
+        return self.node.attr("align") if self.node.op == "causal_mask" else None
+
+
+@dataclass(frozen=True)
+class SideInput:
+    """An input the score function reads: `dims[d]` names the score dim its dim d runs along
+    ("batch<i>", "S" or "T"), None where it has extent 1."""
+
+    node: object
+    param: str
+    dims: tuple[str | None, ...]
+
+    @property
+    def per_query(self) -> bool:
+        return "S" in self.dims
+
+    @property
+    def per_key(self) -> bool:
+        return "T" in self.dims
+
+
+@dataclass(frozen=True)
+class ScoreFunction:
+    qk: str                        # the id of Q K^T
+    scale: float                   # positive factor around the top (folded into the exp2)
+    inner: str                     # the score before the masks and the scale (qk if none)
+    masks: tuple[Mask, ...]
+    inputs: tuple[SideInput, ...]
+
+    @property
+    def causal(self) -> str | None:
+        """The alignment of the causal mask when it is the only mask (the plain causal kernel)."""
+        aligns = [m.causal for m in self.masks]
+        return aligns[0] if len(aligns) == 1 and aligns[0] is not None else None
+
+    @property
+    def rows_may_see_nothing(self) -> bool:
+        """Whether a row may see no key in some block (or in all of them): any mask but the
+        top-left causal one, which always shows a row its own key and every key before it."""
+        return any(m.causal != "top_left" for m in self.masks)
+
+
+def analyse(fusion, scores, qk, roles: dict, batch: int, fail, param_name) -> ScoreFunction:
+    """Check the nodes from Q K^T (`qk`) to the softmax input (`scores`) and take them apart.
+    `roles` maps the ids of Q, K and V to their names; `fail(message, node)` raises."""
+    # First what reads Q, K or V around Q K^T (a mask of V), then what is not a score op.
+    around = nx.subgraph_view(fusion.graph, filter_node=lambda n: n != qk.id)
+    function = nx.ancestors(around, scores.id) | {scores.id} if scores.id != qk.id else set()
+    for node in fusion.nodes():
+        if node.id in function:
+            read = next((i for i in node.inputs if i in roles), None)
+            if read is not None:
+                fail(f"{node.op} reads {read}, which is {roles[read]}; a score or mask function reads "
+                     f"Q K^T, ws.positions(...), constants and small inputs (a slope per head, a document "
+                     f"id per token), never Q, K or V themselves", node)
+    chain = _chain(fusion, scores, qk, fail)
+    data = {qk.id} | nx.descendants(fusion.graph, qk.id)     # nodes that read the scores
+    inputs = {}
+    for node in chain:
+        for operand in node.inputs:
+            x = fusion.node(operand)
+            if x.op == "input" and x.id not in inputs:
+                inputs[x.id] = SideInput(x, param_name(x.id), _side_dims(x, qk, batch, fail))
+            if x.op == "position" and x.shape != ((qk.shape[-2], 1) if x.attr("dim") == -2 else (1, qk.shape[-1])):
+                fail(f"{x.id} is a position along dims {list(x.shape)}, not along the scores "
+                     f"{qk.type_str}; take ws.positions(...) of the scores", x)
+        _check_exact(node, fail)
+
+    scale, masks, x = 1.0, [], scores
+    while x.id != qk.id:
+        if x.op == "causal_mask":
+            bound = Bound(0, x.attr("align") == "bottom_right")
+            masks.append(Mask(x, analysed=True, upper=(bound,)))
+            x = fusion.node(x.inputs[0])
+        elif x.op == "where" and _masks_to_minus_inf(fusion, x) is not None:
+            visible, kept = _masks_to_minus_inf(fusion, x)
+            cond = fusion.node(x.inputs[0])
+            if cond.id in data:            # a mask computed from the scores: part of the function
+                break
+            masks.append(_analyse_mask(fusion, x, cond, visible))
+            x = kept
+        elif _positive_factor(fusion, x) is not None:
+            factor, x = _positive_factor(fusion, x)
+            scale *= factor
+        else:
+            break
+    return ScoreFunction(qk.id, scale, x.id, tuple(masks), tuple(inputs.values()))
+
+
+def sink_of(fusion, softmax, qk, batch: int, fail, param_name) -> SideInput | float | None:
+    """The attention sink of the softmax (`ws.softmax(s, dim=-1, sink=...)`): a constant, or an
+    input with one logit per row (its key dim 1), read once per tile."""
+    if len(softmax.inputs) < 2:
+        return None
+    sink = fusion.node(softmax.inputs[1])
+    if sink.op == "const":
+        return float(sink.attr("value"))
+    if sink.op != "input":
+        fail(f"the sink {sink.id} is computed ({sink.op}); a sink is an input (a logit per head or per "
+             f"row) or a number", softmax)
+    dims = _side_dims(sink, qk, batch, fail)
+    if "T" in dims:
+        fail(f"the sink {sink.id} is {sink.type_str}: one logit per row, its key dim 1", softmax)
+    return SideInput(sink, param_name(sink.id), dims)
+
+
+# -- the chain ---------------------------------------------------------------------------------
+
+
+def _chain(fusion, scores, qk, fail) -> list:
+    """Every node from Q K^T (excluded) to the scores, in topological order; FusionError-like
+    `fail` on a node that is not a score op."""
+    seen, stack = set(), [scores]
+    while stack:
+        node = stack.pop()
+        if node.id in seen or node.id == qk.id:
+            continue
+        seen.add(node.id)
+        if node.op in _LEAVES:
+            continue
+        if node.op not in SCORE_OPS:
+            fail(f"{node.op} cannot be computed between Q K^T and the softmax: a score or mask function "
+                 f"is built from elementwise ops, comparisons, ws.where and ws.positions", node)
+        stack.extend(fusion.node(i) for i in node.inputs)
+    return [n for n in fusion.nodes() if n.id in seen and n.op not in _LEAVES]
+
+
+def _check_exact(node, fail) -> None:
+    """Integer values are computed in fp32 in the kernel: exact for +, -, * (below 2**24), not for
+    the truncations of an integer division or a cast to i32."""
+    if node.op == "div" and node.dtype.name == "i32":
+        fail("an integer division in a score function is not supported (the kernel computes in "
+             "fp32); divide floats: cast an operand with .to(ws.f32)", node)
+    if node.op == "cast" and node.dtype.name == "i32":
+        fail("a cast to i32 in a score function is not supported (the kernel computes in fp32)", node)
+
+
+def _side_dims(x, qk, batch: int, fail) -> tuple[str | None, ...]:
+    names = [f"batch{i}" for i in range(batch)] + ["S", "T"]
+    offset = len(qk.shape) - len(x.shape)
+    dims = []
+    for d, size in enumerate(x.shape):
+        if offset + d < 0 or (size != 1 and size != qk.shape[offset + d]):
+            fail(f"{x.id} is {x.type_str}; an input read by the score function broadcasts against the "
+                 f"scores {qk.type_str} dim by dim, each dim 1 or the scores' own (e.g. [H, 1, 1] per "
+                 f"head, [B, 1, S, 1] per query, [B, 1, 1, T] per key)", x)
+        dims.append(None if size == 1 else names[offset + d])
+    return tuple(dims)
+
+
+# -- peeling the top ---------------------------------------------------------------------------
+
+
+def _masks_to_minus_inf(fusion, node):
+    """(visible branch, kept node) of where(cond, x, -inf) / where(cond, -inf, x); else None."""
+    _, a, b = (fusion.node(i) for i in node.inputs)
+    minus_inf = [n.op == "const" and n.attr("value") == -math.inf for n in (a, b)]
+    if minus_inf == [False, True]:
+        return True, a
+    if minus_inf == [True, False]:
+        return False, b
+    return None
+
+
+def _positive_factor(fusion, node):
+    """(factor, scaled node) of x * c, c * x or x / c with a positive constant c; else None."""
+    if node.op not in ("mul", "div"):
+        return None
+    a, b = (fusion.node(i) for i in node.inputs)
+    if node.op == "mul" and a.op == "const" and b.op != "const":
+        a, b = b, a
+    if b.op != "const" or a.op == "const" or not float(b.attr("value")) > 0:
+        return None
+    value = float(b.attr("value"))
+    if not math.isfinite(value) or node.dtype.name != "f32":
+        return None
+    return (value if node.op == "mul" else 1.0 / value), a
+
+
+# -- mask analysis -----------------------------------------------------------------------------
+
+
+def _analyse_mask(fusion, node, cond, visible: bool) -> Mask:
+    atoms = _atoms(fusion, cond)
+    if atoms is None or (not visible and len(atoms) != 1):
+        return Mask(node, cond, visible)
+    if not visible:
+        atoms = [(_NEGATED[op], lhs, value) for op, lhs, value in atoms]
+    upper, lower, key_upper, key_lower = [], [], [], []
+    for op, lhs, value in atoms:
+        low, high = _integer_range(op, value)
+        if lhs == "d":
+            upper += [Bound(high)] if high is not None else []
+            lower += [Bound(low)] if low is not None else []
+        else:
+            key_upper += [high] if high is not None else []
+            key_lower += [low] if low is not None else []
+    return Mask(node, cond, visible, True, tuple(upper), tuple(lower), tuple(key_upper), tuple(key_lower))
+
+
+_NEGATED = {"lt": "ge", "le": "gt", "gt": "le", "ge": "lt"}
+_FLIPPED = {"lt": "gt", "le": "ge", "gt": "lt", "ge": "le"}
+
+
+def _atoms(fusion, cond) -> list | None:
+    """The condition as a conjunction of (op, "d" | "j", value): `j - i op value` or `j op value`;
+    None if it is not one."""
+    if cond.op == "logical_and":
+        parts = [_atoms(fusion, fusion.node(i)) for i in cond.inputs]
+        return None if None in parts else parts[0] + parts[1]
+    if cond.op not in _FLIPPED:
+        return None
+    a, b = (_linear(fusion, fusion.node(i)) for i in cond.inputs)
+    if a is None or b is None:
+        return None
+    ci, cj, c = a[0] - b[0], a[1] - b[1], a[2] - b[2]   # ci * i + cj * j + c  op  0
+    op = cond.op
+    if cj < 0:
+        ci, cj, c, op = -ci, -cj, -c, _FLIPPED[op]
+    # (a bound beyond 2**30 would overflow the kernel's 32-bit block arithmetic: no bound at all)
+    if cj == 0 or ci not in (0, -cj) or not math.isfinite(c / cj) or abs(c / cj) >= 2 ** 30:
+        return None
+    return [(op, "d" if ci else "j", -c / cj)]
+
+
+def _integer_range(op: str, value: float) -> tuple[int | None, int | None]:
+    """(low, high) of the integers x with `x op value`."""
+    if op == "lt":
+        return None, math.ceil(value) - 1
+    if op == "le":
+        return None, math.floor(value)
+    if op == "gt":
+        return math.floor(value) + 1, None
+    return math.ceil(value), None
+
+
+def _linear(fusion, node) -> tuple[float, float, float] | None:
+    """(ci, cj, c) with node = ci * i + cj * j + c exactly, i and j the positions; else None."""
+    if node.op == "position":
+        return (1.0, 0.0, 0.0) if node.attr("dim") == -2 else (0.0, 1.0, 0.0)
+    if node.op == "const":
+        return 0.0, 0.0, float(node.attr("value"))
+    if node.op == "cast" and node.dtype.name in ("f32", "i32"):
+        return _linear(fusion, fusion.node(node.inputs[0]))
+    parts = [_linear(fusion, fusion.node(i)) for i in node.inputs]
+    if None in parts or node.dtype.name not in ("f32", "i32"):
+        return None
+    if node.op == "neg":
+        return tuple(-x for x in parts[0])
+    if node.op in ("add", "sub"):
+        sign = 1.0 if node.op == "add" else -1.0
+        return tuple(x + sign * y for x, y in zip(*parts))
+    if node.op == "mul":
+        a, b = parts
+        if a[:2] == (0.0, 0.0):
+            a, b = b, a
+        if b[:2] != (0.0, 0.0):
+            return None
+        return tuple(x * b[2] for x in a)
+    return None
