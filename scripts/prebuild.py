@@ -10,9 +10,10 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
 
 import wsched as ws  # noqa: E402
 from attention_fusions import make_attention  # noqa: E402
-from fusions import linear_relu_residual, matmul, matmul_f16, mlp, scaled_silu_f32  # noqa: E402
+from fusions import gated, linear_relu_residual, matmul, matmul_f16, mlp, scaled_silu_f32  # noqa: E402
 
-VARIANTS = [(matmul, {}), (matmul_f16, {}), (mlp, {}), (linear_relu_residual, {}), (scaled_silu_f32, {}),
+VARIANTS = [(matmul, {}), (matmul_f16, {}), (mlp, {}), (linear_relu_residual, {}), (scaled_silu_f32, {}), (gated, {}),
+            (matmul, dict(split_k=16)), (gated, dict(split_k=16)),
             (mlp, dict(stages=1)), (mlp, dict(stages=2)), (mlp, dict(stages=4, epilogue="direct")),
             (linear_relu_residual, dict(epilogue="direct"))]
 ATTENTION = ([(make_attention(d, causal=c, lse=True), {}) for d in (64, 128, 256) for c in (False, True)]
@@ -26,6 +27,8 @@ def build(item):
     t0 = time.time()
     try:
         k = ws.compile(fusion, build=True, **overrides)
+        for variant in getattr(k, "variants", ()):     # a per-shape choice: build its variants too
+            ws.compile(fusion, variant.schedule, build=True)
         r = k.resources
         return f"{fusion.name} {overrides}: {time.time() - t0:.1f}s regs {r.registers} spills {r.spill_stores}/{r.spill_loads}"
     except Exception as e:  # report every failure, keep building the others

@@ -110,6 +110,17 @@ def test_split_k(fusion, M, N, K):
     run_and_check(compiled(fusion, split_k=16), fusion, M, N, K, seed=M + K)
 
 
+@pytest.mark.parametrize("fusion", [matmul, gated], ids=lambda f: f.name)
+def test_the_default_switches_to_split_k_where_tiles_are_few(fusion):
+    """ws.compile(fusion) picks the split-K variant per call where the output tiles cannot fill
+    the SMs (M = 1, 128 at N = 4096) and the plain kernel where they can (M = 4096)."""
+    k = compiled(fusion)
+    for M, split in ((1, True), (128, True), (4096, False)):
+        inputs = inputs_for(fusion, M, 4096, 4096, device="cuda")
+        assert (k.kernel_for(*inputs).schedule.split_k > 1) == split, M
+        run_and_check(k, fusion, M, 4096, 4096, seed=M)
+
+
 def test_split_k_is_deterministic_and_its_tickets_reset():
     """The same inputs three times: the same bits (the partials are summed in split order
     whichever CTA arrives last), and the tickets are back at 0 after each call (else the second

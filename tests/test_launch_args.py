@@ -644,7 +644,7 @@ class FakeGpu:
     def compile(self, fusion):
         import wsched as ws
 
-        k = ws.compile(fusion, build=False)
+        k = ws.compile(fusion, ws.schedule_for(fusion), build=False)   # one kernel, no per-shape choice
         k.__dict__["_loaded"] = self   # stands in for the LoadedKernel (a cached_property)
         return k
 

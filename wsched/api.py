@@ -27,7 +27,11 @@ def compile(fusion, schedule: Schedule | None = None, *, build: bool | None = No
     `autotune=True` searches the workload's schedule space on the GPU (wsched/autotune.py) for
     the shapes `autotune_for` ({symbol: size}, tensors or shapes) and compiles the winner; without
     `autotune_for` it returns an `AutotunedKernel` that tunes (or reads the on-disk result) at the
-    first call of each shape bucket."""
+    first call of each shape bucket.
+
+    Without a schedule or overrides, a workload whose best schedule depends on the shape (matmul:
+    split-K where the output tiles cannot fill the SMs) gives a `ShapeDispatchKernel` that picks
+    per call among its default and those variants (`wsched/dispatch.py`)."""
     check_fusion(fusion, "ws.compile")
     check_argument("autotune", autotune, bool, "True or False")
     if autotune or autotune_for is not None:
@@ -38,4 +42,12 @@ def compile(fusion, schedule: Schedule | None = None, *, build: bool | None = No
         if autotune_for is None:
             return tuner.AutotunedKernel(fusion)
         schedule = tuner.tune(fusion, autotune_for).schedule
-    return build_kernel(fusion, schedule, build=build, **overrides)
+    kernel = build_kernel(fusion, schedule, build=build, **overrides)
+    if schedule is None and not overrides:
+        from .dispatch import ShapeDispatchKernel
+        from .workloads import workload_for
+
+        variants = workload_for(fusion).variants(fusion, kernel.schedule)
+        if variants:
+            return ShapeDispatchKernel(kernel, variants, build=build)
+    return kernel

@@ -12,7 +12,9 @@ full/empty barriers, TMA issue, the wgmma protocol, register reallocation); the 
 - `build_loops(None, ctx)`: the partition's two loop nests (producer loads, consumer compute),
   single-buffered and unsynchronised;
 - `extra_passes`: its own steps, run after the shared wgmma protocol is in place;
-- `epilogue(kernel, ctx)`: what the consumers do after the k loop (the stores).
+- `epilogue(kernel, ctx)`: what the consumers do after the k loop (the stores);
+- `variants(fusion, schedule)`: other default schedules a call switches to by shape and SM count
+  (`wsched/dispatch.py`), each with its rule; none by default.
 
 The shared passes never ask which workload they run: they read the IR and the channels.
 """
@@ -20,12 +22,15 @@ The shared passes never ask which workload they run: they read the IR and the ch
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Callable, Iterator
+from typing import TYPE_CHECKING, Callable, Iterator
 
 from wsched.lowering import ir
 from wsched.lowering.context import LoweringContext, Step
 from wsched.partition import Partition
 from wsched.schedule import Schedule, ScheduleError
+
+if TYPE_CHECKING:
+    from wsched.dispatch import Variant
 
 
 class Workload(ABC):
@@ -50,6 +55,11 @@ class Workload(ABC):
 
     @abstractmethod
     def schedule_space(self, fusion) -> Iterator[Schedule]: ...
+
+    def variants(self, fusion, schedule: Schedule) -> tuple["Variant", ...]:
+        """Schedules that `ws.compile(fusion)` (no schedule, no overrides) switches to per call
+        instead of the default `schedule`, each with the rule that picks it."""
+        return ()
 
     def partition(self, fusion, schedule: Schedule) -> Partition:
         if not isinstance(schedule, self.schedule_type):

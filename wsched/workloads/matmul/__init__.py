@@ -11,7 +11,9 @@ from __future__ import annotations
 from wsched.workloads.base import Workload
 
 from . import epilogue, loops, partition, schedule
-from .schedule import MatmulSchedule
+from wsched.names import SPLITS
+
+from .schedule import MAX_SPLIT_K, MatmulSchedule
 
 
 class MatmulWorkload(Workload):
@@ -33,6 +35,20 @@ class MatmulWorkload(Workload):
         if "output_bytes" not in overrides:
             overrides["output_bytes"] = partition.staged_output_bytes(fusion)
         return schedule.default_schedule(**overrides)
+
+    def variants(self, fusion, schedule: MatmulSchedule):
+        """Split-K where the default's output tiles cannot fill the SMs: the same tile with
+        `split_k=MAX_SPLIT_K`, used when the split count the host computes for the call is above 1
+        (fewer than half as many output tiles as SMs, and at least 2 k steps). The split-capable
+        kernel is slower where it does not split (8192^3), so it never replaces the default."""
+        from wsched.dispatch import Variant
+
+        if schedule.split_k != 1:
+            return ()
+        split = self.default_schedule(fusion, tile=schedule.tile, consumer_warpgroups=schedule.consumer_warpgroups,
+                                      split_k=MAX_SPLIT_K)
+        return (Variant(split, lambda values: values[SPLITS] > 1,
+                        f"{SPLITS} = min({MAX_SPLIT_K}, k steps, num_sms / output tiles) > 1"),)
 
     def schedule_space(self, fusion):
         return schedule.schedule_space(partition.staged_output_bytes(fusion))

@@ -1,0 +1,128 @@
+"""Per-shape choice among a workload's default schedules.
+
+A schedule is fixed when a kernel is compiled, but the sizes (M of a matmul) are not: the best
+schedule for M = 16 is not the best for M = 8192. A workload whose default depends on the shape
+names, beside its default schedule, `variants(fusion, schedule)`: other schedules, each with the
+rule that picks it from a call's values (the sizes, `num_sms` and the variant kernel's host
+params, e.g. the split count split-K would use). `ws.compile(fusion)` without a schedule or
+overrides returns a `ShapeDispatchKernel` when there are variants:
+
+    k = ws.compile(linear)      # default schedule + the variants its workload names
+    y = k(x, w)                 # the kernel this shape and GPU pick (decided once per layout)
+    k.kernel_for(x, w)          # which one that is
+    k.ir, k.cuda_source         # the default schedule's (see k.kernels for every built one)
+
+A variant is lowered, emitted and built when a call first needs it. Everything else a
+`CompiledKernel` has (`ir`, `cuda_source`, `schedule`, `with_ir`, `op`, ...) is the default
+schedule's kernel's; a schedule or overrides passed to `ws.compile` give one `CompiledKernel` as
+before (no dispatch).
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import Callable, Mapping
+
+from .schedule import Schedule
+
+
+@dataclass(frozen=True)
+class Variant:
+    """A schedule a call switches to, and when: `applies(values)` with values = the call's
+    scalar params (sizes), `num_sms` and the variant kernel's host params."""
+
+    schedule: Schedule
+    applies: Callable[[Mapping[str, int]], bool]
+    rule: str                      # the rule in words (docs, `describe`)
+
+
+class ShapeDispatchKernel:
+    """The default kernel of a fusion plus variants chosen per call by shape and SM count."""
+
+    def __init__(self, primary, variants: tuple[Variant, ...], *, build: bool | None = None):
+        self.primary = primary
+        self.variants = tuple(variants)
+        self._build = build
+        self._built: dict[int, object] = {}          # variant index -> CompiledKernel
+        self._choice: dict[tuple, object] = {}       # layout key -> CompiledKernel
+        self._lock = threading.Lock()
+
+    # -- choice -------------------------------------------------------------------------------
+    def _variant_kernel(self, index: int):
+        kernel = self._built.get(index)
+        if kernel is None:
+            from .kernel import build_kernel
+
+            with self._lock:
+                kernel = self._built.get(index)
+                if kernel is None:
+                    kernel = self._built[index] = build_kernel(self.primary.fusion, self.variants[index].schedule,
+                                                               build=self._build)
+        return kernel
+
+    def choose(self, tensors, num_sms: int):
+        """The kernel a call with `tensors` runs on a GPU of `num_sms` SMs."""
+        _, scalars, _ = self.primary._bind_inputs(tensors)
+        for index, variant in enumerate(self.variants):
+            kernel = self._variant_kernel(index)
+            if variant.applies(kernel._host_params(scalars, num_sms)):
+                return kernel
+        return self.primary
+
+    def kernel_for(self, *tensors):
+        """The kernel that runs a call with these tensors on their GPU (decided once per shape
+        and device)."""
+        from .codegen.launch import sm_count
+
+        key = tuple((tuple(t.shape), t.device) if hasattr(t, "shape") else None for t in tensors)
+        kernel = self._choice.get(key)
+        if kernel is None:
+            device = next((t.device for t in tensors if getattr(t, "is_cuda", False)), None)
+            if device is None:
+                return self.primary          # the primary raises the no-GPU / bad-argument error
+            kernel = self.choose(tensors, sm_count(device))
+            if None not in key:
+                if len(self._choice) >= 256:
+                    self._choice.clear()
+                self._choice[key] = kernel
+        return kernel
+
+    # -- calls --------------------------------------------------------------------------------
+    def __call__(self, *tensors, out=None):
+        return self.kernel_for(*tensors)(*tensors, out=out)
+
+    def bind(self, *tensors, out=None):
+        return self.kernel_for(*tensors).bind(*tensors, out=out)
+
+    def simulate(self, *tensors, seed: int = 0, num_sms: int = 4):
+        """The kernel a GPU of `num_sms` SMs would pick, run on the simulator."""
+        from .errors import check_argument
+
+        check_argument("num_sms", num_sms, int, "a positive int (CTAs resident at a time)")
+        return self.choose(tensors, num_sms).simulate(*tensors, seed=seed, num_sms=num_sms)
+
+    def synchronize(self, device: object = None) -> None:
+        """Wait for the launches of every kernel that ran; CudaError if one faulted."""
+        for kernel in self.kernels:
+            if "_loaded" in kernel.__dict__:      # launched (or loaded) at least once
+                kernel.synchronize(device)
+
+    @property
+    def kernels(self) -> list:
+        """The default kernel and every variant built so far."""
+        return [self.primary] + [self._built[i] for i in sorted(self._built)]
+
+    def describe(self) -> str:
+        lines = [f"{self.primary.fusion.name}: {self.primary.schedule.short()} (default)"]
+        lines += [f"  {v.schedule.short()} when {v.rule}" for v in self.variants]
+        return "\n".join(lines)
+
+    def __getattr__(self, name):
+        # ir, cuda_source, schedule, resources, with_ir, op, ...: the default kernel's
+        if name.startswith("__") or name in ("primary", "variants"):
+            raise AttributeError(name)
+        return getattr(self.primary, name)
+
+    def __repr__(self) -> str:
+        return f"<ShapeDispatchKernel {self.describe()}>"
