@@ -20,14 +20,16 @@ def k():
     return ws.compile(matmul, build=False)
 
 
-def test_default_matmul_has_a_split_k_variant(k):
+def test_default_matmul_has_narrow_split_k_variants(k):
     assert isinstance(k, ShapeDispatchKernel)
-    (variant,) = k.variants
-    assert variant.schedule == ws.schedule_for(matmul, split_k=MAX_SPLIT_K)
+    small, narrow = k.variants
+    assert small.schedule == ws.schedule_for(matmul, tile=(64, 128, 64), consumer_warpgroups=1, split_k=MAX_SPLIT_K)
+    assert narrow.schedule == ws.schedule_for(matmul, tile=(128, 128, 64), split_k=MAX_SPLIT_K)
     assert k.describe() == (
         "matmul: 128x256x64 stages=3 consumers=2 regs=24/240 epilogue=tma_store (default)\n"
-        f"  128x256x64 stages=3 consumers=2 regs=24/240 epilogue=tma_store split_k={MAX_SPLIT_K} when "
-        f"splits = min({MAX_SPLIT_K}, k steps, num_sms / output tiles) > 1")
+        f"  {small.schedule.short()} when M <= 64 (split-K: the host splits when the tiles fill at most half the SMs)\n"
+        f"  {narrow.schedule.short()} when 128x128 tiles fill their last wave better than 128x256 ones (split-K: the "
+        "host splits when the tiles fill at most half the SMs)")
     # what a CompiledKernel has is the default schedule's
     assert k.schedule == ws.schedule_for(matmul) and k.ir == k.primary.ir and k.cuda_source == k.primary.cuda_source
 
@@ -42,33 +44,56 @@ def _shape(m, n, kk):
     return torch.empty(m, kk, dtype=torch.bfloat16), torch.empty(kk, n, dtype=torch.bfloat16)
 
 
-@pytest.mark.parametrize("m, n, kk, sms, split", [
-    (1, 4096, 4096, 132, True),       # 16 tiles on 132 SMs: 8 splits
-    (128, 4096, 4096, 132, True),
-    (512, 4096, 4096, 132, True),     # 64 tiles: 2 splits
-    (640, 4096, 4096, 132, False),    # 80 tiles: 132 / 80 = 1
-    (8192, 8192, 8192, 132, False),
-    (1, 4096, 64, 132, False),        # one k step: nothing to split
-    (1, 4096, 128, 132, True),
-    (16, 1024, 4096, 4, False),       # 4 tiles on 4 SMs
-    (16, 256, 4096, 4, True),
+@pytest.mark.parametrize("m, n, kk, sms, tile", [
+    (1, 4096, 4096, 132, (64, 128)),
+    (64, 57344, 8192, 132, (64, 128)),
+    (65, 4096, 4096, 132, (128, 128)),     # 16 wide tiles, 32 narrow: both < 1 wave, narrow fuller
+    (128, 28672, 4096, 132, (128, 256)),   # 112 / 132 vs 224 / 264: equal, the default
+    (512, 4096, 4096, 132, (128, 128)),    # 64 vs 128 of 132
+    (512, 6144, 4096, 132, (128, 256)),    # 96 / 132 vs 192 / 264: equal
+    (512, 10240, 8192, 132, (128, 128)),   # 160 / 264 vs 320 / 396
+    (512, 8192, 8192, 132, (128, 256)),    # 128 / 132 vs 256 / 264
+    (4096, 4096, 4096, 132, (128, 256)),
+    (8192, 8192, 8192, 132, (128, 256)),
+    (300, 520, 40, 132, (128, 128)),       # 3 x 3 vs 3 x 5 tiles
+    (16, 1024, 4096, 4, (64, 128)),
+    (1000, 1024, 4096, 4, (128, 256)),     # 32 / 32 vs 64 / 64
 ])
-def test_the_rule(k, m, n, kk, sms, split):
+def test_the_rule(k, m, n, kk, sms, tile):
     chosen = k.choose(_shape(m, n, kk), sms)
-    assert (chosen.schedule.split_k == MAX_SPLIT_K) == split
-    assert chosen is (k.kernels[1] if split else k.primary)
+    assert chosen.schedule.tile[:2] == tile
+    assert (chosen is k.primary) == (tile == (128, 256))
 
 
 def test_variants_are_built_once(k):
     first = k.choose(_shape(1, 512, 4096), 132)
-    assert k.choose(_shape(2, 512, 4096), 132) is first and len(k.kernels) == 2
+    assert k.choose(_shape(2, 512, 4096), 132) is first and first in k.kernels
 
 
-@pytest.mark.parametrize("fusion, m, n, kk", [(matmul, 33, 296, 520), (gated, 1, 384, 640)])
+def test_a_variant_that_does_not_build_is_dropped_with_a_warning(monkeypatch):
+    import wsched.kernel
+
+    k = ws.compile(matmul, build=False)
+    real = wsched.kernel.build_kernel
+
+    def failing(fusion, schedule=None, **kw):
+        if schedule is not None and schedule.tile[0] == 64:
+            raise RuntimeError("ptxas: 8 bytes spill stores")
+        return real(fusion, schedule, **kw)
+
+    monkeypatch.setattr(wsched.kernel, "build_kernel", failing)
+    with pytest.warns(UserWarning, match=r"the 64x128x64 .* kernel for M <= 64 .* did not build and is not used "
+                                         r"\(RuntimeError: ptxas: 8 bytes spill stores\)"):
+        chosen = k.choose(_shape(1, 4096, 4096), 132)
+    assert chosen.schedule.tile[:2] == (128, 128)       # the next variant whose rule holds
+    assert k.choose(_shape(1, 4096, 4096), 132) is chosen and list(k.dropped) == [0]
+
+
+@pytest.mark.parametrize("fusion, m, n, kk", [(matmul, 33, 296, 520), (gated, 1, 384, 640), (gated, 100, 384, 640)])
 def test_simulate_runs_the_chosen_kernel(fusion, m, n, kk):
     k = ws.compile(fusion, build=False)
     inputs = inputs_for(fusion, m, n, kk, seed=m)
-    assert k.choose(inputs, 4).schedule.split_k == MAX_SPLIT_K     # 2 tiles on 4 SMs
+    assert k.choose(inputs, 4) is not k.primary
     out = k.simulate(*inputs, num_sms=4)
     ref = fusion.reference(*inputs)
     assert float((out.float() - ref).norm() / ref.norm()) < 1e-2

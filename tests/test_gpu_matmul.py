@@ -112,8 +112,9 @@ def test_split_k(fusion, M, N, K):
 
 @pytest.mark.parametrize("fusion", [matmul, gated], ids=lambda f: f.name)
 def test_the_default_switches_to_split_k_where_tiles_are_few(fusion):
-    """ws.compile(fusion) picks the split-K variant per call where the output tiles cannot fill
-    the SMs (M = 1, 128 at N = 4096) and the plain kernel where they can (M = 4096)."""
+    """ws.compile(fusion) picks a narrower split-K kernel per call where the default's output tiles
+    cannot fill the SMs (M = 1: 64x128, M = 128 at N = 4096: 128x128) and the default where they
+    can (M = 4096)."""
     k = compiled(fusion)
     for M, split in ((1, True), (128, True), (4096, False)):
         inputs = inputs_for(fusion, M, 4096, 4096, device="cuda")

@@ -267,3 +267,11 @@ def test_split_k_kernels_build_without_spills(fusion, tmp_path_factory):
     assert (res.spill_stores, res.spill_loads, res.stack_bytes) == (0, 0, 0)
     # wgmma is the only writer of the accumulator: ptxas keeps the k loop's wgmmas in flight
     assert not [w for w in result.warnings if "C7514" in w]
+
+
+@pytest.mark.parametrize("value", [None, 2.0, "4"])
+def test_a_split_k_of_the_wrong_type_is_named(value):
+    from wsched.workloads.matmul.schedule import MatmulSchedule
+
+    with pytest.raises(ws.ScheduleError, match=rf"split_k={value!r} must be an int in \[1, 16\]"):
+        MatmulSchedule(tile=(128, 256, 64), split_k=value)

@@ -3,8 +3,7 @@
 A schedule is fixed when a kernel is compiled, but the sizes (M of a matmul) are not: the best
 schedule for M = 16 is not the best for M = 8192. A workload whose default depends on the shape
 names, beside its default schedule, `variants(fusion, schedule)`: other schedules, each with the
-rule that picks it from a call's values (the sizes, `num_sms` and the variant kernel's host
-params, e.g. the split count split-K would use). `ws.compile(fusion)` without a schedule or
+rule that picks it from a call's sizes and the GPU's SM count. `ws.compile(fusion)` without a schedule or
 overrides returns a `ShapeDispatchKernel` when there are variants:
 
     k = ws.compile(linear)      # default schedule + the variants its workload names
@@ -21,8 +20,11 @@ before (no dispatch).
 from __future__ import annotations
 
 import threading
+import warnings
 from dataclasses import dataclass
 from typing import Callable, Mapping
+
+import torch
 
 from .schedule import Schedule
 
@@ -30,7 +32,7 @@ from .schedule import Schedule
 @dataclass(frozen=True)
 class Variant:
     """A schedule a call switches to, and when: `applies(values)` with values = the call's
-    scalar params (sizes), `num_sms` and the variant kernel's host params."""
+    scalar params (the sizes, e.g. M, N, K) and `num_sms`."""
 
     schedule: Schedule
     applies: Callable[[Mapping[str, int]], bool]
@@ -47,6 +49,7 @@ class ShapeDispatchKernel:
         self._built: dict[int, object] = {}          # variant index -> CompiledKernel
         self._choice: dict[tuple, object] = {}       # layout key -> CompiledKernel
         self._lock = threading.Lock()
+        self.dropped: dict[int, str] = {}              # variant index -> why it did not build
 
     # -- choice -------------------------------------------------------------------------------
     def _variant_kernel(self, index: int):
@@ -62,12 +65,20 @@ class ShapeDispatchKernel:
         return kernel
 
     def choose(self, tensors, num_sms: int):
-        """The kernel a call with `tensors` runs on a GPU of `num_sms` SMs."""
+        """The kernel a call with `tensors` runs on a GPU of `num_sms` SMs: the first variant whose
+        rule holds for the call's sizes, else the default. A variant that fails to build (a
+        register spill, say) is dropped with a warning and the next one is tried."""
         _, scalars, _ = self.primary._bind_inputs(tensors)
+        values = {**scalars, "num_sms": num_sms}
         for index, variant in enumerate(self.variants):
-            kernel = self._variant_kernel(index)
-            if variant.applies(kernel._host_params(scalars, num_sms)):
-                return kernel
+            if index in self.dropped or not variant.applies(values):
+                continue
+            try:
+                return self._variant_kernel(index)
+            except Exception as error:  # a build failure: the other kernels still serve the call
+                self.dropped[index] = f"{type(error).__name__}: {error}"
+                warnings.warn(f"{self.primary.fusion.name}: the {variant.schedule.short()} kernel for "
+                              f"{variant.rule} did not build and is not used ({self.dropped[index]})", stacklevel=3)
         return self.primary
 
     def kernel_for(self, *tensors):
@@ -75,7 +86,7 @@ class ShapeDispatchKernel:
         and device)."""
         from .codegen.launch import sm_count
 
-        key = tuple((tuple(t.shape), t.device) if hasattr(t, "shape") else None for t in tensors)
+        key = tuple((t.shape, t.get_device()) if isinstance(t, torch.Tensor) else None for t in tensors)
         kernel = self._choice.get(key)
         if kernel is None:
             device = next((t.device for t in tensors if getattr(t, "is_cuda", False)), None)

@@ -11,9 +11,9 @@ from __future__ import annotations
 from wsched.workloads.base import Workload
 
 from . import epilogue, loops, partition, schedule
-from wsched.names import SPLITS
+from wsched.schedule import ScheduleError
 
-from .schedule import MAX_SPLIT_K, MatmulSchedule
+from .schedule import MAX_SPLIT_K, MatmulSchedule, narrow_tile_rule
 
 
 class MatmulWorkload(Workload):
@@ -37,18 +37,33 @@ class MatmulWorkload(Workload):
         return schedule.default_schedule(**overrides)
 
     def variants(self, fusion, schedule: MatmulSchedule):
-        """Split-K where the default's output tiles cannot fill the SMs: the same tile with
-        `split_k=MAX_SPLIT_K`, used when the split count the host computes for the call is above 1
-        (fewer than half as many output tiles as SMs, and at least 2 k steps). The split-capable
-        kernel is slower where it does not split (8192^3), so it never replaces the default."""
+        """The default's tile (128x256) is right when its tiles fill the SMs; where they do not,
+        a call switches (docs/architecture.md, the matmul schedule space):
+
+        - M <= 64: 64x128 tiles (one consumer warpgroup: a 128-row tile would be at least half
+          empty rows) with split-K; the host splits K when the tiles fill at most half the SMs.
+        - otherwise 128x128 tiles with split-K when their last wave is fuller than the default's
+          (`wave_fill`: tiles / (waves x SMs)); the host splits K when they fill at most half
+          the SMs.
+
+        A variant this fusion cannot take (its staged outputs do not fit beside two stages) is
+        left out."""
         from wsched.dispatch import Variant
 
-        if schedule.split_k != 1:
+        if schedule.tile != (128, 256, 64) or schedule.split_k != 1:
             return ()
-        split = self.default_schedule(fusion, tile=schedule.tile, consumer_warpgroups=schedule.consumer_warpgroups,
-                                      split_k=MAX_SPLIT_K)
-        return (Variant(split, lambda values: values[SPLITS] > 1,
-                        f"{SPLITS} = min({MAX_SPLIT_K}, k steps, num_sms / output tiles) > 1"),)
+        found = []
+        for tile, consumers, applies, rule in (
+                ((64, 128, 64), 1, lambda v: v["M"] <= 64, "M <= 64"),
+                ((128, 128, 64), 2, lambda v: narrow_tile_rule(v["M"], v["N"], v["num_sms"]),
+                 "128x128 tiles fill their last wave better than 128x256 ones")):
+            try:
+                variant = self.default_schedule(fusion, tile=tile, consumer_warpgroups=consumers, split_k=MAX_SPLIT_K)
+            except ScheduleError:
+                continue
+            found.append(Variant(variant, applies, rule + f" (split-K: the host splits when the tiles fill at most "
+                                                          f"half the SMs)"))
+        return tuple(found)
 
     def schedule_space(self, fusion):
         return schedule.schedule_space(partition.staged_output_bytes(fusion))

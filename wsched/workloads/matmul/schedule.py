@@ -49,7 +49,7 @@ class MatmulSchedule(Schedule):
         and with split-K the smem slot each consumer warpgroup reads its ticket from (one aligned
         buffer)."""
         staging = self.bm * self.bn * self.output_bytes if self.epilogue == "tma_store" else 0
-        return staging + (SMEM_ALIGN if self.split_k > 1 else 0)
+        return staging + (SMEM_ALIGN if is_int(self.split_k) and self.split_k > 1 else 0)
 
     def short(self) -> str:
         return super().short() + (f" split_k={self.split_k}" if self.split_k != 1 else "")
@@ -75,6 +75,20 @@ class MatmulSchedule(Schedule):
             p.append("mma_inflight=1 keeps one stage in use while the next is loaded: stages must "
                      "be at least 2 (or set mma_inflight=0)")
         return p
+
+
+def wave_fill(tiles: int, num_sms: int) -> float:
+    """How full the persistent grid's waves are: tiles / (waves x SMs), 1.0 when the last wave is
+    full."""
+    return tiles / (-(-tiles // num_sms) * num_sms)
+
+
+def narrow_tile_rule(m: int, n: int, num_sms: int) -> bool:
+    """Whether 128x128 output tiles fill the SMs' waves strictly better than the default 128x256
+    ones for an M x N output (fewer than one wave, or a nearly empty last wave)."""
+    wide = -(-m // 128) * -(-n // 256)
+    narrow = -(-m // 128) * -(-n // 128)
+    return wave_fill(narrow, num_sms) > wave_fill(wide, num_sms) + 1e-9
 
 
 def default_schedule(**overrides) -> MatmulSchedule:
