@@ -15,6 +15,10 @@ if [ "$what" != bench ]; then
   timeout 300 python3 -m pytest -q -m gpu $files -p no:cacheprovider -x 2>&1 | tee "$OUT/gpu-tests-$which.log" | tail -25
 fi
 if [ "$what" != tests ]; then
-  if [ "$which" != attention ]; then timeout 240 python3 benchmarks/matmul.py --iters 30 2>&1 | tee "$OUT/bench-matmul.log"; fi
+  if [ "$which" != attention ]; then
+    timeout 240 python3 benchmarks/matmul.py --iters 30 2>&1 | tee "$OUT/bench-matmul.log"
+    timeout 300 python3 benchmarks/matmul_llm.py --iters 20 2>&1 | tee "$OUT/bench-matmul-llm.log" | tail -3
+    timeout 120 python3 benchmarks/matmul_llm.py --epilogues --iters 20 2>&1 | tee "$OUT/bench-matmul-epilogues.log" | grep wsched
+  fi
   if [ "$which" != matmul ]; then timeout 240 python3 benchmarks/attention.py --iters 20 2>&1 | tee "$OUT/bench-attention.log"; fi
 fi
