@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import wsched as ws
-from wsched import cli
+from wsched import cli, inputs
 
 from fusions import mlp
 
@@ -95,10 +95,10 @@ def test_simulate_exits_1_on_a_mismatch(capsys, monkeypatch):
 
 def test_inputs_are_scaled_like_the_tests():
     sizes = {"M": 64, "N": 32, "K": 256}
-    assert cli.input_scales(mlp, sizes) == {"a": 1 / math.sqrt(256)}
+    assert inputs.input_scales(mlp, sizes) == {"a": 1 / math.sqrt(256)}
     attention = cli.load_fusion(ATTENTION)
-    assert cli.input_scales(attention, {"B": 1, "H": 1, "S": 8, "T": 8}) == {}   # it scales itself
-    a, b, bias = cli.random_inputs(mlp, sizes, "cpu")
+    assert inputs.input_scales(attention, {"B": 1, "H": 1, "S": 8, "T": 8}) == {}   # it scales itself
+    a, b, bias = inputs.random_inputs(mlp, sizes, "cpu")
     assert (a.shape, b.shape, bias.shape, a.dtype) == ((64, 256), (256, 32), (32,), torch.bfloat16)
 
 

@@ -14,6 +14,7 @@ import torch
 
 import wsched as ws
 from wsched import timeline
+from wsched.inputs import random_inputs
 from wsched.codegen.emit import emit_kernel
 from wsched.lowering.parser import parse_kernel
 from wsched.lowering.simulate import SimulationError, simulate
@@ -35,7 +36,7 @@ def mlp_kernel():
 
 @pytest.fixture(scope="module")
 def mlp_trace(mlp_kernel):
-    tensors = timeline.random_inputs(mlp, MLP_SIZES, "cpu")
+    tensors = random_inputs(mlp, MLP_SIZES, "cpu")
     outputs, trace = timeline.simulate_trace(mlp_kernel, tensors, num_sms=2)
     return tensors, outputs, trace
 
@@ -111,7 +112,7 @@ def test_a_failed_simulation_carries_the_trace_so_far(mlp_kernel):
     broken = re.sub(r"\n *mbarrier\.arrive empty\[last_s\]", "", text)
     assert broken != text
     kernel = parse_kernel(broken)
-    args = _simulation_args(mlp_kernel, timeline.random_inputs(mlp, MLP_SIZES, "cpu"))
+    args = _simulation_args(mlp_kernel, random_inputs(mlp, MLP_SIZES, "cpu"))
     with pytest.raises(SimulationError) as failure:
         simulate(kernel, args, num_sms=2, trace=True)
     trace = failure.value.trace
@@ -261,7 +262,7 @@ def test_decode_gpu_records(mlp_kernel):
 @pytest.mark.gpu
 def test_trace_gpu_matmul(tmp_path):
     sizes = {"M": 512, "N": 512, "K": 512}
-    tensors = timeline.random_inputs(mlp, sizes, "cuda")
+    tensors = random_inputs(mlp, sizes, "cuda")
     trace = timeline.trace_gpu(mlp, sizes, tmp_path / "mlp.json", inputs=tensors, png=False)
     assert trace.source == "gpu" and trace.clock == "ns" and not trace.meta["truncated_streams"]
     assert len(trace.ctas) == 8                                   # 8 tiles, 8 CTAs

@@ -58,6 +58,7 @@ import torch
 
 from . import knobs
 from .fusion import check_fusion
+from .inputs import random_inputs
 from .schedule import Schedule, ScheduleError
 from .timing import median_ms
 from .workloads import workload_for
@@ -444,14 +445,6 @@ def check_sizes(fusion, sizes: Mapping[str, int]) -> dict[str, int]:
     than the shape tuned for, so a shape the kernel rejects is not invented here."""
     inner = {d for node in fusion.inputs for d in node.shape[-2:] if isinstance(d, str)}
     return {s: min(size, CHECK_SIZE if s in inner else CHECK_BATCH) for s, size in sizes.items()}
-
-
-def random_inputs(fusion, sizes: Mapping[str, int], device="cpu", seed: int = 0) -> list[torch.Tensor]:
-    """Random normal inputs of the declared shapes and dtypes (never zeros: they hide unwritten
-    outputs)."""
-    generator = torch.Generator(device="cpu").manual_seed(seed)
-    return [torch.randn([sizes[d] if isinstance(d, str) else d for d in node.shape], generator=generator)
-            .to(device=device, dtype=node.dtype.torch_dtype) for node in fusion.inputs]
 
 
 def output_error(got, expected) -> str | None:

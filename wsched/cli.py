@@ -28,15 +28,13 @@ import sys
 import time
 from pathlib import Path
 
+from .inputs import random_inputs
 from .timing import rel_error
 
 COMMANDS = ("ir", "cuda", "simulate", "run", "tune", "bench", "trace")
 EXIT_MISMATCH = 1   # an output is further from the reference than --tol
 EXIT_ERROR = 2      # a user error, reported in one line (argparse uses 2 as well)
 
-# Ops whose input is a row of attention scores: a matmul feeding one is scaled by the fusion
-# itself (1/sqrt(d)), so its operands are left unscaled (see random_inputs).
-_SCORE_OPS = ("softmax", "logsumexp")
 
 
 class CLIError(Exception):
@@ -133,50 +131,6 @@ def parse_overrides(items: list[str]) -> dict[str, object]:
 
 def _resolve(shape, sizes: dict[str, int]) -> list[int]:
     return [sizes[d] if isinstance(d, str) else d for d in shape]
-
-
-def _operand_source(fusion, node_id: str) -> str:
-    """The node a view or cast chain starting at `node_id` reads from."""
-    node = fusion.node(node_id)
-    while node.op in ("transpose", "expand", "cast") and node.inputs:
-        node = fusion.node(node.inputs[0])
-    return node.id
-
-
-def input_scales(fusion, sizes: dict[str, int]) -> dict[str, float]:
-    """1/sqrt(K) for an input that is the left operand of a matmul over K, so that sums stay O(1)
-    (like tests/fusions.py:inputs_for); attention scores carry their own scale, so the operands of
-    a matmul whose result reaches a softmax or logsumexp keep scale 1."""
-    import networkx as nx
-
-    scales: dict[str, float] = {}
-    for node in fusion.nodes():
-        if node.op != "matmul":
-            continue
-        if any(fusion.node(d).op in _SCORE_OPS for d in nx.descendants(fusion.graph, node.id)):
-            continue
-        source = fusion.node(_operand_source(fusion, node.inputs[0]))
-        if source.op == "input":
-            contraction = _resolve(fusion.node(node.inputs[0]).shape, sizes)[-1]
-            scales[source.id] = 1.0 / math.sqrt(contraction)
-    return scales
-
-
-def random_inputs(fusion, sizes: dict[str, int], device: str, seed: int = 0) -> list:
-    """One random normal tensor per input, made on `device`, in its declared dtype and shape."""
-    import torch
-
-    generator = torch.Generator(device=device).manual_seed(seed)
-    scales = input_scales(fusion, sizes)
-    tensors = []
-    for node in fusion.inputs:
-        shape, dtype = _resolve(node.shape, sizes), node.dtype.torch_dtype
-        if dtype.is_floating_point:
-            t = torch.randn(shape, generator=generator, device=device) * scales.get(node.id, 1.0)
-        else:
-            t = torch.randint(0, 8, shape, generator=generator, device=device)
-        tensors.append(t.to(dtype))
-    return tensors
 
 
 def report_errors(kernel, outputs, reference, tol: float) -> bool:

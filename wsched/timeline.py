@@ -33,6 +33,7 @@ import torch
 
 from .lowering.simulate.trace import (ARRIVE, ASYNC_CATEGORIES, BAR_SYNC, STORE, TILE, TMA_LOAD, TMA_STORE, TMA_WAIT,
                                       WAIT, WGMMA, WGMMA_WAIT, Trace, TraceBuilder, TraceEvent, roles_of)
+from .inputs import random_inputs
 from .target import WARPGROUP_THREADS
 
 __all__ = ["trace_simulated", "trace_gpu", "simulate_trace", "TracedKernel", "decode_gpu_records",
@@ -97,17 +98,6 @@ def export(trace: Trace, path: str | Path, *, png: bool | str | Path = True,
     write_json(trace, path, ctas=ctas)
     if png:
         write_png(trace, path.with_suffix(".png") if png is True else Path(png), ctas=ctas)
-
-
-def random_inputs(fusion, sizes: dict[str, int], device: str, seed: int = 0) -> list[torch.Tensor]:
-    """Random normal inputs of the fusion's declared shapes and dtypes (values do not change
-    the timeline; they only have to be finite)."""
-    missing = sorted({d for node in fusion.inputs for d in node.shape if isinstance(d, str)} - set(sizes))
-    if missing:
-        raise ValueError(f"{fusion.name}: sizes needs a value for {', '.join(missing)}")
-    generator = torch.Generator().manual_seed(seed)
-    return [torch.randn([sizes[d] if isinstance(d, str) else d for d in node.shape], generator=generator)
-            .to(node.dtype.torch_dtype).to(device) for node in fusion.inputs]
 
 
 # ---------------------------------------------------------------------------------------------
