@@ -20,5 +20,9 @@ if [ "$what" != tests ]; then
     timeout 300 python3 benchmarks/matmul_llm.py --iters 20 2>&1 | tee "$OUT/bench-matmul-llm.log" | tail -3
     timeout 120 python3 benchmarks/matmul_llm.py --epilogues --iters 20 2>&1 | tee "$OUT/bench-matmul-epilogues.log" | grep wsched
   fi
-  if [ "$which" != matmul ]; then timeout 240 python3 benchmarks/attention.py --iters 20 2>&1 | tee "$OUT/bench-attention.log"; fi
+  if [ "$which" != matmul ]; then
+    timeout 240 python3 benchmarks/attention.py --iters 20 2>&1 | tee "$OUT/bench-attention.log"
+    timeout 200 python3 benchmarks/attention_variants.py --prebuild > "$OUT/prebuild-attention-variants.log" 2>&1
+    timeout 200 python3 benchmarks/attention_variants.py --iters 20 2>&1 | tee "$OUT/bench-attention-variants.log"
+  fi
 fi

@@ -65,9 +65,9 @@ def test_head_dims_causal_and_not(D, causal):
 
 
 @pytest.mark.parametrize("D", [96, 192])
-@pytest.mark.parametrize("S,T", [(77, 300), (300, 129)])
-def test_head_dims_96_and_192_with_gqa_bottom_right_and_odd_lengths(D, S, T):
-    f = make_attention(D, causal="bottom_right", lse=True, gqa=True)
+@pytest.mark.parametrize("S,T,causal", [(77, 300, "bottom_right"), (300, 129, True)])
+def test_head_dims_96_and_192_with_gqa_causal_and_odd_lengths(D, S, T, causal):
+    f = make_attention(D, causal=causal, lse=True, gqa=True)
     simulate_and_check(f, attention_inputs(1, 4, S, T, D, seed=S + D, gqa_groups=2), num_sms=2)
 
 

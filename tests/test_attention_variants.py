@@ -1,7 +1,8 @@
 """Attention score functions and masks written in the DSL (issue 11): each variant in the CPU
 simulator against the torch reference (odd lengths, GQA), the kv blocks a mask hides skipped and
 the blocks it cuts masked (checked against brute force), a golden IR for softcap + sliding
-window, spill-free builds, and the errors for definitions the kernel cannot compute."""
+window, spill-free builds (and the narrower keys per block of score functions that keep registers
+live), and the errors for definitions the kernel cannot compute."""
 
 import math
 import re
@@ -19,6 +20,7 @@ from wsched.names import K_COUNT, K_FIRST
 from wsched.schedule import ScheduleError
 
 from attention_fusions import VARIANTS, attention_inputs, make_attention, make_variant, variant_inputs
+from wsched.workloads.attention.schedule import SCORE_FUNCTION_KEYS_PER_BLOCK, VALUE_DIMS
 
 
 def rel(out, ref):
@@ -105,10 +107,16 @@ def test_other_schedules(overrides):
     check(f, variant_inputs(f, 1, 2, 300, 300, 64, seed=2), **overrides)
 
 
-def test_head_dims_128_and_256():
-    for d, variant in ((128, "alibi"), (256, "softcap_window")):
+def test_head_dims_96_128_192_and_256():
+    for d, variant in ((96, "document_causal"), (128, "alibi"), (192, "softcap_window"), (256, "softcap_window")):
         f = make_variant(d, variant, window=70)
         check(f, variant_inputs(f, 1, 2, 150, 150, d, seed=d))
+
+
+def test_gqa_with_head_dims_96_and_192():
+    for d, variant in ((96, "softcap"), (192, "alibi")):
+        f = make_variant(d, variant, gqa=True)
+        check(f, variant_inputs(f, 1, 4, 130, 201, d, seed=d, gqa_groups=2), num_sms=2)
 
 
 def test_rows_that_see_no_key_store_zero_and_minus_inf():
@@ -278,16 +286,71 @@ def test_softcap_sliding_window_ir_is_golden_and_round_trips(golden):
         assert parse_kernel(print_kernel(snapshot)) == snapshot
 
 
+def build_resources(kernel):
+    from wsched.codegen.build import compile_cuda
+    from wsched.codegen.emit import emit_kernel
+
+    return compile_cuda(emit_kernel(kernel).source, name=kernel.name).resources[kernel.name]
+
+
 @pytest.mark.nvcc
 @pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_variants_build_without_spills(variant, head_dim):
-    from wsched.codegen.build import compile_cuda
-    from wsched.codegen.emit import emit_kernel
-
-    kernel = ws.lower(make_variant(head_dim, variant))
-    resources = compile_cuda(emit_kernel(kernel).source, name=kernel.name).resources[kernel.name]
+    resources = build_resources(ws.lower(make_variant(head_dim, variant)))
     assert resources.spill_stores == 0 and resources.spill_loads == 0
+
+
+@pytest.mark.nvcc
+@pytest.mark.parametrize("variant", ["softcap", "alibi", "document_causal"])
+@pytest.mark.parametrize("head_dim", [96, 192])
+def test_head_dims_96_and_192_build_without_spills(variant, head_dim):
+    resources = build_resources(ws.lower(make_variant(head_dim, variant)))
+    assert resources.spill_stores == 0 and resources.spill_loads == 0
+
+
+# The heaviest variant of each kind of SCORE_FUNCTION_KEYS_PER_BLOCK (schedule.py).
+HEAVIEST = {"computes on the scores": "alibi", "reads a per-key input": "document_causal"}
+NARROWER = [(kind, key, widest) for kind, table in SCORE_FUNCTION_KEYS_PER_BLOCK.items()
+            for key, widest in sorted(table.items())]
+
+
+@pytest.mark.nvcc
+@pytest.mark.parametrize("kind, key, widest", NARROWER,
+                         ids=[f"{HEAVIEST[k]}-{c}-{d}-{i}" for k, (c, d, i), _ in NARROWER])
+def test_the_widest_keys_per_block_a_score_function_gets_build_without_spills(kind, key, widest):
+    """At every narrower limit of the table, the heaviest variant of its kind builds at that BN
+    without spills (one step wider spilled when it was measured)."""
+    consumers, value_dim, inflight = key
+    head_dim = next(d for d, v in VALUE_DIMS.items() if v == value_dim)
+    kernel = ws.lower(make_variant(head_dim, HEAVIEST[kind]), consumer_warpgroups=consumers, mma_inflight=inflight,
+                      tile=(64 * consumers, widest, head_dim), stages=1)
+    resources = build_resources(kernel)
+    assert resources.spill_stores == 0 and resources.spill_loads == 0
+
+
+def test_a_score_function_that_keeps_registers_live_narrows_the_keys_per_block():
+    f = make_variant(128, "document")
+    with pytest.raises(ScheduleError, match="^" + re.escape(
+            f"attention schedule for {f.name}: BN=192 keys per block: the score function reads a per-key input, "
+            "which keeps more registers live than plain attention; with head dim 128, mma_inflight=1 and 2 consumer "
+            "warpgroup(s) ptxas spills beyond BN=128; use BN <= 128 (doc_k = input(...) at attention_fusions.py:")):
+        ws.lower(f, tile=(128, 192, 128))
+    g = make_variant(64, "alibi")
+    with pytest.raises(ScheduleError, match=re.escape(
+            "the score function computes on the scores, which keeps more registers live than plain attention; with "
+            "head dim 64, mma_inflight=0 and 1 consumer warpgroup(s) ptxas spills beyond BN=192; use BN <= 192 "
+            "(n8 = add(...) at attention_fusions.py:")):
+        ws.lower(g, tile=(64, 256, 64), consumer_warpgroups=1, mma_inflight=0)
+    # plain attention keeps its table; the search space and the defaults keep within the limits
+    ws.lower(make_variant(128, "window"), tile=(128, 192, 128))
+    space = list(ws.workload_for(f).schedule_space(f))
+    assert max(s.bn for s in space if s.mma_inflight == 1) == 128 and max(s.bn for s in space) == 192
+    for variant in VARIANTS:
+        fusion = make_variant(128, variant)
+        for consumers in (1, 2):
+            for inflight in (0, 1):
+                ws.partition(fusion, ws.schedule_for(fusion, mma_inflight=inflight, consumer_warpgroups=consumers))
 
 
 def test_score_ops_run_as_one_loop_over_the_fragment():

@@ -104,7 +104,7 @@ def test_one_stage_too_many_says_how_many_fit_in_the_singular():
                                  "spills; use BN <= 192"),
     (dict(tile=(128, 128, 256)), "BN=128 keys per block with head dim 256, mma_inflight=1 and 2 consumer "
                                  "warpgroup(s) needs more registers"),
-    (dict(tile=(128, 128, 96)), "head dim (BK) 96 is not one of 64, 128, 256"),
+    (dict(tile=(128, 128, 160)), "head dim (BK) 160 is not one of 64, 96, 128, 192, 256"),
     (dict(epilogue="tma_store"), "attention stores O and LSE with epilogue='direct'"),
     (dict(mode="pingpong", consumer_warpgroups=1, tile=(64, 128, 128), consumer_registers=256),
      "it needs consumer_warpgroups=2 and mma_inflight=1"),

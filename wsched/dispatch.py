@@ -108,9 +108,8 @@ class ShapeDispatchKernel:
 
     def simulate(self, *tensors, seed: int = 0, num_sms: int = 4):
         """The kernel a GPU of `num_sms` SMs would pick, run on the simulator."""
-        from .errors import check_argument
-
-        check_argument("num_sms", num_sms, int, "a positive int (CTAs resident at a time)")
+        if not isinstance(num_sms, int) or isinstance(num_sms, bool) or num_sms < 1:
+            return self.primary.simulate(*tensors, seed=seed, num_sms=num_sms)   # it names the mistake
         return self.choose(tensors, num_sms).simulate(*tensors, seed=seed, num_sms=num_sms)
 
     def synchronize(self, device: object = None) -> None:

@@ -52,7 +52,10 @@ class AttentionWorkload(Workload):
         return schedule.default_schedule(head_dim, **overrides)
 
     def schedule_space(self, fusion):
-        return schedule.schedule_space(self._head_dim(fusion))
+        # the partition of the default schedule checks the fusion and analyses its score function
+        score_function = self.partition(fusion, self.default_schedule(fusion)).payload.score
+        kinds = tuple(kind for kind, _ in score_function.register_costs(fusion))
+        return schedule.schedule_space(self._head_dim(fusion), kinds)
 
     @staticmethod
     def _head_dim(fusion) -> int:

@@ -23,7 +23,7 @@ from wsched.schedule import ScheduleError
 from wsched.target import WGMMA_OPERAND_DTYPES
 
 from . import score
-from .schedule import VALUE_DIMS, AttentionSchedule, chunk_columns, head_dims_text
+from .schedule import VALUE_DIMS, AttentionSchedule, chunk_columns, head_dims_text, max_keys_per_block
 from .score import ScoreFunction, SideInput
 
 
@@ -206,6 +206,15 @@ def partition_attention(workload, fusion, schedule: AttentionSchedule) -> Partit
     roles = {q.id: "the Q of Q K^T", k.id: "the K of Q K^T", v.id: "the V of P @ V"}
     function = score.analyse(fusion, scores, qk, roles, batch, fail, param_name)
     sink = score.sink_of(fusion, sm, qk, batch, fail, param_name)
+    costs = function.register_costs(fusion)
+    widest = max_keys_per_block(schedule, tuple(kind for kind, _ in costs))
+    if schedule.bn > widest:
+        kind, node = next((kind, node) for kind, node in costs
+                          if max_keys_per_block(schedule, (kind,)) == widest)
+        fail(f"BN={schedule.bn} keys per block: the score function {kind}, which keeps more registers live "
+             f"than plain attention; with head dim {d}, mma_inflight={schedule.mma_inflight} and "
+             f"{schedule.consumer_warpgroups} consumer warpgroup(s) ptxas spills beyond BN={widest}; use "
+             f"BN <= {widest}", node)
 
     outputs = [nodes[o] for o in fusion.outputs]
     out = next((o for o in outputs if o.id == pv.id or (o.op == "cast" and o.inputs[0] == pv.id)), None)

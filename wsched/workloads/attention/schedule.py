@@ -49,10 +49,29 @@ MAX_KEYS_PER_BLOCK = {
     (2, 128, 0): 192, (2, 128, 1): 192,
     (2, 256, 0): 128, (2, 256, 1): 64,
     (1, 64, 0): 256, (1, 64, 1): 256,
-    (1, 96, 0): 256, (1, 96, 1): 256,
+    (1, 96, 0): 256, (1, 96, 1): 192,
     (1, 128, 0): 256, (1, 128, 1): 192,
     (1, 256, 0): 128, (1, 256, 1): 128,
 }
+# Narrower limits where the score function keeps more registers live (`ScoreFunction.
+# register_costs`), measured the same way on the heaviest variant of each kind: ALiBi (a slope
+# times j - i added to every score) for "computes on the scores", document ids for "reads a
+# per-key input" (a [1, BN] f32 tile beside S: BN / 4 registers a thread). Keys not listed keep
+# MAX_KEYS_PER_BLOCK's; a function of both kinds takes the narrower.
+SCORE_FUNCTION_KEYS_PER_BLOCK = {
+    "computes on the scores": {(1, 64, 0): 192, (1, 96, 0): 128, (1, 128, 0): 128, (1, 256, 0): 64},
+    "reads a per-key input": {(2, 64, 1): 128, (2, 96, 1): 128, (2, 128, 1): 128,
+                              (1, 64, 1): 128, (1, 96, 0): 192, (1, 96, 1): 128, (1, 128, 0): 192,
+                              (1, 128, 1): 128, (1, 256, 1): 64},
+}
+
+
+def max_keys_per_block(schedule: "AttentionSchedule", kinds: tuple[str, ...] = ()) -> int:
+    """The widest BN whose kernel does not spill, for a score function that keeps registers
+    live in the given `kinds` (SCORE_FUNCTION_KEYS_PER_BLOCK; none: plain attention)."""
+    key = (schedule.consumer_warpgroups, schedule.value_dim, schedule.mma_inflight)
+    widest = MAX_KEYS_PER_BLOCK.get(key, 256)
+    return min([widest] + [SCORE_FUNCTION_KEYS_PER_BLOCK[kind].get(key, widest) for kind in kinds])
 
 
 @dataclass(frozen=True)
@@ -129,16 +148,19 @@ def default_schedule(head_dim: int, **overrides) -> AttentionSchedule:
     return replace(probe, stages=overrides.get("stages", min(3, max_stages(probe))))
 
 
-def schedule_space(head_dim: int) -> Iterator[AttentionSchedule]:
+def schedule_space(head_dim: int, kinds: tuple[str, ...] = ()) -> Iterator[AttentionSchedule]:
     """Schedules of the space this workload implements, for a search: 2 consumer warpgroups,
-    64..256 keys per block (as many as the registers hold), 1 stage up to as many as fit, the
-    softmax overlapped with P V or not, cooperative or ping-pong consumers."""
+    64..256 keys per block (as many as the registers hold beside the score function's `kinds`,
+    `max_keys_per_block`), 1 stage up to as many as fit, the softmax overlapped with P V or not,
+    cooperative or ping-pong consumers."""
     for bn in (64, 128, 192, 256):
         for inflight in (0, 1):
             for mode in ("cooperative", "pingpong"):
                 try:
                     probe = AttentionSchedule(tile=(128, bn, head_dim), stages=1, mma_inflight=inflight, mode=mode)
                 except ScheduleError:
+                    continue
+                if bn > max_keys_per_block(probe, kinds):
                     continue
                 for stages in range(1, max_stages(probe) + 1):
                     try:

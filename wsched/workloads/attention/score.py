@@ -101,6 +101,21 @@ class ScoreFunction:
         aligns = [m.causal for m in self.masks]
         return aligns[0] if len(aligns) == 1 and aligns[0] is not None else None
 
+    def register_costs(self, fusion) -> tuple[tuple[str, object], ...]:
+        """(kind, node) for each way this function keeps registers live beyond plain attention's,
+        the kinds of `schedule.SCORE_FUNCTION_KEYS_PER_BLOCK`: "computes on the scores" (inner
+        ops on every score), "reads a per-key input" (a [1, BN] tile per kv block, such as a
+        document id per key). A mask alone is a few temporaries per element of one fused loop (the
+        window masks measured no narrower than plain attention); a mask that reads a per-key
+        input counts as that input."""
+        costs = []
+        if self.inner != self.qk:
+            costs.append(("computes on the scores", fusion.node(self.inner)))
+        per_key = next((x for x in self.inputs if x.per_key), None)
+        if per_key is not None:
+            costs.append(("reads a per-key input", per_key.node))
+        return tuple(costs)
+
     @property
     def rows_may_see_nothing(self) -> bool:
         """Whether a row may see no key in some block (or in all of them): any mask but the
