@@ -30,7 +30,10 @@ WINDOW, SOFTCAP = 1024, 30.0
 CASES = [("causal", "causal", 4, 16, 4096, 128), ("window", "window", 4, 16, 4096, 128),
          ("softcap", "softcap", 4, 16, 4096, 128), ("alibi", "alibi", 4, 16, 4096, 128),
          ("document", "document", 4, 16, 4096, 128), ("sinks", "sinks", 4, 16, 4096, 128),
-         ("causal_d64", "causal", 4, 16, 4096, 64), ("softcap_d64", "softcap", 4, 16, 4096, 64)]
+         ("causal_d64", "causal", 4, 16, 4096, 64), ("window_d64", "window", 4, 16, 4096, 64),
+         ("softcap_d64", "softcap", 4, 16, 4096, 64), ("alibi_d64", "alibi", 4, 16, 4096, 64),
+         ("document_d64", "document", 4, 16, 4096, 64), ("causal_16k", "causal", 1, 16, 16384, 128),
+         ("window_16k", "window", 1, 16, 16384, 128)]
 
 
 def flex_mods(variant, extra):
