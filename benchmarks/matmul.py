@@ -1,6 +1,10 @@
 """Persistent warp-specialized matmul vs cuBLAS (torch.matmul), timed side by side in one run.
 
     python benchmarks/matmul.py [--iters 50] [--shapes 4096x4096x4096,...]
+    python benchmarks/matmul.py --batched [--batched-shapes 8x512x512x512,...]
+
+--batched times batched matmuls instead ([B, M, K] @ [B, K, N] next to torch.bmm, and a batched
+linear layer [B, M, K] @ w.T with w [N, K] shared by every batch next to torch.matmul).
 
 Prints TFLOP/s of both and our ratio to cuBLAS; every result is checked against torch first.
 """
@@ -30,6 +34,55 @@ def linear(a: ws.Tensor[ws.bf16, "M", "K"], w: ws.Tensor[ws.bf16, "N", "K"]):
     return ws.matmul(a, w.transpose(-1, -2)).to(ws.bf16)
 
 
+@ws.fusion
+def bmm(a: ws.Tensor[ws.bf16, "B", "M", "K"], b: ws.Tensor[ws.bf16, "B", "K", "N"]):
+    return ws.matmul(a, b).to(ws.bf16)
+
+
+@ws.fusion
+def batched_linear(x: ws.Tensor[ws.bf16, "B", "M", "K"], w: ws.Tensor[ws.bf16, "N", "K"]):
+    return ws.matmul(x, w.transpose(-1, -2)).to(ws.bf16)
+
+
+# (kind, B, M, N, K): bmm rows against torch.bmm, linear rows against torch.matmul(x, w.t())
+BATCHED = [("bmm", 8, 512, 512, 512), ("bmm", 16, 1024, 1024, 256), ("bmm", 4, 4096, 4096, 1024),
+           ("linear", 4, 2048, 4096, 4096), ("linear", 8, 128, 4096, 4096)]
+
+
+def run_batched(args) -> None:
+    """Batched rows: ours and torch's in the same run, checked against torch first."""
+    cases = [(kind, *(int(x) for x in dims.split("x"))) for kind, dims in
+             (item.split(":") for item in args.batched_shapes.split(",") if item)] or BATCHED
+    kernels = {"bmm": ws.compile(bmm), "linear": ws.compile(batched_linear)}
+    for kind, k in kernels.items():
+        res = k.resources
+        print(f"# {kind}: {k.schedule.short()}  registers {res.registers}  spills {res.spill_stores}/{res.spill_loads}")
+    rows = []
+    for kind, B, M, N, K in cases:
+        a = torch.randn(B, M, K, device="cuda", dtype=torch.bfloat16) / K ** 0.25
+        if kind == "bmm":
+            b = torch.randn(B, K, N, device="cuda", dtype=torch.bfloat16) / K ** 0.25
+            ref_fn, name = (lambda: torch.bmm(a, b)), "torch.bmm"
+        else:
+            b = torch.randn(N, K, device="cuda", dtype=torch.bfloat16) / K ** 0.25
+            ref_fn, name = (lambda: torch.matmul(a, b.t())), "torch.matmul"
+        out = torch.full((B, M, N), float("nan"), device="cuda", dtype=torch.bfloat16)
+        ours_fn = kernels[kind].bind(a, b, out={"out": out})
+        ours_fn()
+        torch.cuda.synchronize()
+        err = rel_error(out, ref_fn())
+        t_ref = median_ms(ref_fn, iters=args.iters)
+        t_ours = median_ms(ours_fn, iters=args.iters)
+        flops = 2 * B * M * N * K
+        row = (kind, f"{B}x{M}x{N}x{K}", flops / t_ours / 1e9, name, flops / t_ref / 1e9, t_ref / t_ours, err)
+        rows.append(row)
+        print(f"{row[0]:>6} {row[1]:>20}  wsched {row[2]:7.1f} TFLOP/s  {row[3]} {row[4]:7.1f} TFLOP/s  "
+              f"ratio {row[5]:.3f}  rel.err {row[6]:.1e}", flush=True)
+    print("\n| kind | B×M×N×K | wsched TFLOP/s | reference | TFLOP/s | ratio |\n|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r[0]} | {r[1]} | {r[2]:.0f} | {r[3]} | {r[4]:.0f} | {r[5]:.2f} |")
+
+
 def parse_overrides(text: str) -> dict:
     """'stages=4,epilogue=direct,tile=128x128x64' -> schedule keyword overrides."""
     out = {}
@@ -49,7 +102,13 @@ def main(argv=None):
     ap.add_argument("--layouts", default="kn,nk", help="kn: b is [K, N]; nk: b is [N, K] (a linear layer)")
     ap.add_argument("--schedule", action="append", default=[],
                     help="schedule overrides to compare, e.g. 'stages=4,epilogue=direct' (repeatable)")
+    ap.add_argument("--batched", action="store_true", help="time batched matmuls (bmm, batched linear) instead")
+    ap.add_argument("--batched-shapes", default="",
+                    help="with --batched: kind:BxMxNxK,... (kind bmm or linear), e.g. bmm:8x512x512x512")
     args = ap.parse_args(argv)
+    if args.batched:
+        print(f"# {torch.cuda.get_device_name()}  torch {torch.__version__}  bf16, median of {args.iters}")
+        return run_batched(args)
     shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",") if s] or SHAPES
     print(f"# {torch.cuda.get_device_name()}  torch {torch.__version__}  bf16, median of {args.iters}")
     rows = []

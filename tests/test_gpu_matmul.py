@@ -136,3 +136,44 @@ def test_split_k_is_deterministic_and_its_tickets_reset():
     ref = matmul.reference(a.cpu(), b.cpu()).float().cuda()
     assert float((outs[0].float() - ref).norm() / ref.norm()) < 1e-2
 
+
+
+# --- batched matmul (tests/test_batched_matmul.py has the simulator's checks) ----------------------
+
+def _check_batched(fusion, sizes, seed):
+    from test_batched_matmul import inputs
+
+    k = compiled(fusion)
+    x = [t.cuda() for t in inputs(fusion, sizes, seed)]
+    ref = fusion.reference(*[t.cpu() for t in x]).float().cuda()
+    node = ws.partition(fusion, k.schedule).outputs[0]
+    out = {"out": torch.full(tuple(ref.shape), float("nan"), device="cuda", dtype=node.dtype.torch_dtype)}
+    k(*x, out=out)
+    k.synchronize()
+    got = out["out"].float()
+    assert not torch.isnan(got).any(), f"{int(torch.isnan(got).sum())} outputs never written"
+    err = float((got - ref).norm() / ref.norm())
+    assert err < 1e-2, f"relative error {err:.2e}"
+
+
+@pytest.mark.parametrize("B,M,N,K", [(1, 512, 512, 512), (3, 999, 1000, 1000), (16, 1024, 1024, 256),
+                                     (5, 33, 4096, 40)])
+def test_bmm(B, M, N, K):
+    from test_batched_matmul import bmm
+
+    _check_batched(bmm, dict(B=B, M=M, N=N, K=K), seed=B + M)
+
+
+@pytest.mark.parametrize("B,M", [(1, 4096), (4, 1000), (3, 1)])
+def test_batched_linear_with_bias_and_residual(B, M):
+    from test_batched_matmul import batched_linear
+
+    _check_batched(batched_linear, dict(B=B, M=M, N=1000, K=1024), seed=B)
+
+
+def test_broadcast_batch_dims_in_operands_and_epilogue():
+    from test_batched_matmul import broadcast_b, shared_a, three_batch_dims
+
+    _check_batched(three_batch_dims, dict(P=2, Q=3, R=2, M=300, N=520, K=264), seed=1)
+    _check_batched(broadcast_b, dict(B=3, M=300, N=520, K=264), seed=2)
+    _check_batched(shared_a, dict(B=3, M=300, N=520, K=264), seed=3)

@@ -33,6 +33,7 @@ from wsched.lowering.verify import VerifyError, verify
 from attention_fusions import attention_inputs, make_attention, make_variant
 from fusions import inputs_for, linear_relu_residual, matmul, matmul_f16, mlp, scaled_silu_f32
 from mutations import OPERATORS, Edit, Text
+from test_batched_matmul import batched_linear_b2
 
 GOLDEN = Path(__file__).parent / "golden"
 SEEDS = (0, 1, 2)
@@ -111,6 +112,8 @@ FAMILIES = [
     # tiles, more than the SMs, not split (each CTA walks several tiles and reuses its staging tile)
     Family("matmul_split_k.ir", matmul, (("split_k", 4),), golden="matmul_split_k.ir",
            shapes=((100, 264, 640), (300, 520, 320)), num_sms=4),
+    # A batched linear layer (batch 2, the weight shared): 2 x 4 tiles, batch outermost, on 4 SMs
+    Family("matmul_batched_linear.ir", batched_linear_b2, golden="matmul_batched_linear.ir", num_sms=4),
 ]
 
 

@@ -2,8 +2,9 @@
 
 The producer loads A and B tiles through one channel per k step; the consumer warpgroups run
 one wgmma per k step into an fp32 accumulator, then the fused elementwise epilogue and the
-stores (TMA or direct). It takes fusions with exactly one 2-D matmul whose operands are
-inputs, and elementwise ops after it.
+stores (TMA or direct). It takes fusions with exactly one matmul whose operands are
+inputs, and elementwise ops after it; a batched one ([*batch, M, K] @ [*batch, K, N], batch dims
+that broadcast) walks the batch as the outermost tile dimension.
 """
 
 from __future__ import annotations
@@ -47,10 +48,11 @@ class MatmulWorkload(Workload):
           the SMs.
 
         A variant this fusion cannot take (its staged outputs do not fit beside two stages) is
-        left out."""
+        left out. A batched matmul has none: its rules count one batch's tiles, and split-K
+        takes 2-D matmuls only."""
         from wsched.dispatch import Variant
 
-        if schedule.tile != (128, 256, 64) or schedule.split_k != 1:
+        if schedule.tile != (128, 256, 64) or schedule.split_k != 1 or _batched(fusion):
             return ()
         found = []
         for tile, consumers, applies, rule in (
@@ -66,7 +68,13 @@ class MatmulWorkload(Workload):
         return tuple(found)
 
     def schedule_space(self, fusion):
-        return schedule.schedule_space(partition.staged_output_bytes(fusion))
+        splits = (1,) if _batched(fusion) else (1, MAX_SPLIT_K)
+        return schedule.schedule_space(partition.staged_output_bytes(fusion), split_ks=splits)
+
+
+def _batched(fusion) -> bool:
+    """Whether the fusion's matmul has leading batch dims."""
+    return any(n.op == "matmul" and len(n.shape) > 2 for n in fusion.nodes())
 
 
 MATMUL = MatmulWorkload()

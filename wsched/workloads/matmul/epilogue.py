@@ -34,6 +34,9 @@ split order 0, 1, ... (the same bits whichever unit is last).
       elect_one { tma.store out[m0 + wg * 64, n0] <- C_bf16[wg, 0]  ...  tma.commit }
     and after the tile loop:  elect_one { tma.wait 0 }
 
+A batched matmul stores to out[b0, b1, ..., row, col] (its tensor map has a box extent 1 in each
+batch dim) and reads an epilogue input at the tile's batch indices (0 where it broadcasts).
+
     split-K (docs/architecture.md, "Split-K"):
       var last_split = 1
       if splits > 1 {
@@ -73,6 +76,8 @@ from wsched.names import (ACC, CONSUMER, EPILOGUE_SLICE, PARTIALS, SPLITS, TICKE
 from wsched.partition import param_name
 from wsched.target import DTYPE_BYTES, SWIZZLE_ROW_BYTES, UNARY_OPS, WARPGROUP_THREADS
 
+from .loops import batch_coords, output_shape
+
 V = ir.Var
 C = ir.IntConst
 
@@ -90,6 +95,8 @@ def epilogue(kernel: ir.Kernel, ctx: LoweringContext) -> ir.Kernel:
     row0 = ir.add("m0", ir.mul("wg", rows))
     col0 = ir.add("n0", ir.mul(j, width)) if slices > 1 else V("n0")
     split = s.split_k > 1
+    mm = part.payload
+    at = tuple(V(f"b{i}") for i in range(mm.batch))     # an output's batch coordinates
 
     # Where each output goes: a TMA store through its dtype's staging buffer, or plain stores.
     params = list(kernel.params)
@@ -110,7 +117,7 @@ def epilogue(kernel: ir.Kernel, ctx: LoweringContext) -> ir.Kernel:
         extra_smem.append(decl)
         staged.append((name, decl, chunk))
         i = next(k for k, p in enumerate(params) if p.name == name)
-        params[i] = ir.TensorMapParam(name, dtype, (V("M"), V("N")), (rows, chunk), swizzle)
+        params[i] = ir.TensorMapParam(name, dtype, output_shape(mm), (1,) * mm.batch + (rows, chunk), swizzle)
 
     decls: dict[str, ir.RegDecl] = {}
 
@@ -120,7 +127,7 @@ def epilogue(kernel: ir.Kernel, ctx: LoweringContext) -> ir.Kernel:
         tile_of = _elementwise(part, (rows, width), row0, col0, source, decls, body)
         for out, name in zip(part.outputs, part.output_names):
             decl = store_to[name]
-            body.append(ir.TileStoreGlobal(name, (row0, col0), tile_of[out.id]) if decl is None else
+            body.append(ir.TileStoreGlobal(name, at + (row0, col0), tile_of[out.id]) if decl is None else
                         ir.TileStoreSmem(ir.SmemRef(decl.name, (V("wg"), j)), tile_of[out.id]))
         return tuple(body)
 
@@ -152,7 +159,7 @@ def epilogue(kernel: ir.Kernel, ctx: LoweringContext) -> ir.Kernel:
                 for c in range(width // chunk):
                     col = ir.add("n0", jj * width + c * chunk) if jj or c else V("n0")
                     index = (V("wg"), C(jj)) + ((C(c),) if len(decl.shape) == 5 else ())
-                    stores.append(ir.TmaStore(name, (row0, col), ir.SmemRef(decl.name, index)))
+                    stores.append(ir.TmaStore(name, at + (row0, col), ir.SmemRef(decl.name, index)))
         body += [ir.FenceProxyAsync(), sync, ir.ElectOne(tuple(stores) + (ir.TmaCommit(),))]
     tail: tuple[ir.Stmt, ...] = (ir.ElectOne((ir.TmaWait(0, False),)),) if staged else ()
 
@@ -202,7 +209,7 @@ def _elementwise(part, shape, row0, col0, acc: str, decls: dict, body: list) -> 
         if node_id not in tile_of:   # a side input: load its part of this slice
             node = part.fusion.node(node_id)
             name = declare(f"{node_id}_t", info.dtype, info.layout)
-            body.append(ir.TileLoadGlobal(name, param_name(node_id), _side_coords(node, info.layout, row0, col0)))
+            body.append(ir.TileLoadGlobal(name, param_name(node_id), _side_coords(node, info, row0, col0)))
             tile_of[node_id] = name
         return tile_of[node_id]
 
@@ -277,9 +284,10 @@ def _tile_dtype(decls, name) -> str:
     return decls[name].dtype if name in decls else "f32"   # only acc (and its slices) is declared elsewhere
 
 
-def _side_coords(node, layout: str, row0: ir.Expr, col0: ir.Expr) -> tuple[ir.Expr, ...]:
-    if layout == "full":
-        return (row0, col0)
-    if layout == "row":
-        return (col0,) if len(node.shape) == 1 else (C(0), col0)
-    return (row0, C(0))
+def _side_coords(node, info, row0: ir.Expr, col0: ir.Expr) -> tuple[ir.Expr, ...]:
+    at = batch_coords(info.batch)
+    if info.layout == "full":
+        return at + (row0, col0)
+    if info.layout == "row":
+        return (col0,) if len(node.shape) == 1 else at + (C(0), col0)
+    return at + (row0, C(0))

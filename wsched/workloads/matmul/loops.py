@@ -25,6 +25,13 @@ barriers, the wgmma protocol, the epilogue and register reallocation.
           }
         }
       }
+
+A batched matmul (partition.py) adds i32 params batch0, batch1, ... and walks
+batch0 x batch1 x ... x tiles_m x tiles_n tiles, batch outermost: a tile index splits into the
+batch indices (b0, b1, ...) and the tile within its batch, which takes the grouped raster. The
+operand maps get one leading dim per batch dim they have (box extent 1; extent 1 and
+coordinate 0 where the operand broadcasts), so a tile's rows past M read TMA's zero fill, never
+the next batch.
 """
 
 from __future__ import annotations
@@ -33,6 +40,8 @@ from wsched.lowering import ir
 from wsched.lowering.context import LoweringContext
 from wsched.names import ACC, CONSUMER, K_VAR, PARTIALS, PRODUCER, SPLITS, TICKETS, TILE_VAR
 from wsched.partition import param_name
+
+from .partition import BATCH_ONE
 
 V = ir.Var
 C = ir.IntConst
@@ -44,22 +53,27 @@ def build_loops(kernel: None, ctx: LoweringContext) -> ir.Kernel:
     bm, bn, bk = s.tile
     (ch,) = part.channels
     a_load, b_load = ch.loads
-    dims = {mm.matmul.shape[0]: V("M"), mm.matmul.shape[1]: V("N")}
+    m_sym, n_sym = mm.matmul.shape[-2:]
+    dims = {m_sym: V("M"), n_sym: V("N")}
 
-    def shape_expr(shape) -> tuple[ir.Expr, ...]:
-        return tuple(dims.get(d, C(d) if isinstance(d, int) else V(str(d))) for d in shape)
+    def shape_expr(node) -> tuple[ir.Expr, ...]:
+        last = tuple(dims.get(d, C(d) if isinstance(d, int) else V(str(d))) for d in node.shape[-2:])
+        return batch_shape(mm.tiles[node.id].batch) + last
 
-    params: list[ir.Param] = [ir.ScalarParam("M", "i32"), ir.ScalarParam("N", "i32"), ir.ScalarParam("K", "i32")]
+    params: list[ir.Param] = [ir.ScalarParam(f"batch{i}", "i32") for i in range(mm.batch)]
+    params += [ir.ScalarParam("M", "i32"), ir.ScalarParam("N", "i32"), ir.ScalarParam("K", "i32")]
     split = s.split_k > 1
     if split:
         params.append(ir.HostParam(SPLITS, "i32", split_count(s)))
-    params.append(ir.TensorMapParam(a_load.tensor, a_load.dtype, (V("M"), V("K")), a_load.box, 0))
+    a_lead, b_lead = batch_shape(mm.a_batch), batch_shape(mm.b_batch)
+    params.append(ir.TensorMapParam(a_load.tensor, a_load.dtype, a_lead + (V("M"), V("K")),
+                                    (1,) * len(a_lead) + a_load.box, 0))
     b_shape = (V("N"), V("K")) if b_load.major == "k" else (V("K"), V("N"))
-    params.append(ir.TensorMapParam(b_load.tensor, b_load.dtype, b_shape, b_load.box, 0))
+    params.append(ir.TensorMapParam(b_load.tensor, b_load.dtype, b_lead + b_shape, (1,) * len(b_lead) + b_load.box, 0))
     for node in mm.side_inputs:
-        params.append(ir.GlobalParam(param_name(node.id), node.dtype.name, shape_expr(node.shape)))
+        params.append(ir.GlobalParam(param_name(node.id), node.dtype.name, shape_expr(node)))
     for out, name in zip(part.outputs, part.output_names):
-        params.append(ir.GlobalParam(name, out.dtype.name, (V("M"), V("N"))))
+        params.append(ir.GlobalParam(name, out.dtype.name, output_shape(mm)))
     if split:   # fp32 partials [split, row, col] and one ticket per (output tile, consumer warpgroup)
         params.append(ir.WorkspaceParam(PARTIALS, "f32", (V(SPLITS), V("M"), V("N"))))
         tiles = ir.mul(ir.mul(ir.ceil_div("M", bm), ir.ceil_div("N", bn)), s.consumer_warpgroups)
@@ -73,22 +87,26 @@ def build_loops(kernel: None, ctx: LoweringContext) -> ir.Kernel:
         b_buf = ir.SmemDecl("B", b_load.dtype, (1, b_load.boxes, bk, b_load.box[1]), 0)
     barriers = (ir.BarrierDecl(ch.full, 1), ir.BarrierDecl(ch.empty, 1))
 
+    tiles = (ir.Let("num_tiles", ir.mul("tiles_m", "tiles_n")),) if not mm.batch else (
+        ir.Let("batch_tiles", ir.mul("tiles_m", "tiles_n")),
+        ir.Let("num_tiles", ir.mul("batch_tiles", batch_count(mm.batch))))
     setup = (
         ir.Let("tiles_m", ir.ceil_div("M", bm)),
         ir.Let("tiles_n", ir.ceil_div("N", bn)),
-        ir.Let("num_tiles", ir.mul("tiles_m", "tiles_n")),
+        *tiles,
         ir.Let("k_tiles", ir.ceil_div("K", bk)),
     ) + ((ir.Let("num_units", ir.mul("num_tiles", SPLITS)),) if split else ())
     full0 = ir.BarRef(ch.full, C(0))
     k0 = ir.mul(ir.add("k_begin", K_VAR) if split else V(K_VAR), bk)
-    loads: list[ir.Stmt] = [ir.TmaLoad(ir.SmemRef("A", (C(0),)), a_load.tensor, (V("m0"), k0), full0)]
+    a_at, b_at = batch_coords(mm.a_batch), batch_coords(mm.b_batch)
+    loads: list[ir.Stmt] = [ir.TmaLoad(ir.SmemRef("A", (C(0),)), a_load.tensor, a_at + (V("m0"), k0), full0)]
     if b_load.major == "k":
-        loads.append(ir.TmaLoad(ir.SmemRef("B", (C(0),)), b_load.tensor, (V("n0"), k0), full0))
+        loads.append(ir.TmaLoad(ir.SmemRef("B", (C(0),)), b_load.tensor, b_at + (V("n0"), k0), full0))
     else:
-        width = b_load.box[1]
+        width = b_load.box[-1]
         for j in range(b_load.boxes):
             col = V("n0") if j == 0 else ir.add("n0", j * width)
-            loads.append(ir.TmaLoad(ir.SmemRef("B", (C(0), C(j))), b_load.tensor, (k0, col), full0))
+            loads.append(ir.TmaLoad(ir.SmemRef("B", (C(0), C(j))), b_load.tensor, b_at + (k0, col), full0))
 
     producer = ir.Role(PRODUCER, 1, s.producer_registers, (
         tile_loop(ctx, (k_loop(tuple(loads), split),)),
@@ -99,9 +117,35 @@ def build_loops(kernel: None, ctx: LoweringContext) -> ir.Kernel:
         tile_loop(ctx, (ir.TileFill(ACC, ir.FloatConst(0.0)), k_loop((mma,), split))),
     ))
     units = ir.mul(ir.ceil_div("M", bm), ir.ceil_div("N", bn))
+    if mm.batch:
+        units = ir.mul(units, batch_count(mm.batch))
     grid = ir.emin("num_sms", ir.mul(units, SPLITS) if split else units)
     return ir.Kernel(ctx.name, tuple(params), grid, (1, 1, 1), (a_buf, b_buf), barriers,
                      setup + (producer, consumer))
+
+
+def batch_shape(roles) -> tuple[ir.Expr, ...]:
+    """A tensor's leading dims for the batch dims it has (`partition.batch_roles`): batch{i}, or 1
+    where it broadcasts."""
+    return tuple(C(1) if role == BATCH_ONE else V(f"batch{i}") for i, role in enumerate(roles) if role is not None)
+
+
+def batch_coords(roles) -> tuple[ir.Expr, ...]:
+    """Where a tensor is read for the tile's batch indices: b{i}, or 0 where it broadcasts."""
+    return tuple(C(0) if role == BATCH_ONE else V(f"b{i}") for i, role in enumerate(roles) if role is not None)
+
+
+def output_shape(mm) -> tuple[ir.Expr, ...]:
+    """An output's dims: [batch0, ..., M, N]."""
+    return tuple(V(f"batch{i}") for i in range(mm.batch)) + (V("M"), V("N"))
+
+
+def batch_count(nb: int) -> ir.Expr:
+    """batch0 * batch1 * ...: how many times the output tiles repeat."""
+    count: ir.Expr = V("batch0")
+    for i in range(1, nb):
+        count = ir.mul(count, f"batch{i}")
+    return count
 
 
 def split_count(s) -> ir.Expr:
@@ -122,8 +166,9 @@ def tile_loop(ctx: LoweringContext, body: tuple[ir.Stmt, ...]) -> ir.For:
     split-K it walks (output tile, split) units, the splits of one tile next to each other; a
     split takes the k steps [split * k_tiles / splits, (split + 1) * k_tiles / splits)."""
     if ctx.schedule.split_k == 1:
-        return ir.For(TILE_VAR, V("cta_id"), V("num_tiles"), V("num_ctas"), "persistent",
-                      raster_lets(ctx, V(TILE_VAR)) + body)
+        nb = ctx.partition.payload.batch
+        lets = raster_lets(ctx, V(TILE_VAR)) if not nb else batch_lets(nb) + raster_lets(ctx, V("batch_tile"))
+        return ir.For(TILE_VAR, V("cta_id"), V("num_tiles"), V("num_ctas"), "persistent", lets + body)
     unit = (
         ir.Let("split", ir.mod(TILE_VAR, SPLITS)),
         ir.Let("out_tile", ir.div(TILE_VAR, SPLITS)),
@@ -135,6 +180,18 @@ def tile_loop(ctx: LoweringContext, body: tuple[ir.Stmt, ...]) -> ir.For:
     )
     return ir.For(TILE_VAR, V("cta_id"), V("num_units"), V("num_ctas"), "persistent",
                   unit + raster_lets(ctx, V("out_tile")) + k_range + body)
+
+
+def batch_lets(nb: int) -> tuple[ir.Stmt, ...]:
+    """A batched tile index -> the tile within its batch (`batch_tile`) and the batch indices
+    b0, b1, ... (the last varying fastest), as the attention workload splits its tiles."""
+    lets = [ir.Let("batch_tile", ir.mod(TILE_VAR, "batch_tiles")),
+            ir.Let("rest", ir.div(TILE_VAR, "batch_tiles"))]
+    for i in reversed(range(1, nb)):
+        rest = "rest" if i == nb - 1 else f"rest{i + 1}"
+        lets += [ir.Let(f"b{i}", ir.mod(rest, f"batch{i}")), ir.Let(f"rest{i}", ir.div(rest, f"batch{i}"))]
+    lets.append(ir.Let("b0", V("rest1") if nb > 1 else V("rest")))
+    return tuple(lets)
 
 
 def raster_lets(ctx: LoweringContext, t: ir.Var) -> tuple[ir.Stmt, ...]:

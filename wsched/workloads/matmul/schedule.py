@@ -127,16 +127,17 @@ def _fitting(fields: dict, widths) -> list[MatmulSchedule]:
     return found
 
 
-def schedule_space(output_bytes: int = 2, operand_bytes: int = 2) -> Iterator[MatmulSchedule]:
+def schedule_space(output_bytes: int = 2, operand_bytes: int = 2,
+                   split_ks: tuple[int, ...] = (1, MAX_SPLIT_K)) -> Iterator[MatmulSchedule]:
     """Schedules of the space this workload implements, for a search: BM 128 (2 consumer
     warpgroups) or 64 (1), BN 64..256, both epilogues, either raster, and split-K off or up to
     MAX_SPLIT_K (the host picks the split per call). With 2 consumers and no split every stage
     count that fits, with and without a wgmma group in flight; the other families with the
     default's stages (as many as fit, at most 4) and a group in flight, which keeps the space a
     search times small. (`MatmulSchedule` also takes other register budgets, raster
-    groups and split bounds.)"""
+    groups and split bounds.) A batched matmul passes `split_ks=(1,)`: split-K is 2-D only."""
     for consumers in (2, 1):
-        for split_k in (1, MAX_SPLIT_K):
+        for split_k in split_ks:
             for bn in TILE_N:
                 for epilogue in ("tma_store", "direct"):
                     for raster in ("row", "column"):
