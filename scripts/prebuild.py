@@ -36,11 +36,14 @@ def build(item):
 
 
 if __name__ == "__main__":
-    from matmul import linear, matmul as bench_matmul
+    from matmul import batched_linear as bench_batched_linear, bmm as bench_bmm, linear, matmul as bench_matmul
+    from test_batched_matmul import batched_linear, bmm, broadcast_b, shared_a, three_batch_dims
 
-    with ThreadPoolExecutor(max_workers=8) as pool:
+    with ThreadPoolExecutor(max_workers=16) as pool:
         which = sys.argv[1] if len(sys.argv) > 1 else "all"
-        todo = (VARIANTS + [(bench_matmul, {}), (linear, {})] if which in ("all", "matmul") else []) + \
+        batched = [(f, {}) for f in (bmm, batched_linear, broadcast_b, shared_a, three_batch_dims, bench_bmm,
+                                     bench_batched_linear)]
+        todo = (VARIANTS + batched + [(bench_matmul, {}), (linear, {})] if which in ("all", "matmul") else []) + \
                (ATTENTION if which in ("all", "attention") else [])
         for line in pool.map(build, todo):
             print(line, flush=True)
