@@ -9,7 +9,11 @@ python3 -m pip install -q --no-deps --no-build-isolation -e . >/dev/null 2>&1 ||
 export PYTHONUNBUFFERED=1 WSCHED_CACHE_DIR=/tmp/wsched-cache
 nvidia-smi --query-gpu=name,driver_version,clocks.sm --format=csv,noheader | tee "$OUT/gpu.txt"
 which="${1:-all}"; what="${2:-both}"
-python3 scripts/prebuild.py "$which" 2>&1 | tee "$OUT/prebuild-$which.log"
+python3 scripts/prebuild.py "$which" 2>&1 | tee "$OUT/prebuild-$which.log" | grep -i "failed\|spills [1-9]"
+if [ "$which" != matmul ]; then   # the score-function kernels of the GPU tests and the variant benchmark
+  timeout 300 python3 benchmarks/attention_variants.py --prebuild > "$OUT/prebuild-attention-variants.log" 2>&1
+  grep -i "failed" "$OUT/prebuild-attention-variants.log" | head -5
+fi
 if [ "$what" != bench ]; then
   case "$which" in matmul) files=tests/test_gpu_matmul.py;; attention) files=tests/test_gpu_attention.py;; *) files=tests/;; esac
   timeout 300 python3 -m pytest -q -m gpu $files -p no:cacheprovider -x 2>&1 | tee "$OUT/gpu-tests-$which.log" | tail -25
@@ -17,12 +21,12 @@ fi
 if [ "$what" != tests ]; then
   if [ "$which" != attention ]; then
     timeout 240 python3 benchmarks/matmul.py --iters 30 2>&1 | tee "$OUT/bench-matmul.log"
+    timeout 60 python3 benchmarks/matmul.py --batched --iters 30 2>&1 | tee "$OUT/bench-matmul-batched.log"
     timeout 300 python3 benchmarks/matmul_llm.py --iters 20 2>&1 | tee "$OUT/bench-matmul-llm.log" | tail -3
     timeout 120 python3 benchmarks/matmul_llm.py --epilogues --iters 20 2>&1 | tee "$OUT/bench-matmul-epilogues.log" | grep wsched
   fi
   if [ "$which" != matmul ]; then
     timeout 240 python3 benchmarks/attention.py --iters 20 2>&1 | tee "$OUT/bench-attention.log"
-    timeout 200 python3 benchmarks/attention_variants.py --prebuild > "$OUT/prebuild-attention-variants.log" 2>&1
-    timeout 200 python3 benchmarks/attention_variants.py --iters 20 2>&1 | tee "$OUT/bench-attention-variants.log"
+    timeout 240 python3 benchmarks/attention_variants.py --iters 20 2>&1 | tee "$OUT/bench-attention-variants.log"
   fi
 fi
