@@ -105,3 +105,19 @@ def test_cpu_tensors_raise_the_no_gpu_error(k):
         pytest.skip("a GPU is present")
     with pytest.raises(NoGPUError, match="no CUDA device is available here"):
         k(a, b)
+
+
+def test_the_choice_is_one_torch_op_that_chooses_when_it_runs(k):
+    """Traced (torch.compile, export), a call records the dispatcher's own op, not one of its
+    kernels': the choice is made when the graph runs, and tracing builds nothing."""
+    assert k.op is not k.primary.op and k.op.name().startswith("wsched::matmul_")
+    a, b = inputs_for(matmul, 40, 256, 192)
+
+    class Layer(torch.nn.Module):
+        def forward(self, x, w):
+            return k(x, w)
+
+    exported = torch.export.export(Layer(), (a, b))
+    assert [n.target for n in exported.graph.nodes if n.op == "call_function"] == [k.op]
+    ref = matmul.reference(a, b)
+    assert float((exported.module()(a, b).float() - ref).norm() / ref.norm()) < 1e-2

@@ -11,9 +11,10 @@ overrides returns a `ShapeDispatchKernel` when there are variants:
     k.kernel_for(x, w)          # which one that is
     k.ir, k.cuda_source         # the default schedule's (see k.kernels for every built one)
 
-A variant is lowered, emitted and built when a call first needs it. Everything else a
-`CompiledKernel` has (`ir`, `cuda_source`, `schedule`, `with_ir`, `op`, ...) is the default
-schedule's kernel's; a schedule or overrides passed to `ws.compile` give one `CompiledKernel` as
+A variant is lowered, emitted and built when a call first needs it. The object is one torch
+custom op (`k.op`) whose CUDA implementation makes the choice when it runs, so torch.compile and
+torch.export keep it. Everything else a `CompiledKernel` has (`ir`, `cuda_source`, `schedule`,
+`with_ir`, ...) is the default schedule's kernel's; a schedule or overrides passed to `ws.compile` give one `CompiledKernel` as
 before (no dispatch).
 """
 
@@ -26,6 +27,8 @@ from typing import Callable, Mapping
 
 import torch
 
+from . import torch_ops
+from .errors import ArgumentError
 from .schedule import Schedule
 
 
@@ -50,6 +53,7 @@ class ShapeDispatchKernel:
         self._choice: dict[tuple, object] = {}       # layout key -> CompiledKernel
         self._lock = threading.Lock()
         self.dropped: dict[int, str] = {}              # variant index -> why it did not build
+        self.op = torch_ops.register(self)             # registered now: torch.compile cannot trace it
 
     # -- choice -------------------------------------------------------------------------------
     def _variant_kernel(self, index: int):
@@ -101,7 +105,18 @@ class ShapeDispatchKernel:
 
     # -- calls --------------------------------------------------------------------------------
     def __call__(self, *tensors, out=None):
-        return self.kernel_for(*tensors)(*tensors, out=out)
+        if torch_ops.is_traced(tensors):
+            # torch.compile / export: this object's op, whose CUDA implementation makes the choice
+            # when the graph runs (tracing never builds a kernel, and a dynamic M stays dynamic).
+            if out is not None:
+                raise ArgumentError(f"{self.primary.fusion.name}: out= is not supported while torch traces "
+                                    f"the call (torch.compile, torch.export); use the returned outputs")
+            return self.op(*tensors)
+        return self.kernel_for(*tensors)._run(tensors, out)
+
+    def _run(self, tensors, out=None):
+        """The eager call (also the custom op's CUDA implementation)."""
+        return self.kernel_for(*tensors)._run(tensors, out)
 
     def bind(self, *tensors, out=None):
         return self.kernel_for(*tensors).bind(*tensors, out=out)
@@ -130,7 +145,7 @@ class ShapeDispatchKernel:
 
     def __getattr__(self, name):
         # ir, cuda_source, schedule, resources, with_ir, op, ...: the default kernel's
-        if name.startswith("__") or name in ("primary", "variants"):
+        if name.startswith("__") or name in ("primary", "variants", "op", "dropped"):
             raise AttributeError(name)
         return getattr(self.primary, name)
 

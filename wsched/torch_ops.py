@@ -48,8 +48,10 @@ def is_traced(tensors) -> bool:
 
 def op_name(kernel) -> str:
     """`<fusion name>_<12 hex digits>`: the digest covers what makes two kernels differ (CUDA
-    source, schedule, signature), so two schedules of one fusion never share an op."""
-    text = "\0".join((kernel.cuda_source, repr(kernel.schedule), schema(kernel)))
+    source, schedule, signature, the variants of a per-shape choice), so two schedules of one
+    fusion never share an op, nor a kernel and a `ShapeDispatchKernel` around it."""
+    variants = "\0".join(repr(v.schedule) for v in getattr(kernel, "variants", ()))   # a per-shape choice
+    text = "\0".join((kernel.cuda_source, repr(kernel.schedule), schema(kernel), variants))
     digest = hashlib.sha256(text.encode()).hexdigest()[:12]
     base = re.sub(r"\W", "_", kernel.fusion.name, flags=re.ASCII)
     return f"{base}_{digest}"
@@ -66,7 +68,9 @@ def schema(kernel) -> str:
 
 def register(kernel) -> torch._ops.OpOverload:
     """The custom op that runs `kernel` (`torch.ops.wsched.<op_name>.default`), registered on
-    first use; a kernel with the same name (same source and schedule) reuses it."""
+    first use; a kernel with the same name (same source and schedule) reuses it. `kernel` is a
+    `CompiledKernel` or a `ShapeDispatchKernel` (whose op picks its kernel when it runs, so a
+    traced graph keeps the per-shape choice)."""
     name = op_name(kernel)
     with _lock:
         op = _ops.get(name)
