@@ -4,8 +4,11 @@
 
 Rows, each as µs of host time per call and as a ratio to the Triton launch:
 
-    k(a, b)                the eager call: layout key, cached plan, output allocation, data
-                           pointers and tensor maps set in the packed arguments, the launch
+    k(a, b)                the eager call of one compiled kernel (`ws.compile(matmul, schedule)`):
+                           layout key, cached plan, output allocation, data pointers and tensor
+                           maps set in the packed arguments, the launch
+    ws.compile(matmul)(a, b)  the default, whose per-shape choice (wsched/dispatch.py) picks the
+                           kernel first (one dict lookup) and then makes that kernel's eager call
     k(a, b, out=)          the same into a given output (no allocation)
     k.op(a, b)             the same through torch's dispatcher (the custom op)
     bound()                `k.bind(a, b)` once, then only the launch
@@ -122,7 +125,8 @@ def main():
     args = parser.parse_args()
     M, N, K = (int(s) for s in args.shape.split("x"))
 
-    k = ws.compile(matmul)
+    k = ws.compile(matmul, ws.schedule_for(matmul))   # one kernel: the launch path itself
+    chooser = ws.compile(matmul)                        # the default: a per-shape choice in front
     a, b = inputs_for(matmul, M, N, K, device="cuda")
     bound = k.bind(a, b)
     out = {"out": torch.empty(M, N, dtype=torch.bfloat16, device="cuda")}
@@ -130,6 +134,7 @@ def main():
     rows = {
         "k(a, b)": lambda: k(a, b),
         "k(a, b, out=)": lambda: k(a, b, out=out),
+        "ws.compile(matmul)(a, b)": lambda: chooser(a, b),
         "k.op(a, b)": lambda: k.op(a, b),
         "bound() (k.bind(a, b))": bound,
         "bare cuLaunchKernel": packed_once,
@@ -142,7 +147,8 @@ def main():
     rows["torch a + a"] = lambda: a + a
 
     print(f"host time per call, {torch.cuda.get_device_name()}, matmul {M}x{N}x{K} "
-          f"(grid {bound.grid}), median of {args.repeats} loops of {args.calls} calls")
+          f"(grid {bound.grid}), median of {args.repeats} loops of {args.calls} calls; the default "
+          f"ws.compile(matmul) runs {chooser.kernel_for(a, b).schedule.short()} at this shape")
     times = {name: host_us(fn, args.calls, args.repeats) for name, fn in rows.items()}
     reference = times.get("Triton launch (1-element add)")
     for name, us in times.items():

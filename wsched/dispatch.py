@@ -85,22 +85,30 @@ class ShapeDispatchKernel:
                               f"{variant.rule} did not build and is not used ({self.dropped[index]})", stacklevel=3)
         return self.primary
 
+    @staticmethod
+    def _key(tensors) -> tuple:
+        """What the choice depends on: the shapes and the device (AttributeError if an argument
+        is not a tensor)."""
+        return tuple([t.shape for t in tensors]), tensors[0].get_device()
+
     def kernel_for(self, *tensors):
         """The kernel that runs a call with these tensors on their GPU (decided once per shape
         and device)."""
         from .codegen.launch import sm_count
 
-        key = tuple((t.shape, t.get_device()) if isinstance(t, torch.Tensor) else None for t in tensors)
+        try:
+            key = self._key(tensors)
+        except (AttributeError, IndexError):
+            return self.primary              # the primary names the bad argument
         kernel = self._choice.get(key)
         if kernel is None:
-            device = next((t.device for t in tensors if getattr(t, "is_cuda", False)), None)
+            device = next((t.device for t in tensors if t.is_cuda), None)
             if device is None:
                 return self.primary          # the primary raises the no-GPU / bad-argument error
             kernel = self.choose(tensors, sm_count(device))
-            if None not in key:
-                if len(self._choice) >= 256:
-                    self._choice.clear()
-                self._choice[key] = kernel
+            if len(self._choice) >= 256:
+                self._choice.clear()
+            self._choice[key] = kernel
         return kernel
 
     # -- calls --------------------------------------------------------------------------------
@@ -112,7 +120,11 @@ class ShapeDispatchKernel:
                 raise ArgumentError(f"{self.primary.fusion.name}: out= is not supported while torch traces "
                                     f"the call (torch.compile, torch.export); use the returned outputs")
             return self.op(*tensors)
-        return self.kernel_for(*tensors)._run(tensors, out)
+        try:   # the eager hot path: one dict lookup
+            kernel = self._choice[self._key(tensors)]
+        except (KeyError, AttributeError, IndexError):
+            kernel = self.kernel_for(*tensors)
+        return kernel._run(tensors, out)
 
     def _run(self, tensors, out=None):
         """The eager call (also the custom op's CUDA implementation)."""
