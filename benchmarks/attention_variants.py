@@ -131,7 +131,7 @@ def main(argv=None):
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
     print(f"# {torch.cuda.get_device_name()}  torch {torch.__version__}  bf16, median of {args.iters}; "
           f"TFLOP/s on visible scores; window {WINDOW}, softcap {SOFTCAP:g}")
-    rows, ours_causal = [], {}    # our causal TFLOP/s by head dim
+    rows, ours_causal = [], {}    # our causal TFLOP/s by (head dim, length)
     for label, variant, B, H, S, D in CASES:
         if label not in args.cases.split(","):
             continue
@@ -164,12 +164,12 @@ def main(argv=None):
                     return F.scaled_dot_product_attention(q, kk, v, is_causal=True)
             t_cudnn = median_ms(cudnn, iters=args.iters)
         err = rel_error(o, ref) if ref is not None else float("nan")
-        row = [label, flops / t_ours / 1e9, flops / t_flex / 1e9, flops / t_cudnn / 1e9, err, D]
+        row = [label, flops / t_ours / 1e9, flops / t_flex / 1e9, flops / t_cudnn / 1e9, err, (D, S)]
         if variant == "causal":
-            ours_causal[D] = row[1]
+            ours_causal[D, S] = row[1]
         rows.append(row)
         print(f"{label:>10} B{B} H{H} S{S} D{D}  wsched {row[1]:6.1f}  flex {row[2]:6.1f}  cuDNN {row[3]:6.1f} "
-              f"TFLOP/s  vs flex {row[1] / row[2]:.2f}  vs our causal {row[1] / ours_causal.get(D, row[1]):.2f}  "
+              f"TFLOP/s  vs flex {row[1] / row[2]:.2f}  vs our causal {row[1] / ours_causal.get((D, S), row[1]):.2f}  "
               f"rel.err vs flex {err:.1e}", flush=True)
     print("\n| variant | wsched TFLOP/s | FlexAttention | SDPA cuDNN | vs flex | vs our causal |\n|---|---|---|---|---|---|")
     for r in rows:
