@@ -38,6 +38,7 @@ import math
 from wsched.lowering import ir
 from wsched.lowering.context import LoweringContext
 from wsched.names import CONSUMER, K_COUNT, K_FIRST, K_VAR, PRODUCER, TILE_VAR
+from wsched.workloads.batch import batch_index_lets
 
 from .score import Bound, SideInput
 from .schedule import chunk_columns
@@ -252,10 +253,7 @@ def tile_loop(ctx: LoweringContext, body: tuple[ir.Stmt, ...]) -> ir.For:
     t = V(TILE_VAR)
     lets = [ir.Let("m_block", ir.sub(ir.sub("m_blocks", 1), ir.mod(t, "m_blocks"))),
             ir.Let("rest", ir.div(t, "m_blocks"))]
-    for i in reversed(range(1, a.batch)):
-        lets += [ir.Let(f"b{i}", ir.mod("rest" if i == a.batch - 1 else f"rest{i + 1}", f"batch{i}")),
-                 ir.Let(f"rest{i}", ir.div("rest" if i == a.batch - 1 else f"rest{i + 1}", f"batch{i}"))]
-    lets.append(ir.Let("b0", V("rest1") if a.batch > 1 else V("rest")))
+    lets += batch_index_lets(a.batch)
     lets.append(ir.Let("m0", ir.mul("m_block", bm)))
     lets += kv_range(a.score, bm, bn)
     return ir.For(TILE_VAR, V("cta_id"), V("num_tiles"), V("num_ctas"), "persistent", tuple(lets) + body)

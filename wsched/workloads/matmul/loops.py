@@ -40,6 +40,7 @@ from wsched.lowering import ir
 from wsched.lowering.context import LoweringContext
 from wsched.names import ACC, CONSUMER, K_VAR, PARTIALS, PRODUCER, SPLITS, TICKETS, TILE_VAR
 from wsched.partition import param_name
+from wsched.workloads.batch import batch_index_lets
 
 from .partition import BATCH_ONE
 
@@ -185,13 +186,8 @@ def tile_loop(ctx: LoweringContext, body: tuple[ir.Stmt, ...]) -> ir.For:
 def batch_lets(nb: int) -> tuple[ir.Stmt, ...]:
     """A batched tile index -> the tile within its batch (`batch_tile`) and the batch indices
     b0, b1, ... (the last varying fastest), as the attention workload splits its tiles."""
-    lets = [ir.Let("batch_tile", ir.mod(TILE_VAR, "batch_tiles")),
-            ir.Let("rest", ir.div(TILE_VAR, "batch_tiles"))]
-    for i in reversed(range(1, nb)):
-        rest = "rest" if i == nb - 1 else f"rest{i + 1}"
-        lets += [ir.Let(f"b{i}", ir.mod(rest, f"batch{i}")), ir.Let(f"rest{i}", ir.div(rest, f"batch{i}"))]
-    lets.append(ir.Let("b0", V("rest1") if nb > 1 else V("rest")))
-    return tuple(lets)
+    return (ir.Let("batch_tile", ir.mod(TILE_VAR, "batch_tiles")), ir.Let("rest", ir.div(TILE_VAR, "batch_tiles")),
+            *batch_index_lets(nb))
 
 
 def raster_lets(ctx: LoweringContext, t: ir.Var) -> tuple[ir.Stmt, ...]:
