@@ -216,7 +216,7 @@ def test_traced_cuda_is_the_untraced_cuda_plus_stamps(fusion):
 def test_instrumented_cuda_builds_like_the_untraced(fusion, tmp_path):
     from wsched.codegen.build import compile_cuda
 
-    compiled = ws.compile(fusion, build=False)
+    compiled = ws.compile(fusion, ws.schedule_for(fusion), build=False)
     plain = compile_cuda(compiled.cuda_source, name="plain", cache_dir=tmp_path)
     traced = timeline.TracedKernel(compiled)
     build = compile_cuda(traced.emitted.source, name="traced", cache_dir=tmp_path)
@@ -275,6 +275,6 @@ def test_trace_gpu_matmul(tmp_path):
             assert sum(e.category == WGMMA for e in consumer) == 8
             assert all(0 <= e.begin <= e.end < 1e7 for e in consumer)
     assert json.loads((tmp_path / "mlp.json").read_text())["otherData"]["source"] == "gpu"
-    compiled = ws.compile(mlp)
+    compiled = ws.compile(mlp, ws.schedule_for(mlp))   # the schedule trace_gpu traced (no per-shape choice)
     outputs, _ = timeline.TracedKernel(compiled)(*tensors)
     assert torch.equal(outputs, compiled(*tensors))               # the stamps change no result

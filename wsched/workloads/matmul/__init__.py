@@ -14,7 +14,7 @@ from wsched.workloads.base import Workload
 from . import epilogue, loops, partition, schedule
 from wsched.schedule import ScheduleError
 
-from .schedule import MAX_SPLIT_K, MatmulSchedule, narrow_tile_rule
+from .schedule import MAX_SPLIT_K, MatmulSchedule, fills_waves_better
 
 
 class MatmulWorkload(Workload):
@@ -56,14 +56,14 @@ class MatmulWorkload(Workload):
             return ()
         found = []
         for tile, consumers, applies, rule in (
-                ((64, 128, 64), 1, lambda v: v["M"] <= 64, "M <= 64"),
-                ((128, 128, 64), 2, lambda v: narrow_tile_rule(v["M"], v["N"], v["num_sms"]),
+                ((64, 128, 64), 1, lambda v, tile: v["M"] <= 64, "M <= 64"),
+                ((128, 128, 64), 2, lambda v, tile: fills_waves_better(v["M"], v["N"], v["num_sms"], tile, schedule.tile),
                  "128x128 tiles fill their last wave better than 128x256 ones")):
             try:
                 variant = self.default_schedule(fusion, tile=tile, consumer_warpgroups=consumers, split_k=MAX_SPLIT_K)
             except ScheduleError:
                 continue
-            found.append(Variant(variant, applies, rule + f" (split-K: the host splits when the tiles fill at most "
+            found.append(Variant(variant, lambda v, f=applies, t=tile: f(v, t), rule + f" (split-K: the host splits when the tiles fill at most "
                                                           f"half the SMs)"))
         return tuple(found)
 

@@ -83,12 +83,15 @@ def wave_fill(tiles: int, num_sms: int) -> float:
     return tiles / (-(-tiles // num_sms) * num_sms)
 
 
-def narrow_tile_rule(m: int, n: int, num_sms: int) -> bool:
-    """Whether 128x128 output tiles fill the SMs' waves strictly better than the default 128x256
-    ones for an M x N output (fewer than one wave, or a nearly empty last wave)."""
-    wide = -(-m // 128) * -(-n // 256)
-    narrow = -(-m // 128) * -(-n // 128)
-    return wave_fill(narrow, num_sms) > wave_fill(wide, num_sms) + 1e-9
+def output_tiles(m: int, n: int, tile) -> int:
+    """Output tiles of an M x N result with (BM, BN, ...) tiles."""
+    return -(-m // tile[0]) * -(-n // tile[1])
+
+
+def fills_waves_better(m: int, n: int, num_sms: int, tile, than) -> bool:
+    """Whether `tile`'s output tiles fill the SMs' waves strictly better than `than`'s for an
+    M x N output (fewer than one wave, or a nearly empty last wave)."""
+    return wave_fill(output_tiles(m, n, tile), num_sms) > wave_fill(output_tiles(m, n, than), num_sms) + 1e-9
 
 
 def default_schedule(**overrides) -> MatmulSchedule:
