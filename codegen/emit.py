@@ -109,6 +109,17 @@ def _emit_assign(em: Emitter, s: ir.Assign) -> None:
     em.line(f"{em.c(s.name)} = {em.expr(s.value)};")
 
 
+SERIAL_TILE_UNROLL = 4
+_REGISTER_WORK = (ir.TileLoadGlobal, ir.TileBinary, ir.TileUnary, ir.TileFill, ir.TileView, ir.TileReduce, ir.Let)
+
+
+def _register_work_only(body) -> bool:
+    """Whether a loop body is only register tile ops and loads of global memory (no stores, no
+    synchronisation), unroll loops of them included."""
+    return all(isinstance(x, _REGISTER_WORK) or (isinstance(x, ir.For) and x.iteration == "unroll"
+                                                 and _register_work_only(x.body)) for x in body)
+
+
 def _emit_for(em: Emitter, s: ir.For) -> None:
     # verifier _For: the iteration is serial, persistent or unroll
     assert s.iteration in ("serial", "persistent", "unroll"), s
@@ -117,6 +128,10 @@ def _emit_for(em: Emitter, s: ir.For) -> None:
     step = "++" + var if s.step == ir.IntConst(1) else f"{var} += {em.expr(s.step)}"
     if s.iteration == "unroll":
         em.line("#pragma unroll")
+    elif s.iteration == "serial" and _register_work_only(s.body):
+        # A loop of register tile work and global loads (split-KV's merge): unrolled a little, so
+        # that the loads of the next iterations are in flight during this one's arithmetic.
+        em.line(f"#pragma unroll {SERIAL_TILE_UNROLL}")
     note = "  // persistent: this CTA's tiles" if s.iteration == "persistent" else ""
     with em.block(f"for (int {var} = {start}; {var} < {stop}; {step}) {{{note}"):
         em.scope.declare(s.var, "int")

@@ -237,14 +237,19 @@ def emit_tile_mask(em: Emitter, s: ir.TileMask) -> None:
     text = f"tile.mask {s.dst}, rows({em.expr(s.row0)}), cols({em.expr(s.col0)}), limit({limit})"
     if s.causal is not None:
         text += f" causal({em.expr(s.causal)})"
+    if s.period is not None:
+        text += f" period({em.expr(s.period)})"
     with em.block(f"{{  // {text}"):
         # element (r, c) of the tile is at (row0 + r, col0 + c) of the score matrix
         em.line(f"const int row0 = {paren(*em.expr_prec(s.row0)[:2], 12)} + wsp::frag_row();")
         em.line(f"const int col0 = {paren(*em.expr_prec(s.col0)[:2], 12)} + wsp::frag_col();")
         causal = None if s.causal is None else paren(*em.expr_prec(s.causal)[:2], 12)
         limit = paren(*em.expr_prec(s.limit)[:2], 10)
+        if s.period is not None:
+            em.line(f"const int period = {paren(*em.expr_prec(s.period)[:2], 12)};")
         with fragment_loop(em, FULL, t.cols):
-            em.line("const int row = row0 + 8 * fi;")
+            em.line("const int row = (row0 + 8 * fi) % period;" if s.period is not None
+                    else "const int row = row0 + 8 * fi;")
             em.line("const int col = col0 + 8 * fj;")
             values = []
             for c in (0, 1):

@@ -554,15 +554,18 @@ class TileReduce:
 
 @dataclass(frozen=True)
 class TileMask:
-    """`tile.mask s, rows(r0), cols(c0), limit(T) causal(d)`: element (r, c) of the full tile
-    becomes -inf where c0 + c >= limit (beyond the keys), or, when `causal` is given, where
-    c0 + c > r0 + r + causal (above the causal diagonal, shifted by `causal`)."""
+    """`tile.mask s, rows(r0), cols(c0), limit(T) causal(d) period(S)`: element (r, c) of the full
+    tile becomes -inf where c0 + c >= limit (beyond the keys), or, when `causal` is given, where
+    c0 + c > i + causal (above the causal diagonal, shifted by `causal`), with i = r0 + r the
+    element's query position, or (r0 + r) mod period where a `period` is given (GQA-packed
+    rows: the queries of several heads one after another)."""
 
     dst: str
     row0: Expr
     col0: Expr
     limit: Expr
     causal: Union[Expr, None] = None
+    period: Union[Expr, None] = None
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,9 @@ VARIANTS = [(matmul, {}), (matmul_f16, {}), (mlp, {}), (linear_relu_residual, {}
 ATTENTION = ([(make_attention(d, causal=c, lse=True), {}) for d in (64, 128, 256) for c in (False, True)]
              + [(make_attention(d, causal=c), {}) for d, c in ((128, False), (128, True), (64, False), (256, False))]
              + [(make_attention(128, causal=True, gqa=True), {}), (make_attention(64, causal=True, dtype=ws.f16), {}),
-                (make_attention(128, causal="bottom_right", lse=True), {})])
+                (make_attention(128, causal="bottom_right", lse=True), {})]
+             + [(make_attention(d, causal="bottom_right", lse=True, gqa=True), {}) for d in (64, 128)]
+             + [(make_attention(64, causal="bottom_right", lse=True), {})])
 
 
 def build(item):

@@ -37,7 +37,9 @@ def test_default_matmul_has_narrow_split_k_variants(k):
 def test_a_schedule_or_overrides_give_one_kernel():
     assert not isinstance(ws.compile(matmul, ws.schedule_for(matmul), build=False), ShapeDispatchKernel)
     assert not isinstance(ws.compile(matmul, stages=2, build=False), ShapeDispatchKernel)
-    assert not isinstance(ws.compile(make_attention(64), build=False), ShapeDispatchKernel)
+    assert not isinstance(ws.compile(make_attention(64), ws.schedule_for(make_attention(64)), build=False),
+                          ShapeDispatchKernel)
+    assert not isinstance(ws.compile(make_attention(64), stages=2, build=False), ShapeDispatchKernel)
 
 
 def _shape(m, n, kk):

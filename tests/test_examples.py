@@ -1,4 +1,4 @@
-"""The README's main job and the attention example run on the CPU (lower, print the IR, build
+"""The README's main job and the attention and decode examples run on the CPU (lower, print the IR, build
 with nvcc when present, simulate and compare with torch) — as a fresh machine would run them."""
 
 import subprocess
@@ -13,6 +13,7 @@ ROOT = Path(__file__).resolve().parent.parent
 @pytest.mark.parametrize("example, expect", [
     ("persistent_matmul.py", "simulated 200x296x152"),
     ("fmha.py", "simulated B1 H2 S200 D128 causal"),
+    ("decode.py", "simulated B1 H8/2 S1 T2100 on 8 SMs"),
 ])
 def test_example_runs_on_the_cpu(example, expect):
     run = subprocess.run([sys.executable, str(ROOT / "examples" / example), "--cpu"], cwd=ROOT,

@@ -101,8 +101,20 @@ class CompiledKernel:
 
         views = dict(tensors_by_name)
         for p in self.kernel.params:
-            if isinstance(p, ir.GlobalParam) and p.name in views and views[p.name].dim() != len(p.shape):
-                views[p.name] = views[p.name].view([evaluate(e, scalars) for e in p.shape])
+            if not isinstance(p, (ir.GlobalParam, ir.TensorMapParam)) or p.name not in views:
+                continue
+            t = views[p.name]
+            shape = [evaluate(e, scalars) for e in p.shape]
+            if list(t.shape) == shape:
+                continue
+            try:
+                views[p.name] = t.view(shape)
+            except RuntimeError:
+                # GQA packing reads [..., G, S, D] as [..., G * S, D]: G and S must be one run of rows
+                raise ArgumentError(f"{self.fusion.name}: argument '{p.name}' (shape {list(t.shape)}, strides "
+                                    f"{list(t.stride())}) cannot be read as {shape} without a copy; the kernel "
+                                    f"reads it so ({p.name}: {'x'.join(map(str, shape))}) — pass "
+                                    f"{p.name}.contiguous()") from None
         return views
 
     def _result(self, outs: dict[str, torch.Tensor]):

@@ -28,6 +28,12 @@ PARTIALS = "partials"
 TICKETS = "tickets"
 TICKET_SLOT = "ticket_slot"
 
+# Attention's split-KV keeps each split's partial O, row max and row sum per tile (and takes the
+# tickets, host param and ticket slot of split-K above).
+PART_O = "part_o"
+PART_M = "part_m"
+PART_L = "part_l"
+
 # Named barrier ids (bar.sync): 0 is __syncthreads; WARPGROUP_BARRIER + wg syncs the 128 threads
 # of one consumer warpgroup (a role of n warpgroups uses ids 1 .. n); ids from TOKEN_BARRIER on
 # pass tokens between consumer warpgroups (attention ping-pong).
@@ -45,7 +51,7 @@ LOWERING_NAMES = frozenset({
     "wg", "cta_id", "num_ctas", "num_sms", "M", "N", "K", "S", "T",
     # attention
     "m_blocks", "m_block", "kv_blocks", "rest", "s_acc", "p", "o_acc", "m_run", "l_run", "m_blk",
-    "corr", "o_t", "o", "lse",
+    "corr", "o_t", "o", "lse", "heads", "G", "work", "kv_all", "kv_per", "kv_skip", PART_O, PART_M, PART_L, "o_j", "l_blk", "section", "first_head", "section_heads", "in_section",
     # outputs, buffers, barriers
     "out", "A", "B", "Q", "V", "full", "empty",
     # matmul: epilogue slices and split-K

@@ -168,7 +168,8 @@ class KernelPreparation:
         elif isinstance(s, ir.TileReduce):
             check_verified(s.op in ir.REDUCE_OPS, "a reduction is one of ir.REDUCE_OPS")
         elif isinstance(s, ir.TileMask):
-            node.ex = (c(s.row0), c(s.col0), c(s.limit), None if s.causal is None else c(s.causal))
+            node.ex = (c(s.row0), c(s.col0), c(s.limit), None if s.causal is None else c(s.causal),
+                       None if s.period is None else c(s.period))
         elif isinstance(s, (ir.TileLoadGlobal, ir.TileStoreGlobal)):
             node.ex = tuple(c(e) for e in s.coords)
         elif isinstance(s, (ir.TileStoreSmem, ir.LoadShared)):   # one smem reference

@@ -126,6 +126,11 @@ class TileHandlers:
         check_verified(value.dim() == 2, "tile.mask applies to a 2-D tile")
         row0, col0, limit = (int(f(co.env)) for f in node.ex[:3])
         rows = torch.arange(value.shape[0]).unsqueeze(1) + row0
+        if node.ex[4] is not None:
+            period = int(node.ex[4](co.env))
+            if period < 1:
+                raise ProtocolError(f"tile.mask {s.dst}: period({period}) must be at least 1")
+            rows = rows % period
         cols = torch.arange(value.shape[1]).unsqueeze(0) + col0
         masked = (cols >= limit).expand(value.shape)
         if node.ex[3] is not None:

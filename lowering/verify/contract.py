@@ -302,10 +302,12 @@ def _samples(kernel: ir.Kernel) -> list[_Sample]:
     """A few problem sizes (every i32 param gets a value; several k-tile counts around typical
     stage counts, partial tiles included) and CTA positions; the last one long enough that each
     of the two tiles traced walks every stage of a ring of up to 7 more than once (a release
-    is only checked on a stage the producer fills again)."""
+    is only checked on a stage the producer fills again); and one whose leading sizes are 1 (one
+    batch entry: a CTA's second tile is the last of the tile order, where a causal kernel that
+    walks its heaviest tiles first has its tile with no kv step)."""
     ints = ((256, 384, 320, 192, 448, 130), (384, 130, 200, 448, 256, 320), (130, 256, 64, 320, 192, 384),
-            (1000, 1030, 968, 1100, 1160, 900))
-    ctas = ((0, 2), (1, 3), (0, 1), (1, 2))
+            (1000, 1030, 968, 1100, 1160, 900), (1, 1, 320, 192, 448, 130))
+    ctas = ((0, 2), (1, 3), (0, 1), (1, 2), (0, 2))
     out = []
     for values, (cta, num) in zip(ints, ctas):
         env: dict = {}

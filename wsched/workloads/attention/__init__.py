@@ -10,11 +10,14 @@ Its own passes: overlap_softmax (mma_inflight=1) and pingpong (mode="pingpong").
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from wsched.lowering.context import Step
 from wsched.schedule import ScheduleError, is_int
 from wsched.workloads.base import Workload
 
 from . import epilogue, loops, overlap_softmax, partition, pingpong, schedule
+from . import schedule as schedule_mod
 from .schedule import AttentionSchedule
 
 
@@ -51,6 +54,52 @@ class AttentionWorkload(Workload):
             head_dim = self._head_dim(fusion)
         return schedule.default_schedule(head_dim, **overrides)
 
+    def variants(self, fusion, schedule: AttentionSchedule):
+        """The default's 128-row tiles suit prefill; where a call has few query rows or few tiles
+        it switches (docs/architecture.md, "Split-KV decode"):
+
+        - S <= 64 (decode, speculative or chunked steps): 64-row tiles (one consumer warpgroup)
+          with the G query heads of a KV head packed into the rows where the fusion allows
+          (`pack_gqa`), and split-KV: the host splits the keys when the tiles fill at most half
+          the SMs;
+        - otherwise, when the default's tiles fill at most half the SMs (long keys, few heads):
+          the default with split-KV.
+
+        A fusion these cannot take (an attention sink) has none."""
+        from wsched.dispatch import Variant
+
+        if schedule != self.default_schedule(fusion):
+            return ()
+        found = []
+        decode = None
+        for pack in (True, False):
+            try:
+                decode = self.default_schedule(fusion, tile=(64, schedule.bn, schedule.head_dim),
+                                               consumer_warpgroups=1, split_kv=schedule_mod.MAX_SPLIT_KV,
+                                               pack_gqa=pack)
+                self.partition(fusion, decode)
+                break
+            except ScheduleError:
+                decode = None
+        if decode is not None:
+            found.append(Variant(decode, lambda v: v["S"] <= 64,
+                                 "S <= 64" + (" (G query heads of a KV head packed into the rows)" if decode.pack_gqa
+                                              else "") + "; the host splits the keys when the tiles fill at most "
+                                                         "half the SMs"))
+        split = None
+        for inflight in (schedule.mma_inflight, 0):   # the merge's registers: head dim 256 overlaps no softmax
+            try:
+                split = replace(schedule, split_kv=schedule_mod.MAX_SPLIT_KV, mma_inflight=inflight)
+                self.partition(fusion, split)
+                break
+            except ScheduleError:
+                split = None
+        if split is not None:
+            bm = schedule.bm
+            found.append(Variant(split, lambda v: 2 * _tiles(v, bm) <= v["num_sms"],
+                                 "the tiles fill at most half the SMs (split-KV)"))
+        return tuple(found)
+
     def schedule_space(self, fusion):
         # the partition of the default schedule checks the fusion and analyses its score function
         score_function = self.partition(fusion, self.default_schedule(fusion)).payload.score
@@ -64,6 +113,15 @@ class AttentionWorkload(Workload):
             raise ScheduleError(f"attention schedule for {fusion.name}: the head dim of Q is the symbol "
                                 f"{head_dim!r}; declare it as a number ({', '.join(map(str, schedule.HEAD_DIMS))})")
         return head_dim
+
+
+def _tiles(values, bm: int) -> int:
+    """The default kernel's tiles for a call: (batch, head) slices x query blocks."""
+    heads = 1
+    for name, value in values.items():
+        if name.startswith("batch"):
+            heads *= value
+    return heads * -(-values["S"] // bm)
 
 
 ATTENTION = AttentionWorkload()

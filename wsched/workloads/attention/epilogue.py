@@ -23,7 +23,10 @@ import math
 from wsched.lowering import ir
 from wsched.lowering.context import LoweringContext
 from wsched.lowering.rewrite import map_loop, map_role
-from wsched.names import CONSUMER, TILE_VAR
+from wsched.names import (CONSUMER, PART_L, PART_M, PART_O, SPLITS, TICKET_SLOT, TICKETS, TILE_VAR,
+                          WARPGROUP_BARRIER)
+from wsched.target import WARPGROUP_THREADS
+
 
 LN2 = math.log(2.0)
 
@@ -32,8 +35,10 @@ C = ir.IntConst
 
 
 def epilogue(kernel: ir.Kernel, ctx: LoweringContext) -> ir.Kernel:
-    a, d = ctx.partition.payload, ctx.schedule.value_dim
-    coords = tuple(V(f"b{i}") for i in range(a.batch)) + (ir.add("m0", ir.mul("wg", 64)), C(0))
+    a, s = ctx.partition.payload, ctx.schedule
+    d = s.value_dim
+    row0 = ir.add("m0", ir.mul("wg", 64))
+    coords = tuple(V(f"b{i}") for i in range(a.kernel_batch)) + (row0, C(0))
     if a.score.rows_may_see_nothing:   # a row with no visible key has l = 0: store O = 0
         normalise = [ir.TileBinary("maximum", "corr", "l_run", ir.FloatConst(1e-30)),
                      ir.TileBinary("div", "o_acc", "o_acc", "corr")]
@@ -49,10 +54,82 @@ def epilogue(kernel: ir.Kernel, ctx: LoweringContext) -> ir.Kernel:
                  ir.TileBinary("add", "l_run", "l_run", "m_run"),
                  ir.TileStoreGlobal("lse", coords, "l_run")]
 
+    decls = [ir.RegDecl("o_t", a.out.dtype.name, (64, d))]
+    smem = kernel.smem
+    if s.splits_kv:
+        # the merge reads each split's O in slices into the first columns of the score tile, dead by then
+        width = next(w for w in (64, 32, 16) if d % w == 0 and s.bn % w == 0)
+        decls.append(ir.RegDecl("l_blk", "f32", (64, 1)))
+        tail = _split_merge(s.consumer_warpgroups, d, width) + [ir.If(V("last_split"), tuple(tail))]
+        smem += (ir.SmemDecl(TICKET_SLOT, "i32", (s.consumer_warpgroups, 1), 0),)
+
     def consumer(role: ir.Role) -> ir.Role:
         body = map_loop(role.body, TILE_VAR, lambda loop: replace(loop, body=loop.body + tuple(tail)))
-        decls = tuple(x for x in body if isinstance(x, ir.RegDecl))
+        head = tuple(x for x in body if isinstance(x, ir.RegDecl))
         rest = tuple(x for x in body if not isinstance(x, ir.RegDecl))
-        return replace(role, body=decls + (ir.RegDecl("o_t", a.out.dtype.name, (64, d)),) + rest)
+        return replace(role, body=head + tuple(decls) + rest)
 
-    return map_role(kernel, CONSUMER, consumer)
+    return replace(map_role(kernel, CONSUMER, consumer), smem=smem)
+
+
+def _split_merge(nwg: int, d: int, width: int) -> list[ir.Stmt]:
+    """Split-KV: every split stores its O (unnormalised), row max m and row sum l of the tile and
+    takes the ticket of its (tile, warpgroup); the last split to arrive merges the splits in
+    split order (the same bits whichever is last):
+
+        m = max_s m_s ;  c_s = exp2(m_s - m) ;  l = sum_s c_s l_s ;  O = sum_s c_s O_s
+
+    in one pass over the splits, rescaling the running (m, l, O) as each one joins (the online
+    softmax once more), and goes on to the plain epilogue (`last_split`). A split with no visible
+    key stores m = -inf, l = 0, O = 0; the running m starts at -1e30, so that its factor is 0,
+    not NaN."""
+    f = ir.FloatConst
+    at = (V("work"), ir.mul("wg", 64))
+    sync = ir.NamedBarrierSync(ir.add(WARPGROUP_BARRIER, "wg"), WARPGROUP_THREADS)
+    slot = ir.SmemRef(TICKET_SLOT, (V("wg"),))
+    counter = ir.add(ir.mul("work", nwg), "wg") if nwg > 1 else V("work")
+    last = ir.sub(SPLITS, 1)
+    slices = d // width
+    src = (V("src_split"),) + at
+
+    def o_slices(stmts) -> list[ir.Stmt]:
+        return [ir.For("j", C(0), C(slices), C(1), "unroll", (
+            ir.TileView("o_j", "o_acc", ir.mul("j", width), width), *stmts))]
+
+    merge = (   # one pass, the running (m, l, O) rescaled as each split joins
+        ir.TileView("part_t", "s_acc", C(0), width),
+        ir.TileFill("m_run", f(-1e30)),
+        ir.TileFill("l_run", f(0.0)),
+        ir.TileFill("o_acc", f(0.0)),
+        ir.For("src_split", C(0), V(SPLITS), C(1), "serial", (
+            ir.TileLoadGlobal("m_blk", PART_M, src + (C(0),)),
+            ir.TileLoadGlobal("l_blk", PART_L, src + (C(0),)),
+            ir.TileBinary("maximum", "corr", "m_run", "m_blk"),       # the new max
+            ir.TileBinary("sub", "m_blk", "m_blk", "corr"),
+            ir.TileUnary("exp2", "m_blk", "m_blk"),                   # c_s, this split's factor
+            ir.TileBinary("sub", "m_run", "m_run", "corr"),
+            ir.TileUnary("exp2", "m_run", "m_run"),                   # the factor of the splits before
+            ir.TileBinary("mul", "l_run", "l_run", "m_run"),
+            ir.TileBinary("mul", "l_blk", "l_blk", "m_blk"),
+            ir.TileBinary("add", "l_run", "l_run", "l_blk"),
+            *o_slices((ir.TileLoadGlobal("part_t", PART_O, src + (ir.mul("j", width),)),
+                       ir.TileBinary("mul", "o_j", "o_j", "m_run"),
+                       ir.TileBinary("mul", "part_t", "part_t", "m_blk"),
+                       ir.TileBinary("add", "o_j", "o_j", "part_t"))),
+            ir.TileBinary("maximum", "m_run", "corr", f(-1e30)),
+        )),
+    )
+    return [
+        ir.Let("last_split", C(1), mutable=True),
+        ir.If(ir.BinOp(">", V(SPLITS), C(1)), (
+            ir.TileStoreGlobal(PART_O, (V("split"),) + at + (C(0),), "o_acc"),
+            ir.TileStoreGlobal(PART_M, (V("split"),) + at + (C(0),), "m_run"),
+            ir.TileStoreGlobal(PART_L, (V("split"),) + at + (C(0),), "l_run"),
+            sync,       # every thread's partial before the release
+            ir.ElectOne((ir.FenceGpu(), ir.AtomicInc(slot, TICKETS, (counter,), last), ir.FenceGpu())),
+            sync,       # the ticket (and what it acquired) to the warpgroup
+            ir.LoadShared("ticket", slot),
+            ir.Assign("last_split", ir.eq("ticket", last)),
+            ir.If(V("last_split"), merge),
+        )),
+    ]

@@ -40,6 +40,12 @@ class AttentionPayload:
     batch: int                     # number of leading (batch / head) dims of q
     k_broadcast: tuple[bool, ...]  # per batch dim: K and V have extent 1 there (GQA / MQA)
     sink: SideInput | float | None = None   # the softmax's sink logit: an input, a constant or none
+    packed: bool = False           # GQA packing: the last batch dim (G) and S form the tile rows
+
+    @property
+    def kernel_batch(self) -> int:
+        """The batch dims the kernel walks: the last one joins the rows when packed."""
+        return self.batch - 1 if self.packed else self.batch
 
     @property
     def scale(self) -> float:
@@ -139,6 +145,29 @@ def _between(fusion, first: str, last: str) -> set:
     return (nx.descendants(fusion.graph, first) & nx.ancestors(fusion.graph, last)) | {last}
 
 
+def sf_plain(sf: ScoreFunction) -> str | None:
+    """Why GQA packing cannot take the score function `sf` (None: it can): packed rows are
+    (head, query) pairs, so only a scale and a causal mask, whose rows are query positions
+    (row mod S), are packed; inputs read per query or per head are not."""
+    if sf.inner != sf.qk:
+        return "it computes on the scores"
+    if any(not m.analysed or m.causal is None for m in sf.masks) or len(sf.masks) > 1:
+        return "it has masks other than one causal mask"
+    if sf.inputs:
+        return "it reads inputs"
+    return None
+
+
+def _check_packing(fail, why_not: str | None, k_broadcast: tuple[bool, ...], sink, batch: int) -> None:
+    if not batch or not k_broadcast[-1]:
+        fail("pack_gqa=True needs Q [..., G, S, D] against K and V [..., 1, T, D]: the G query heads that "
+             "share a KV head in the dim before S, where K and V have extent 1")
+    if why_not is not None:
+        fail(f"pack_gqa=True takes a score function of a scale and a causal mask only; this one: {why_not}")
+    if isinstance(sink, SideInput):
+        fail("pack_gqa=True does not take a sink input (a per-head logit); use pack_gqa=False")
+
+
 def head_dim_of(fusion):
     """The head dim of the Q in Q @ K^T (None if not found)."""
     for n in fusion.nodes():
@@ -216,6 +245,13 @@ def partition_attention(workload, fusion, schedule: AttentionSchedule) -> Partit
              f"{schedule.consumer_warpgroups} consumer warpgroup(s) ptxas spills beyond BN={widest}; use "
              f"BN <= {widest}", node)
 
+    packed = schedule.pack_gqa
+    if packed:
+        _check_packing(fail, sf_plain(function), k_broadcast, sink, batch)
+    if schedule.splits_kv and sink is not None:
+        fail(f"split_kv={schedule.split_kv} does not take an attention sink (its logit would count once per "
+             f"split); use split_kv=1")
+
     outputs = [nodes[o] for o in fusion.outputs]
     out = next((o for o in outputs if o.id == pv.id or (o.op == "cast" and o.inputs[0] == pv.id)), None)
     if out is None:
@@ -245,9 +281,11 @@ def partition_attention(workload, fusion, schedule: AttentionSchedule) -> Partit
     compute_dag = nx.DiGraph()
     compute_dag.add_edges_from([("Q", "S"), ("K[stage]", "S"), ("S", "P"), ("P", "O"), ("V[stage]", "O"),
                                 ("O", "store(o)")] + ([("S", "store(lse)")] if lse is not None else []))
-    dims = {f"batch{i}": (q.id, i) for i in range(batch)}
+    dims = {f"batch{i}": (q.id, i) for i in range(batch - packed)}
+    if packed:
+        dims["G"] = (q.id, batch - 1)
     dims.update({"S": (q.id, batch), "T": (k.id, batch)})
-    payload = AttentionPayload(q, k, v, out, lse, function, batch, k_broadcast, sink)
+    payload = AttentionPayload(q, k, v, out, lse, function, batch, k_broadcast, sink, packed)
     outputs = (out,) + ((lse,) if lse is not None else ())
     names = ("o",) + (("lse",) if lse is not None else ())
     return Partition(workload, fusion, schedule, channels, dag_of_loads(channels), compute_dag, outputs,

@@ -17,11 +17,19 @@ from typing import Iterator
 
 from wsched.schedule import (Schedule, ScheduleError, check_overrides, default_consumer_registers, is_int,
                              max_stages)
-from wsched.target import SWIZZLE_ROW_BYTES, WGMMA_K, launch_registers
+from wsched.target import SMEM_ALIGN, SWIZZLE_ROW_BYTES, WGMMA_K, launch_registers
 
 # The head dims of Q and K the kernels implement, and the head dim of V and O beside each.
 VALUE_DIMS = {64: 64, 96: 96, 128: 128, 192: 128, 256: 256}
 HEAD_DIMS = tuple(VALUE_DIMS)
+
+# The most CTAs one tile's kv blocks may be split across (split-KV decode); the host picks the
+# split count per call (loops.split_count), at most this.
+MAX_SPLIT_KV = 32
+# The fewest kv blocks a split takes: each split costs a partial's store and a step of the merge
+# (about 0.4 us, H100, 2026-11-23), which fewer, longer splits amortise (B1 H32/8 decode: T1024
+# ran fastest unsplit, T8192 and T32768 with 32 blocks a split).
+MIN_KV_BLOCKS_PER_SPLIT = 8
 
 
 def head_dims_text() -> str:
@@ -56,14 +64,20 @@ MAX_KEYS_PER_BLOCK = {
 # Narrower limits where the score function keeps more registers live (`ScoreFunction.
 # register_costs`), measured the same way on the heaviest variant of each kind: ALiBi (a slope
 # times j - i added to every score) for "computes on the scores", document ids for "reads a
-# per-key input" (a [1, BN] f32 tile beside S: BN / 4 registers a thread). Keys not listed keep
+# per-key input" (a [1, BN] f32 tile beside S: BN / 4 registers a thread; (1, 128, 0) spilled 16
+# bytes at 192 once causal tiles ran heaviest first, 2026-11-23). Keys not listed keep
 # MAX_KEYS_PER_BLOCK's; a function of both kinds takes the narrower.
 SCORE_FUNCTION_KEYS_PER_BLOCK = {
     "computes on the scores": {(1, 64, 0): 192, (1, 96, 0): 128, (1, 128, 0): 128, (1, 256, 0): 64},
     "reads a per-key input": {(2, 64, 1): 128, (2, 96, 1): 128, (2, 128, 1): 128,
-                              (1, 64, 1): 128, (1, 96, 0): 192, (1, 96, 1): 128, (1, 128, 0): 192,
+                              (1, 64, 1): 128, (1, 96, 0): 192, (1, 96, 1): 128, (1, 128, 0): 128,
                               (1, 128, 1): 128, (1, 256, 1): 64},
 }
+
+
+# (consumer_warpgroups, head dim of V and O, mma_inflight) whose split-KV kernel spills where the
+# plain one does not (measured with nvcc on the causal + LSE + GQA kernel, 2026-11-23).
+SPLIT_KV_SPILLS = {(2, 256, 1)}
 
 
 def max_keys_per_block(schedule: "AttentionSchedule", kinds: tuple[str, ...] = ()) -> int:
@@ -78,11 +92,22 @@ def max_keys_per_block(schedule: "AttentionSchedule", kinds: tuple[str, ...] = (
 class AttentionSchedule(Schedule):
     """A `Schedule` whose tile is (query rows, keys per kv block, head dim). `mma_inflight=1`
     overlaps the softmax of one kv block with the previous block's P V (the overlap_softmax
-    pass); `mode="pingpong"` makes the two consumer warpgroups take turns issuing their GEMMs."""
+    pass); `mode="pingpong"` makes the two consumer warpgroups take turns issuing their GEMMs.
+
+    `split_kv` is the most CTAs a tile's kv blocks may be split across (decode, long context with
+    few tiles): 1 builds the plain kernel; above 1 the host picks the split count per call
+    (`splits = min(split_kv, kv_blocks, max(1, num_sms / tiles))`), each split keeps its partial
+    O, row max and row sum in a workspace, and the last split of a tile to finish merges them
+    (docs/architecture.md, "Split-KV"). `pack_gqa` puts the G query heads that share a KV head
+    into the rows of one tile (a [..., G, S, D] Q against [..., 1, T, D] K and V): the G x S
+    rows of a decode step fill a tile that S alone would leave nearly empty, and K and V are read
+    once for all G heads."""
 
     workload = "attention"
     tile: tuple[int, int, int] = (128, 128, 128)
     epilogue: str = "direct"
+    split_kv: int = 1
+    pack_gqa: bool = False
 
     @property
     def head_dim(self) -> int:
@@ -101,8 +126,18 @@ class AttentionSchedule(Schedule):
 
     @property
     def epilogue_bytes(self) -> int:
-        """The Q tile [BM, D], loaded once per tile."""
-        return self.bm * self.head_dim * self.operand_bytes
+        """The Q tile [BM, D], loaded once per tile, and with split-KV the smem slot each
+        consumer warpgroup reads its ticket from (one aligned buffer)."""
+        return self.bm * self.head_dim * self.operand_bytes + (SMEM_ALIGN if self.splits_kv else 0)
+
+    @property
+    def splits_kv(self) -> bool:
+        """Whether the kernel may split a tile's kv blocks (split_kv > 1)."""
+        return is_int(self.split_kv) and self.split_kv > 1
+
+    def short(self) -> str:
+        return (super().short() + (f" split_kv={self.split_kv}" if self.split_kv != 1 else "")
+                + (" pack_gqa" if self.pack_gqa is True else ""))
 
     def _workload_problems(self) -> list[str]:
         p: list[str] = []
@@ -116,6 +151,15 @@ class AttentionSchedule(Schedule):
         if bn % WGMMA_K or bn > 256 or bn % 64 and bn > 64:
             p.append(f"BN={bn} (keys per block) must be a multiple of {WGMMA_K} (the k extent of "
                      f"P @ V), at most 256, and a multiple of 64 above 64")
+        if not is_int(self.split_kv) or not 1 <= self.split_kv <= MAX_SPLIT_KV:
+            p.append(f"split_kv={self.split_kv!r} must be an int in [1, {MAX_SPLIT_KV}] (the most CTAs one tile's "
+                     f"kv blocks are split across; 1: no split)")
+        if self.splits_kv and (self.consumer_warpgroups, self.value_dim, self.mma_inflight) in SPLIT_KV_SPILLS:
+            p.append(f"split_kv={self.split_kv} with head dim {self.value_dim}, mma_inflight={self.mma_inflight} and "
+                     f"{self.consumer_warpgroups} consumer warpgroups needs more registers than a consumer thread has "
+                     f"(the merge of the splits beside O): ptxas spills; use mma_inflight=0 or one consumer warpgroup")
+        if not isinstance(self.pack_gqa, bool):
+            p.append(f"pack_gqa={self.pack_gqa!r} must be True or False")
         if self.epilogue != "direct":
             p.append("attention stores O and LSE with epilogue='direct' (tma_store is not "
                      "implemented for attention yet)")

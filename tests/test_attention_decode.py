@@ -1,0 +1,199 @@
+"""Attention for decode: split-KV (each split's partial O, row max and row sum merged by the last
+split of a tile to finish) and GQA packing (the G query heads of a KV head in the rows of one
+tile), on the CPU simulator against the torch reference, the golden IR, the per-call choice of
+`ws.compile`, and the errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import wsched as ws
+from wsched.lowering.parser import parse_kernel
+from wsched.lowering.printer import print_kernel
+from wsched.schedule import ScheduleError
+from wsched.workloads.attention.schedule import MAX_SPLIT_KV
+
+from attention_fusions import attention_inputs, make_attention, make_variant
+
+DECODE = dict(tile=(64, 128, 128), consumer_warpgroups=1, split_kv=MAX_SPLIT_KV, pack_gqa=True)
+
+
+def compiled(fusion, **overrides):
+    schedule = ws.schedule_for(fusion, **overrides)
+    return ws.CompiledKernel(fusion, schedule, ws.partition(fusion, schedule), ws.lower(fusion, schedule),
+                             cuda_source="")
+
+
+def splits_of(kernel, inputs, num_sms: int) -> int:
+    """The split count the host passes for a call on `num_sms` SMs."""
+    _, scalars, _ = kernel._bind_inputs(inputs)
+    return kernel._host_params(scalars, num_sms)["splits"]
+
+
+def check(kernel, fusion, inputs, num_sms, seed=0):
+    got = kernel.simulate(*inputs, num_sms=num_sms, seed=seed)
+    want = fusion.reference(*inputs)
+    got, want = (got, want) if isinstance(got, tuple) else ((got,), (want,))
+    for g, w in zip(got, want):
+        assert not torch.isnan(g.float()).any(), "outputs never written (poisoned with NaN)"
+        finite = torch.isfinite(w)
+        assert torch.equal(finite, torch.isfinite(g)), "rows that see no key differ"
+        err = float((g.float()[finite] - w.float()[finite]).norm() / w.float()[finite].norm().clamp_min(1e-30))
+        assert err < 1e-2, err
+
+
+@pytest.mark.parametrize("s, t, num_sms, splits", [
+    (1, 1, 8, 1),          # one key: one kv block, nothing to split
+    (1, 127, 8, 1),
+    (1, 1000, 8, 1),       # 8 kv blocks: fewer than 2 x MIN_KV_BLOCKS_PER_SPLIT, not split
+    (3, 8193, 16, 8),      # 2 tiles on 16 SMs: 65 kv blocks in 8 splits (the last one short)
+    (16, 2100, 64, 2),     # 64 rows of 4 heads x 16 queries; 17 kv blocks: 2 splits
+    (64, 640, 6, 1),       # 4 x 64 rows: 4 m-blocks per KV head, 8 tiles > 6 SMs: no split
+])
+def test_packed_split_decode_matches_torch(s, t, num_sms, splits):
+    fusion = make_attention(128, causal="bottom_right", lse=True, gqa=True)
+    kernel = compiled(fusion, **DECODE)
+    inputs = attention_inputs(1, 8, s, t, 128, gqa_groups=4, seed=s + t)
+    assert splits_of(kernel, inputs, num_sms) == splits
+    check(kernel, fusion, inputs, num_sms)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_every_split_count_up_to_the_blocks_merges_to_the_same_result(seed):
+    """One tile of 73 kv blocks on 1..12 SMs: splits 1..9 (at least 8 blocks a split: more SMs
+    give 9), the last split runs short; every interleaving seed gives the torch result."""
+    fusion = make_attention(64, lse=True, gqa=True)
+    kernel = compiled(fusion, tile=(64, 128, 64), consumer_warpgroups=1, split_kv=MAX_SPLIT_KV, pack_gqa=True)
+    inputs = attention_inputs(1, 2, 2, 9300, 64, gqa_groups=2, seed=seed)
+    seen = set()
+    for num_sms in range(1, 13):
+        seen.add(splits_of(kernel, inputs, num_sms))
+        check(kernel, fusion, inputs, num_sms, seed=seed)
+    assert seen == set(range(1, 10))
+
+
+@pytest.mark.parametrize("causal, s, t, num_sms", [
+    (False, 200, 2100, 4), (True, 2100, 2100, 40), ("bottom_right", 300, 2100, 6)])
+def test_split_kv_without_packing_on_128_row_tiles(causal, s, t, num_sms):
+    """Split-KV on the prefill kernel (few tiles, long keys): causal tiles split their own kv
+    range (the first ones have fewer blocks than splits), the heaviest tiles first."""
+    fusion = make_attention(64, causal=causal, lse=True)
+    kernel = compiled(fusion, tile=(128, 128, 64), split_kv=4)
+    inputs = attention_inputs(1, 1, s, t, 64, seed=3)
+    assert splits_of(kernel, inputs, num_sms) == 2
+    check(kernel, fusion, inputs, num_sms=num_sms)
+
+
+def test_split_kv_with_a_sliding_window_skips_blocks_before_the_first_visible_key():
+    fusion = make_variant(64, "window", window=200)
+    kernel = compiled(fusion, tile=(128, 128, 64), split_kv=4)
+    inputs = [*attention_inputs(1, 1, 300, 2100, 64, seed=4)]
+    assert splits_of(kernel, inputs, 8) == 2
+    check(kernel, fusion, inputs, num_sms=8)
+
+
+def test_mqa_and_head_dims_96_and_192():
+    for d in (96, 192):
+        fusion = make_attention(d, causal="bottom_right", gqa=True)
+        kernel = compiled(fusion, tile=(64, 128, d), consumer_warpgroups=1, split_kv=8, pack_gqa=True)
+        inputs = attention_inputs(2, 8, 2, 2100, d, gqa_groups=8, seed=d)    # MQA: one KV head, 8 query heads
+        assert splits_of(kernel, inputs, 8) == 2
+        check(kernel, fusion, inputs, num_sms=8)
+
+
+def test_decode_ir_is_golden_and_round_trips(golden):
+    kernel = ws.lower(make_attention(128, causal="bottom_right", lse=True, gqa=True),
+                      **dict(DECODE, split_kv=32))
+    text = print_kernel(kernel)
+    golden.check("attention_decode_split.ir", text)
+    assert parse_kernel(text) == kernel
+    assert "tile.mask s_acc, rows(m0 + wg * 64), cols((k + kv_first) * 128), limit(T) causal(T - S) period(S)" in text
+    assert ("i32 G, i32 S, i32 T, i32 splits = min(min(32, max(1, ceil_div(T, 128) / 8)), max(1, num_sms / "
+            in text)
+
+
+@pytest.mark.parametrize("num_sms, section", [(3, 1), (12, 4), (24, 1)])
+def test_long_causal_sequences_walk_sections_heaviest_first(num_sms, section):
+    """6 m-blocks a head: on 12 SMs (m-blocks >= half the SMs) sections of 4 heads then 2, each
+    heaviest m-block first across its heads; on 3 SMs two waves are one head's tiles, on 24 the
+    heads are short: one head after another."""
+    fusion = make_attention(64, causal=True, lse=True)
+    kernel = compiled(fusion)
+    inputs = attention_inputs(2, 3, 700, 700, 64, seed=num_sms)
+    _, scalars, _ = kernel._bind_inputs(inputs)
+    assert kernel._host_params(scalars, num_sms)["section"] == section
+    check(kernel, fusion, inputs, num_sms=num_sms)
+
+
+# --- ws.compile's choice -------------------------------------------------------------------------
+
+def _call(b, h, s, t, g=4):
+    return attention_inputs(b, h, s, t, 128, gqa_groups=g)
+
+
+@pytest.mark.parametrize("shape, sms, chosen", [
+    ((8, 32, 1, 8192), 132, "decode"),      # S <= 64: packed, split where the tiles leave SMs idle
+    ((64, 32, 1, 2048), 132, "decode"),
+    ((1, 32, 64, 32768), 132, "decode"),
+    ((1, 8, 1024, 32768), 132, "split"),     # 2 KV heads x 4 x 8 = 64 tiles <= 66
+    ((4, 32, 1024, 1024), 132, "default"),   # 256 tiles
+    ((1, 8, 4096, 4096), 132, "default"),    # 256 tiles
+])
+def test_compile_picks_decode_split_or_default_by_shape(shape, sms, chosen):
+    k = ws.compile(make_attention(128, causal="bottom_right", lse=True, gqa=True), build=False)
+    decode, split = k.variants
+    assert decode.schedule == ws.schedule_for(k.primary.fusion, **DECODE)
+    assert split.schedule == ws.schedule_for(k.primary.fusion, split_kv=MAX_SPLIT_KV)
+    want = {"decode": decode.schedule, "split": split.schedule, "default": k.primary.schedule}[chosen]
+    assert k.choose(_call(*shape), sms).schedule == want
+
+
+def test_compile_without_packing_where_the_score_function_reads_per_head_inputs():
+    """ALiBi reads a slope per query head: the decode variant does not pack the heads."""
+    k = ws.compile(make_variant(128, "alibi", gqa=True), build=False)
+    assert [v.schedule.pack_gqa for v in k.variants] == [False, False]
+    assert k.variants[0].schedule.split_kv == MAX_SPLIT_KV
+
+
+def test_a_fusion_with_a_sink_gets_no_split_variant():
+    k = ws.compile(make_variant(128, "sinks", gqa=True), build=False)
+    assert isinstance(k, ws.CompiledKernel)    # the sink is a per-head input: no split, no packing
+
+
+# --- errors ------------------------------------------------------------------------------------
+
+def test_pack_gqa_needs_the_gqa_layout():
+    with pytest.raises(ScheduleError) as e:
+        ws.lower(make_attention(128), **DECODE)
+    assert str(e.value) == ("attention schedule for attn_d128_bf16: pack_gqa=True needs Q [..., G, S, D] against K "
+                            "and V [..., 1, T, D]: the G query heads that share a KV head in the dim before S, where "
+                            "K and V have extent 1")
+
+
+def test_pack_gqa_refuses_score_functions_beyond_scale_and_causal():
+    with pytest.raises(ScheduleError, match=r"pack_gqa=True takes a score function of a scale and a causal mask "
+                                            r"only; this one: it computes on the scores"):
+        ws.lower(make_variant(128, "softcap", gqa=True), **DECODE)
+
+
+def test_split_kv_refuses_a_sink():
+    with pytest.raises(ScheduleError, match=r"split_kv=32 does not take an attention sink \(its logit would count "
+                                            r"once per split\); use split_kv=1"):
+        ws.lower(make_variant(128, "sinks", gqa=True), **dict(DECODE, pack_gqa=False))
+
+
+@pytest.mark.parametrize("value", [0, 33, 2.0])
+def test_split_kv_range(value):
+    with pytest.raises(ScheduleError, match=rf"split_kv={value!r} must be an int in \[1, 32\]"):
+        ws.schedule_for(make_attention(128), split_kv=value)
+
+
+def test_a_packed_q_that_is_not_one_run_of_rows_is_named():
+    fusion = make_attention(128, gqa=True)
+    kernel = compiled(fusion, **DECODE)
+    q, k, v = attention_inputs(1, 8, 2, 300, 128, gqa_groups=4)
+    q = q.transpose(2, 3).contiguous().transpose(2, 3)    # [B, HK, G, S, D] with S outside G
+    with pytest.raises(ws.ArgumentError, match=r"argument 'q' \(shape \[1, 2, 4, 2, 128\], strides .*\) cannot be "
+                                               r"read as \[1, 2, 8, 128\] without a copy; .* pass q.contiguous\(\)"):
+        kernel.simulate(q, k, v, num_sms=2)
