@@ -2,7 +2,8 @@
 
     python benchmarks/attention.py [--iters 30] [--dims 96,192]
 
-Head dims 64, 96, 128, 256, and 192 for Q and K with 128 for V (MLA prefill); FLOPs are
+Head dims 64, 96, 128, 256, and 192 for Q and K with 128 for V (MLA prefill), and at D128 a long
+prefill (B1 S16384 causal) and a ragged length (B4 S2000 causal); FLOPs are
 2 S T (D + Dv) per head (halved with a causal mask). A backend that does not take a case prints
 why and gets an empty column.
 """
@@ -29,7 +30,9 @@ from wsched.workloads.attention.schedule import VALUE_DIMS  # noqa: E402
 CASES = [(4, 16, 16, 4096, 128, False), (4, 16, 16, 4096, 128, True), (8, 16, 16, 2048, 64, False),
          (4, 16, 16, 4096, 256, False), (16, 16, 16, 1024, 128, False), (4, 32, 8, 4096, 128, True),
          (4, 16, 16, 4096, 96, False), (4, 16, 16, 4096, 96, True),
-         (4, 16, 16, 4096, 192, False), (4, 16, 16, 4096, 192, True)]
+         (4, 16, 16, 4096, 192, False), (4, 16, 16, 4096, 192, True),
+         (1, 16, 16, 16384, 128, True),   # long prefill
+         (4, 16, 16, 2000, 128, True)]    # ragged: 2000 is no multiple of a tile's rows or columns
 
 
 def sdpa(backend, q, k, v, causal, gqa):
