@@ -14,7 +14,7 @@ from wsched.lowering.printer import print_kernel
 from wsched.schedule import ScheduleError
 from wsched.workloads.attention.schedule import MAX_SPLIT_KV
 
-from attention_fusions import attention_inputs, make_attention, make_variant
+from attention_fusions import VARIANTS, attention_inputs, make_attention, make_variant, variant_inputs
 
 DECODE = dict(tile=(64, 128, 128), consumer_warpgroups=1, split_kv=MAX_SPLIT_KV, pack_gqa=True)
 
@@ -73,13 +73,15 @@ def test_every_split_count_up_to_the_blocks_merges_to_the_same_result(seed):
     assert seen == set(range(1, 10))
 
 
-@pytest.mark.parametrize("causal, s, t, num_sms", [
-    (False, 200, 2100, 4), (True, 2100, 2100, 40), ("bottom_right", 300, 2100, 6)])
-def test_split_kv_without_packing_on_128_row_tiles(causal, s, t, num_sms):
+@pytest.mark.parametrize("causal, s, t, num_sms, bn", [
+    (False, 200, 2100, 4, 128), (True, 2100, 2100, 40, 128), ("bottom_right", 300, 2100, 6, 128),
+    (True, 1000, 1000, 16, 64)])
+def test_split_kv_without_packing_on_128_row_tiles(causal, s, t, num_sms, bn):
     """Split-KV on the prefill kernel (few tiles, long keys): causal tiles split their own kv
-    range (the first ones have fewer blocks than splits), the heaviest tiles first."""
+    range (the first ones have fewer blocks than splits). With 64-key blocks the second split of
+    the first tile starts above the diagonal of its first 64 rows: they see no key there."""
     fusion = make_attention(64, causal=causal, lse=True)
-    kernel = compiled(fusion, tile=(128, 128, 64), split_kv=4)
+    kernel = compiled(fusion, tile=(128, bn, 64), split_kv=4)
     inputs = attention_inputs(1, 1, s, t, 64, seed=3)
     assert splits_of(kernel, inputs, num_sms) == 2
     check(kernel, fusion, inputs, num_sms=num_sms)
@@ -124,6 +126,20 @@ def test_long_causal_sequences_walk_sections_heaviest_first(num_sms, section):
     _, scalars, _ = kernel._bind_inputs(inputs)
     assert kernel._host_params(scalars, num_sms)["section"] == section
     check(kernel, fusion, inputs, num_sms=num_sms)
+
+
+@pytest.mark.parametrize("variant", [v for v in VARIANTS if v != "sinks"])
+@pytest.mark.parametrize("s, num_sms", [(3, 8), (300, 12)])
+def test_score_functions_run_in_the_kernels_compile_picks(variant, s, num_sms):
+    """Every score function of the variants issue in the decode variant (S <= 64: not packed, a
+    score function may read per-head or per-query inputs) and in the split default (3 tiles on 12
+    SMs): 17 kv blocks split in 2."""
+    fusion = make_variant(64, variant, window=300)
+    k = ws.compile(fusion, build=False)
+    inputs = variant_inputs(fusion, 1, 1, s, 2100, 64, seed=s)
+    kernel = k.choose(inputs, num_sms)
+    assert kernel.schedule.split_kv == MAX_SPLIT_KV and splits_of(kernel, inputs, num_sms) == 2
+    check(kernel, fusion, inputs, num_sms)
 
 
 # --- ws.compile's choice -------------------------------------------------------------------------

@@ -10,8 +10,6 @@ Its own passes: overlap_softmax (mma_inflight=1) and pingpong (mode="pingpong").
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 from wsched.lowering.context import Step
 from wsched.schedule import ScheduleError, is_int
 from wsched.workloads.base import Workload
@@ -71,29 +69,21 @@ class AttentionWorkload(Workload):
         if schedule != self.default_schedule(fusion):
             return ()
         found = []
-        decode = None
-        for pack in (True, False):
-            try:
-                decode = self.default_schedule(fusion, tile=(64, schedule.bn, schedule.head_dim),
-                                               consumer_warpgroups=1, split_kv=schedule_mod.MAX_SPLIT_KV,
-                                               pack_gqa=pack)
-                self.partition(fusion, decode)
-                break
-            except ScheduleError:
-                decode = None
+        # the merge's registers beside a 256-wide O: overlap no softmax there (SPLIT_KV_SPILLS),
+        # and one consumer warpgroup takes 32 keys a block (64 spilled 8 bytes, packed or not)
+        inflights = (schedule.mma_inflight, 0)
+        wide = schedule.value_dim == 256
+        decode = _first_taken(self, fusion, [
+            dict(tile=(64, 32 if wide else schedule.bn, schedule.head_dim), consumer_warpgroups=1,
+                 split_kv=schedule_mod.MAX_SPLIT_KV, pack_gqa=pack, mma_inflight=0 if wide else inflight)
+            for pack in (True, False) for inflight in inflights])
         if decode is not None:
             found.append(Variant(decode, lambda v: v["S"] <= 64,
                                  "S <= 64" + (" (G query heads of a KV head packed into the rows)" if decode.pack_gqa
                                               else "") + "; the host splits the keys when the tiles fill at most "
                                                          "half the SMs"))
-        split = None
-        for inflight in (schedule.mma_inflight, 0):   # the merge's registers: head dim 256 overlaps no softmax
-            try:
-                split = replace(schedule, split_kv=schedule_mod.MAX_SPLIT_KV, mma_inflight=inflight)
-                self.partition(fusion, split)
-                break
-            except ScheduleError:
-                split = None
+        split = _first_taken(self, fusion, [dict(split_kv=schedule_mod.MAX_SPLIT_KV, mma_inflight=inflight)
+                                            for inflight in inflights])
         if split is not None:
             bm = schedule.bm
             found.append(Variant(split, lambda v: 2 * _tiles(v, bm) <= v["num_sms"],
@@ -113,6 +103,18 @@ class AttentionWorkload(Workload):
             raise ScheduleError(f"attention schedule for {fusion.name}: the head dim of Q is the symbol "
                                 f"{head_dim!r}; declare it as a number ({', '.join(map(str, schedule.HEAD_DIMS))})")
         return head_dim
+
+
+def _first_taken(workload, fusion, candidates: list[dict]):
+    """The first default schedule with these overrides that the fusion takes (None if none)."""
+    for overrides in candidates:
+        try:
+            schedule = workload.default_schedule(fusion, **overrides)
+            workload.partition(fusion, schedule)
+            return schedule
+        except ScheduleError:
+            continue
+    return None
 
 
 def _tiles(values, bm: int) -> int:

@@ -137,9 +137,10 @@ def build_loops(kernel: None, ctx: LoweringContext) -> ir.Kernel:
             for align in causal]
     f = ir.FloatConst
     # A mask can hide every key of a row in a block, or in all of them (bottom-right alignment
-    # with S > T): keep its max finite so that exp2(S - m) is 0, not NaN.
+    # with S > T), or in all of a split's blocks (a split starting above a row's diagonal): keep
+    # its max finite so that exp2(S - m) is 0, not NaN.
     finite = ((ir.TileBinary("maximum", "m_blk", "m_blk", f(-1e30)),)
-              if sf.rows_may_see_nothing else ())
+              if sf.rows_may_see_nothing or (s.splits_kv and sf.masks) else ())
     softmax = (
         *loads[True],
         ir.Wgmma("s_acc", ir.SmemRef("Q", (C(0), V("wg"))), ir.SmemRef("K", (C(0),)), "k", "k", C(0)),
