@@ -2,11 +2,11 @@
 torch reference in fp32; outputs poisoned with NaN first."""
 
 import pytest
-import torch
 
 import wsched as ws
 
 from attention_fusions import attention_inputs, make_attention
+from test_gpu_attention import rel, run   # outputs poisoned, the call, the sync; the relative error
 
 pytestmark = pytest.mark.gpu
 
@@ -19,19 +19,6 @@ def compiled(d, causal, gqa):
         f = make_attention(d, causal=causal, lse=True, gqa=gqa)
         _compiled[key] = (f, ws.compile(f))
     return _compiled[key]
-
-
-def run(f, k, inputs):
-    outs = k.primary._outputs(f.bind(*inputs), "cuda")
-    for t in outs.values():
-        t.fill_(float("nan"))
-    k(*inputs, out=outs)
-    k.synchronize()
-    return list(outs.values())
-
-
-def rel(a, b):
-    return float((a.float() - b.float()).norm() / b.float().norm())
 
 
 @pytest.mark.parametrize("d", [64, 128])
