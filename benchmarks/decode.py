@@ -17,6 +17,13 @@ backend that does not take a case prints why and gets an empty column. "vs" colu
 (reference time / our time). Our output is poisoned with NaN, then compared with the first
 reference that ran (rel.err < 2e-2, else the row is marked FAIL and the script exits with 1).
 
+Paged: the same keys copied into a paged cache ([pages, --page-size, HK, D], the pages of all
+sequences shuffled, a block table, every sequence's length T) and run through
+`make_paged_attention` (ws.paged + ws.key_lengths) compiled the same way; the "paged" column is
+its time, "paged/contig" its time over ours on the contiguous cache (the target is within 5%), and
+its output is checked against ours on the contiguous cache. It needs a second copy of K/V: where
+that does not fit, the column is empty.
+
 Timing: these kernels take microseconds, so events around each call (`wsched.timing.median_ms`)
 would also count the host's launch time, and calls back to back would read K/V from L2. Here
 each timed call is queued behind an L2 flush and a sleep kernel: the GPU reaches the start event
@@ -40,7 +47,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "scripts"))
 import wsched as ws  # noqa: E402
-from attention_fusions import make_attention  # noqa: E402
+from attention_fusions import make_attention, make_paged_attention  # noqa: E402
 from wsched.timing import rel_error  # noqa: E402
 
 D, H = 128, 32
@@ -131,7 +138,36 @@ def our_output(bound):
     return outputs[0]    # O ([B, HK, G, S, D]); the LSE beside it with --lse
 
 
-def run_case(k, timer, B, HK, T, S, kk, v, read_gbs):
+def paged_copy(x: torch.Tensor, page: int, order: torch.Tensor) -> torch.Tensor:
+    """x [B, HK, 1, T, D] as a cache [B T / page, page, HK, D] whose page i (sequence-major) is
+    stored at page order[i]."""
+    B, HK, _, T, _ = x.shape
+    pages = x.view(B, HK, T // page, page, D).permute(0, 2, 3, 1, 4).reshape(B * (T // page), page, HK, D)
+    cache = torch.empty_like(pages)
+    cache[order] = pages
+    return cache
+
+
+def run_paged(paged, timer, q, kk, v, o):
+    """(µs, rel.err vs ours on the contiguous cache) of the paged kernel on the same keys."""
+    kernel, page = paged
+    B, HK, _, T, _ = kk.shape
+    order = torch.randperm(B * (T // page), device="cuda")
+    k_cache, v_cache = paged_copy(kk, page, order), paged_copy(v, page, order)
+    table = order.view(B, T // page).int()
+    lens = torch.full((B,), T, dtype=torch.int32, device="cuda")
+    bound = kernel.bind(q, k_cache, v_cache, table, lens)
+    for t in bound.outputs.values():
+        t.fill_(float("nan"))
+    bound()
+    torch.cuda.synchronize()
+    err = rel_error(our_output(bound).view(o.shape), o)
+    us = timer(bound)
+    del k_cache, v_cache
+    return us, err
+
+
+def run_case(k, timer, B, HK, T, S, kk, v, read_gbs, paged=None):
     """One row: ours and the references on fresh Q, the same K/V."""
     G = H // HK
     q = torch.randn(B, HK, G, S, D, device="cuda", dtype=torch.bfloat16)
@@ -166,11 +202,17 @@ def run_case(k, timer, B, HK, T, S, kk, v, read_gbs):
     gbs = kv_bytes(B, HK, T) / t_ours / 1e3
     row = dict(case=f"B{B} H{H}/{HK} T{T} S{S}", schedule=chosen.schedule.short(), ours=t_ours, gbs=gbs,
                pct=100 * gbs / read_gbs, err=err, ref=ref_name, ok=err < TOLERANCE, **times)
-    # a "paged" column (ours on a paged K/V cache) goes here once paged K/V is built
+    if paged is not None:
+        paged_us, paged_err = run_paged(paged, timer, q, kk, v, o)
+        row.update(paged=paged_us, paged_ok=paged_err < TOLERANCE)
+        row["ok"] = row["ok"] and row["paged_ok"]
     print(f"{row['case']:>24}  ours {t_ours:8.1f} us {gbs:6.0f} GB/s ({row['pct']:3.0f}%)  "
           + "  ".join(f"{n} {times[n]:8.1f}" if n in times else f"{n} {'-':>8}" for n, _ in REFERENCES)
           + f" us  vs cuDNN {speedup(row, 'cuDNN')}  vs flash {speedup(row, 'flash')}  "
-          f"rel.err {err:.1e} ({ref_name or 'none'}){'' if row['ok'] else '  FAIL'}  [{row['schedule']}]", flush=True)
+          f"rel.err {err:.1e} ({ref_name or 'none'})"
+          + (f"  paged {row['paged']:8.1f} us ({row['paged'] / t_ours:4.2f}){'' if row['paged_ok'] else ' FAIL'}"
+             if "paged" in row else "")
+          + f"{'' if row['ok'] else '  FAIL'}  [{row['schedule']}]", flush=True)
     if any(host_bound.values()):
         print("  timed calls queued slower than the lead (their times may include launch latency): "
               + ", ".join(f"{n} {c}/{timer.iters}" for n, c in host_bound.items() if c))
@@ -188,7 +230,10 @@ def prebuild(lse_options) -> None:
     from prebuild import build     # scripts/prebuild.py: one build, its variants, one report line
 
     with ThreadPoolExecutor(max_workers=len(lse_options)) as pool:
-        for line in pool.map(build, [(make_attention(D, gqa=True, lse=lse), {}) for lse in lse_options]):
+        jobs = [(make(lse), {}) for lse in lse_options
+                for make in (lambda lse: make_attention(D, gqa=True, lse=lse),
+                             lambda lse: make_paged_attention(D, 16, lse=lse))]
+        for line in pool.map(build, jobs):
             print(line, flush=True)
 
 
@@ -198,12 +243,14 @@ def main(argv=None):
     ap.add_argument("--s", default="1", help="queries per sequence, e.g. '1,4,16'")
     ap.add_argument("--quick", action="store_true", help=f"only {len(QUICK)} cases")
     ap.add_argument("--lse", action="store_true", help="the fusion also returns the logsumexp")
+    ap.add_argument("--page-size", type=int, default=16, help="pages of the paged column (0: no paged column)")
     ap.add_argument("--prebuild", action="store_true", help="only build the kernels (with and without --lse)")
     args = ap.parse_args(argv)
     if args.prebuild:
         return prebuild((False, True))
     queries = [int(s) for s in args.s.split(",") if s]
     k = ws.compile(make_attention(D, gqa=True, lse=args.lse))
+    paged_kernel = ws.compile(make_paged_attention(D, args.page_size, lse=args.lse)) if args.page_size else None
     timer = ColdTimer(args.iters)
     read_gbs = plain_read_gbs(timer)
     free, total = torch.cuda.mem_get_info()
@@ -220,18 +267,21 @@ def main(argv=None):
             continue
         kk = torch.randn(B, HK, 1, T, D, device="cuda", dtype=torch.bfloat16)
         v = torch.randn(B, HK, 1, T, D, device="cuda", dtype=torch.bfloat16)
+        free, _ = torch.cuda.mem_get_info()
+        paged = (paged_kernel, args.page_size) if paged_kernel and need < MAX_KV_SHARE * free else None
         for S in queries:
-            rows.append(run_case(k, timer, B, HK, T, S, kk, v, read_gbs))
+            rows.append(run_case(k, timer, B, HK, T, S, kk, v, read_gbs, paged))
         del kk, v
         torch.cuda.empty_cache()
     names = [n for n, _ in REFERENCES]
     print(f"\n| case | wsched µs | GB/s | % of read | {' | '.join(f'SDPA {n} µs' for n in names)} | vs cuDNN | "
-          f"vs flash | rel.err | schedule |\n|{'---|' * (len(names) + 7)}")
+          f"vs flash | rel.err | paged µs | paged/contig | schedule |\n|{'---|' * (len(names) + 9)}")
     for r in rows:
         refs = " | ".join(f"{r[n]:.1f}" if n in r else "" for n in names)
         print(f"| {r['case']} | {r['ours']:.1f} | {r['gbs']:.0f} | {r['pct']:.0f} | {refs} | "
               f"{speedup(r, 'cuDNN').strip()} | {speedup(r, 'flash').strip()} | {r['err']:.1e}"
-              f"{'' if r['ok'] else ' FAIL'} | {r['schedule']} |")
+              f"{'' if r['ok'] else ' FAIL'} | " + (f"{r['paged']:.1f} | {r['paged'] / r['ours']:.2f}" if 'paged' in r
+                                                   else " | ") + f" | {r['schedule']} |")
     if timer.host_bound:
         print(f"# {timer.host_bound} timed calls took the host longer to queue than the flush+sleep lead: "
               f"their times may include launch latency")

@@ -37,7 +37,7 @@ elect_one) and control flow; the other node kinds are spelled in
     emit_tiles.py        register tiles: declarations, elementwise ops, reductions, masks
     fragment.py          the register-tile fragment layout and the C++ names of its elements
     emit_tile_memory.py  tile loads / stores to global memory, tile stores to shared memory
-    emit_global_sync.py  GPU fences, atomics and `ld.shared` (split-K's tickets)
+    emit_global_sync.py  GPU fences, atomics and `ld.shared` (split-K's tickets), `ld.global`
     emit_context.py      the emitter's state: text, scopes, names, expressions, references
     emit_trace.py        the instrumented build (`trace=True`): clock stamps around statements
 """
@@ -265,6 +265,8 @@ EMITTERS: dict[type, Callable[[Emitter, ir.Stmt], None]] = {
     # attention score functions: elementwise, a run of them shares one loop with the ops above
     ir.TileIota: emit_tiles.emit_elementwise,
     ir.TileSelect: emit_tiles.emit_elementwise,
+    # paged KV caches
+    ir.LoadGlobal: emit_global_sync.emit_load_global,
 }
 
 

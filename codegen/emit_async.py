@@ -6,6 +6,8 @@ Each IR statement becomes one call of a device primitive (`include/mbarrier.cuh`
     mbarrier.arrive empty[s]          if (threadIdx.x % 128 == 0) {        // one per warpgroup
                                         wsp::mbar_arrive(&empty_bar[s]);
     tma.load A[s] <- a[m0, k * 64]    wsp::tma_load_2d(smem_A + s * 16384, &a, &full_bar[s], k * 64, m0);
+    tma.load K[s, 1] row(r * 16)      wsp::tma_load_4d(smem_K + s * 32768 + 16384 + r * 16 * 128, &k_cache,
+      <- k_cache[page, 0, h, 64] ...                     &full_bar[s], 64, h, 0, page);
     wgmma.mma acc, A[s], B[s]         {  // wgmma: acc[64, 256] (+)= A[s] x B[s], 4 x m64n256k16
                                         const uint64_t desc_a = wsp::make_smem_desc(...); ...
 
@@ -22,7 +24,7 @@ from wsched.lowering import ir
 from wsched.target import (DTYPE_BYTES, OPERAND_SWIZZLES, WGMMA_ACCUMULATOR_DTYPE, WGMMA_K, WGMMA_M,
                            WGMMA_N, WGMMA_OPERAND_DTYPES)
 
-from .emit_context import ELECT, KERNEL, EmitError, Emitter, describe
+from .emit_context import ELECT, KERNEL, EmitError, Emitter, describe, paren
 from .fragment import FULL
 from .wgmma import wgmma_function
 
@@ -91,12 +93,24 @@ def _require_elected(em: Emitter, s: ir.Stmt) -> None:
 
 
 def _tma_operands(em: Emitter, s: ir.TmaLoad | ir.TmaStore, ref: ir.SmemRef) -> tuple[str, str, str]:
-    """(smem pointer, &tensor map, coordinates innermost first) of a TMA copy."""
+    """(smem pointer, &tensor map, coordinates innermost first) of a TMA copy; a load with a row
+    offset points at that row of its 2-D sub-array."""
     _require_elected(em, s)
     p = em.tensormap_param(s.tensor, s, s.coords)
     ptr, decl, sub = em.smem_ref(ref)
-    # verifier _tma: the sub-array holds exactly one box of the map's dtype
-    assert p.dtype == decl.dtype and math.prod(p.box) == math.prod(sub), s
+    row = s.row if isinstance(s, ir.TmaLoad) else None
+    if row is None:
+        # verifier _tma: the sub-array holds exactly one box of the map's dtype
+        assert p.dtype == decl.dtype and math.prod(p.box) == math.prod(sub), s
+    else:
+        # verifier _box_rows: the box is rows of a 2-D sub-array, as wide as it
+        assert p.dtype == decl.dtype and len(sub) == 2 and p.box[-1] == sub[1], s
+        row_bytes = sub[1] * DTYPE_BYTES[decl.dtype]
+        if isinstance(row, ir.IntConst):
+            ptr += f" + {row.value * row_bytes}" if row.value else ""
+        else:
+            text, prec, _ = em.expr_prec(row)
+            ptr += f" + {paren(text, prec, 13)} * {row_bytes}"
     # IR coordinates are outermost first; the hardware (and wsp::tma_*) take innermost first.
     return ptr, f"&{em.c(s.tensor)}", em.coords_text(tuple(reversed(s.coords)))
 

@@ -375,7 +375,7 @@ def _cpp_names(kernel: ir.Kernel) -> dict[str, str]:
     keyword or a name the emitter uses (`v`, `ptr`, `min`, `smem_A`, `full_bar`, ...)."""
     declared = [p.name for p in kernel.params]
     for s in ir.walk(kernel.body):
-        if isinstance(s, (ir.Let, ir.RegDecl, ir.LoadShared)):
+        if isinstance(s, (ir.Let, ir.RegDecl, ir.LoadShared, ir.LoadGlobal)):
             declared.append(s.name)
         elif isinstance(s, ir.For):
             declared.append(s.var)

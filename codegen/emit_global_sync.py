@@ -8,6 +8,10 @@
       fence.acq_rel.gpu }                            wsp::fence_acq_rel_gpu(); }
     bar.sync 1 + wg, 128                           wsp::named_barrier_sync(1 + wg, 128);
     ld.shared ticket = T[wg]                       const int ticket = *reinterpret_cast<volatile int*>(smem_T + wg * 4);
+
+and `ld.global`, one element of an input through the read-only data cache:
+
+    ld.global page = block_table[b, k]             const int page = __ldg(&block_table[(b) * MP + k]);
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ def emit_fence_gpu(em: Emitter, s: ir.FenceGpu) -> None:
     em.line("wsp::fence_acq_rel_gpu();")
 
 
-def _element(em: Emitter, s: ir.AtomicInc, p: ir.GlobalParam) -> str:
+def _element(em: Emitter, s: ir.AtomicInc | ir.LoadGlobal, p: ir.GlobalParam) -> str:
     """The row-major element offset of `coords` in the tensor `p`."""
     offset = ""
     for d, coord in enumerate(s.coords):
@@ -50,3 +54,12 @@ def emit_load_shared(em: Emitter, s: ir.LoadShared) -> None:
     em.scope.declare(s.name, "int")
     # volatile: read after the barrier that orders it after the writer, never hoisted above it
     em.line(f"const int {em.c(s.name)} = *reinterpret_cast<volatile int*>({ptr});")
+
+
+def emit_load_global(em: Emitter, s: ir.LoadGlobal) -> None:
+    # verifier _LoadGlobal: an i32 global param that is no workspace (nothing writes it while
+    # the kernel runs, so the read-only data cache may serve it), one coordinate per dim
+    p = em.global_param(s.tensor, s)
+    assert p.dtype == "i32" and not isinstance(p, ir.WorkspaceParam) and len(s.coords) == len(p.shape), s
+    em.scope.declare(s.name, "int")
+    em.line(f"const int {em.c(s.name)} = __ldg(&{em.c(p.name)}[{_element(em, s, p)}]);")

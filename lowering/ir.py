@@ -27,6 +27,7 @@ and `codegen/emit.py` is its CUDA spelling):
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Iterator, Union
 
@@ -35,7 +36,8 @@ from typing import Iterator, Union
 # `ir.REDUCE_OPS`. A `TileBinary` op is one of BINARY_OPS or COMPARE_OPS (`TILE_BINARY_OPS`).
 from wsched.target import BINARY_OPS, COMPARE_OPS, DTYPE_BYTES, REDUCE_OPS, UNARY_OPS  # noqa: F401
 from wsched.target import DTYPE_NAMES as DTYPES  # noqa: F401
-from wsched.target import BARRIER_BYTES, SMEM_ALIGN, SMEM_BASE_SLACK, WARPGROUP_THREADS
+from wsched.target import (BARRIER_BYTES, PAGE_ROWS_ALIGN, SMEM_ALIGN, SMEM_BASE_SLACK, TMA_SMEM_ALIGNMENT,
+                           WARPGROUP_THREADS)
 
 BUILTINS = ("cta_id", "num_ctas", "num_sms", "wg")
 TILE_BINARY_OPS = BINARY_OPS + COMPARE_OPS
@@ -424,12 +426,19 @@ class NamedBarrierArrive:
 class TmaLoad:
     """`tma.load A[s] <- a[m0, k0] bar(full[s])`: one box of tensor map `tensor` at element
     coordinates `coords` (outermost first) into the smem sub-array `dst`; completes on `bar`
-    with the box's bytes. Elements outside the tensor are filled with zero."""
+    with the box's bytes. Elements outside the tensor are filled with zero.
+
+    With `row` (`tma.load K[s, 1] row(r * 16) <- k_cache[page, 0, h, 64] bar(full[s])`), `dst`
+    is a 2-D [R, W] sub-array and the box fills only its rows row .. row + rows - 1, where the
+    box's inner extent is W and rows is the product of its other extents (a box lies in smem in
+    row-major order): how one block of keys is gathered from the pages of a paged cache. `row`
+    must keep the destination on the alignment `tma_row_step` gives (with a swizzle, its atom)."""
 
     dst: SmemRef
     tensor: str
     coords: tuple[Expr, ...]
     bar: BarRef
+    row: Union[Expr, None] = None
 
 
 @dataclass(frozen=True)
@@ -651,6 +660,22 @@ class LoadShared:
     src: SmemRef
 
 
+# --- paged KV caches ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LoadGlobal:
+    """`ld.global page = block_table[b, k]`: the executing threads (inside `elect_one` the elected
+    one, in a role every thread of the warpgroup) read the element at `coords` (one per dim,
+    outermost first) of an i32 `global` param that is a kernel input (not a workspace), and bind
+    it to the immutable scalar `name`, like a `let`: a page of a paged cache, or a sequence's
+    length. The element must lie inside the tensor."""
+
+    name: str
+    tensor: str
+    coords: tuple[Expr, ...]
+
+
 # --- attention score functions: positions and selection (elementwise, like TileBinary) ----------
 
 
@@ -687,6 +712,7 @@ Stmt = Union[
     TileStoreSmem,
     TileView, FenceGpu, AtomicInc, LoadShared,   # sliced epilogues and split-K
     TileIota, TileSelect,                         # attention score functions
+    LoadGlobal,                                   # paged KV caches
 ]
 
 STMT_TYPES: tuple[type, ...] = Stmt.__args__  # type: ignore[attr-defined]
@@ -775,6 +801,17 @@ def walk(stmts: tuple[Stmt, ...]) -> Iterator[Stmt]:
 def smem_subshape(decl: SmemDecl, ref: SmemRef) -> tuple[int, ...]:
     """Shape of the sub-array a reference selects."""
     return decl.shape[len(ref.index):]
+
+
+def tma_row_step(decl: SmemDecl) -> tuple[int, int]:
+    """(bytes, rows): the alignment a `tma.load ... row(r)` destination needs in buffer `decl`,
+    and the rows `r` must be a multiple of to keep it. TMA writes shared memory from an address
+    aligned to TMA_SMEM_ALIGNMENT, and a swizzled box to one aligned to the swizzle's atom
+    (PAGE_ROWS_ALIGN rows of the swizzle span), since the pattern is taken from the address bits:
+    only there do the box's rows land as the rows of the whole sub-array would."""
+    align = max(TMA_SMEM_ALIGNMENT, PAGE_ROWS_ALIGN * decl.swizzle)
+    row_bytes = decl.shape[-1] * DTYPE_BYTES[decl.dtype]
+    return align, align // math.gcd(align, row_bytes)
 
 
 def tile_shape_of_subarray(shape: tuple[int, ...]) -> tuple[int, int]:

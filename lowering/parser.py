@@ -418,8 +418,8 @@ class _ToIR(Transformer):
         return ir.NamedBarrierArrive(barrier_id, threads)
 
     # --- asynchronous copies ----------------------------------------------------------------
-    def tma_load(self, dst, tensor, coords, bar):
-        return ir.TmaLoad(dst, str(tensor), coords, bar)
+    def tma_load(self, dst, row, tensor, coords, bar):
+        return ir.TmaLoad(dst, str(tensor), coords, bar, row)
 
     def tma_store(self, tensor, coords, src):
         return ir.TmaStore(str(tensor), coords, src)
@@ -515,6 +515,10 @@ class _ToIR(Transformer):
 
     def tile_select(self, dst, cond, on_true, on_false):
         return ir.TileSelect(str(dst), cond, on_true, on_false)
+
+    # --- paged KV caches ---------------------------------------------------------------------
+    def load_global(self, name, tensor, coords):
+        return ir.LoadGlobal(str(name), str(tensor), coords)
 
     # --- references -------------------------------------------------------------------------
     def smem_ref(self, buffer, *index):

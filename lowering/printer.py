@@ -181,7 +181,8 @@ def _operands(s: ir.Stmt) -> str:
             return f"{print_expr(s.id)}, {s.threads}"
         # asynchronous copies
         case ir.TmaLoad():
-            return f"{_smem_ref(s.dst)} <- {s.tensor}[{_join(s.coords)}] bar({_bar_ref(s.bar)})"
+            row = "" if s.row is None else f" row({print_expr(s.row)})"
+            return f"{_smem_ref(s.dst)}{row} <- {s.tensor}[{_join(s.coords)}] bar({_bar_ref(s.bar)})"
         case ir.TmaStore():
             return f"{s.tensor}[{_join(s.coords)}] <- {_smem_ref(s.src)}"
         case ir.TmaWait() | ir.WgmmaWait():
@@ -225,6 +226,9 @@ def _operands(s: ir.Stmt) -> str:
             return f"{s.dst}, axis({s.axis}), start({print_expr(s.start)})"
         case ir.TileSelect():
             return ", ".join([s.dst] + [_tile_operand(o) for o in (s.cond, s.on_true, s.on_false)])
+        # paged KV caches
+        case ir.LoadGlobal():
+            return f"{s.name} = {s.tensor}[{_join(s.coords)}]"
         case (ir.Return() | ir.FenceMbarrierInit() | ir.FenceProxyAsync() | ir.SyncThreads() | ir.FenceGpu()
               | ir.TmaCommit() | ir.WgmmaFence() | ir.WgmmaCommit()):
             return ""

@@ -82,6 +82,8 @@ SPELLINGS: dict[type, Spelling] = {
     # attention score functions
     ir.TileIota: Spelling("tile.iota"),
     ir.TileSelect: Spelling("tile.select"),
+    # paged KV caches
+    ir.LoadGlobal: Spelling("ld.global"),
 }
 
 # The prefixes of the variant keywords, for the parser (one name per grammar terminal).

@@ -46,6 +46,61 @@ def _body(q, k, v, scale, causal, lse, dtype):
     return (o, ws.logsumexp(s, dim=-1)) if lse else o
 
 
+def make_paged_attention(head_dim: int, page_size: int, causal: bool = False, lengths: bool = True,
+                         lse: bool = False, dtype=ws.bf16):
+    """Attention of Q [B, HK, G, S, D] against a paged K / V cache ([pages, page_size, HK, D]
+    through an i32 block table [B, max_pages]), each sequence holding its first seq_lens[b] keys
+    (`lengths`); `causal`: bottom-right, aligned to each sequence's length (a chunk of S new
+    tokens at the end of its cache). Without `lengths` the fusion takes no seq_lens."""
+    scale = 1.0 / math.sqrt(head_dim)
+    name = (f"paged{page_size}_d{head_dim}{'_causal' if causal else ''}{'' if lengths else '_full'}"
+            f"{'_lse' if lse else ''}_{dtype.name}")
+
+    def scores(q, k_cache, block_table, seq_lens):
+        s = ws.matmul(q, ws.paged(k_cache, block_table).transpose(-1, -2)) * scale
+        s = ws.key_lengths(s, seq_lens) if seq_lens is not None else s
+        return ws.causal_mask(s, align="bottom_right") if causal else s
+
+    def finish(s, v_cache, block_table):
+        o = ws.matmul(ws.softmax(s, dim=-1), ws.paged(v_cache, block_table)).to(dtype)
+        return (o, ws.logsumexp(s, dim=-1)) if lse else o
+
+    if lengths:
+        def attention(q: ws.Tensor[dtype, "B", "HK", "G", "S", head_dim],
+                      k_cache: ws.Tensor[dtype, "P", page_size, "HK", head_dim],
+                      v_cache: ws.Tensor[dtype, "P", page_size, "HK", head_dim],
+                      block_table: ws.Tensor[ws.i32, "B", "MP"], seq_lens: ws.Tensor[ws.i32, "B"]):
+            return finish(scores(q, k_cache, block_table, seq_lens), v_cache, block_table)
+    else:
+        def attention(q: ws.Tensor[dtype, "B", "HK", "G", "S", head_dim],
+                      k_cache: ws.Tensor[dtype, "P", page_size, "HK", head_dim],
+                      v_cache: ws.Tensor[dtype, "P", page_size, "HK", head_dim],
+                      block_table: ws.Tensor[ws.i32, "B", "MP"]):
+            return finish(scores(q, k_cache, block_table, None), v_cache, block_table)
+    attention.__name__ = name
+    return ws.fusion(attention)
+
+
+def paged_inputs(lens, page_size, head_dim, hk=2, g=2, s=1, spare_pages=3, seed=0, device="cpu",
+                 dtype=torch.bfloat16):
+    """Q, the K and V caches, the block table and the lengths for `make_paged_attention`: every
+    sequence's pages shuffled across the cache beside spare pages no table names; a table's unused
+    tail entries name page 0 (as serving engines pad them)."""
+    gen = torch.Generator().manual_seed(seed)
+    need = [max(1, -(-n // page_size)) for n in lens]
+    pages = sum(need) + spare_pages
+    order = torch.randperm(pages, generator=gen)
+    table = torch.zeros(len(lens), max(need), dtype=torch.int32)
+    at = 0
+    for b, n in enumerate(need):
+        table[b, :n] = order[at:at + n].int()
+        at += n
+    q = torch.randn((len(lens), hk, g, s, head_dim), generator=gen)
+    caches = [torch.randn((pages, page_size, hk, head_dim), generator=gen) for _ in range(2)]
+    return [x.to(dtype).to(device) for x in (q, *caches)] + [table.to(device),
+                                                              torch.tensor(lens, dtype=torch.int32, device=device)]
+
+
 def attention_inputs(B, H, S, T, D, device="cpu", seed=0, gqa_groups=None, dtype=torch.bfloat16):
     """Q, K, V of random normal values; V of the head dim the kernels implement beside D."""
     g = torch.Generator().manual_seed(seed)

@@ -6,7 +6,7 @@ from .dsl import (
     Tensor, add, cast, causal_mask, div, exp, exp2, gelu, log, logsumexp, matmul, maximum, minimum,
     mul, neg, relu, sigmoid, silu, softmax, sub, tanh,
 )
-from .dsl import eq, ge, gt, inf, le, logical_and, logical_not, logical_or, lt, ne, positions, where
+from .dsl import eq, ge, gt, inf, key_lengths, le, logical_and, logical_not, logical_or, lt, ne, paged, positions, where
 
 from .dsl import reduce_max as max, reduce_sum as sum  # noqa: A001 (ws.max, ws.sum, like torch)
 from .fusion import Fusion, Node, fusion

@@ -488,7 +488,75 @@ def causal_mask(x: Tensor, align: str = "top_left") -> Tensor:
     if align not in CAUSAL_ALIGNS:
         raise FusionError("causal_mask", f"align must be 'top_left' or 'bottom_right', "
                           f"got {align!r}")
-    return x._trace.add("causal_mask", (x,), x.dtype, x.shape, [("align", align)])
+    lengths = _key_lengths_of(x)
+    operands = (x,) if lengths is None else (x, lengths)
+    return x._trace.add("causal_mask", operands, x.dtype, x.shape, [("align", align)])
+
+
+# --------------------------------------------------------------------------------------------
+# Caches: per-sequence key lengths and paged K / V
+# --------------------------------------------------------------------------------------------
+
+def key_lengths(x: Tensor, lengths: Tensor) -> Tensor:
+    """Scores [B, ..., queries, keys] of sequences that hold fewer keys than the cache: the keys
+    j >= lengths[b] of sequence b are -inf (hidden), so the softmax and the log-sum-exp see its
+    first lengths[b] keys only. `lengths` is an i32 [B] tensor (FlashAttention's cache_seqlens).
+    A bottom-right `causal_mask` taken after it aligns to each sequence's own length: query i of
+    S sees keys j <= i + lengths[b] - S. A sequence of length 0 gives O = 0 and LSE = -inf."""
+    (x,) = _operands("key_lengths", (x,), allow_scalars=False)
+    _require_float("key_lengths", x)
+    if not isinstance(lengths, Tensor):
+        raise FusionError("key_lengths", f"lengths must be an i32 [B] fusion input, got {type_name(lengths)}")
+    if x.ndim < 3:
+        raise FusionError("key_lengths", f"needs [B, ..., queries, keys] scores, but {_describe(x)}")
+    if lengths.dtype != i32 or lengths.shape != (x.shape[0],) or lengths.node.op != "input":
+        raise FusionError("key_lengths", f"lengths must be an i32 fusion input of shape [{x.shape[0]}] (one "
+                          f"length per sequence, dim 0 of the scores {_describe(x)}), but {_describe(lengths)}")
+    known = _key_lengths_of(x)
+    if known is not None and known.id != lengths.id:
+        raise FusionError("key_lengths", f"the scores already have key lengths {known.id}; a sequence has one "
+                          f"length")
+    return x._trace.add("key_lengths", (x, lengths), x.dtype, x.shape)
+
+
+def _key_lengths_of(x: Tensor) -> Tensor | None:
+    """The lengths input of a `key_lengths` that x is computed from, if any."""
+    nodes = {n.id: n for n in x._trace.nodes}
+    stack, seen = [x.node], set()
+    while stack:
+        node = stack.pop()
+        if node.id in seen:
+            continue
+        seen.add(node.id)
+        if node.op == "key_lengths":
+            return Tensor(x._trace, nodes[node.inputs[1]])
+        if node.op not in ("matmul", "input"):
+            stack.extend(nodes[i] for i in node.inputs)
+    return None
+
+
+def paged(cache: Tensor, block_table: Tensor) -> Tensor:
+    """K or V of a paged cache as the [B, HK, 1, T, D] tensor attention reads, T = max_pages x
+    page_size: `cache` is [num_pages, page_size, HK, D] (the vLLM / FlashInfer layout) and
+    `block_table` an i32 [B, max_pages] input; key t of sequence b is
+    cache[block_table[b, t // page_size], t % page_size]. Write Q as [B, HK, G, S, D] (G query
+    heads share a KV head; G = 1 for multi-head attention), and give the sequences' lengths with
+    `ws.key_lengths` (pages past a sequence's end are never read)."""
+    cache, block_table = _operands("paged", (cache, block_table), allow_scalars=False)
+    if cache.ndim != 4 or cache.node.op != "input":
+        raise FusionError("paged", f"the cache must be a fusion input [num_pages, page_size, kv_heads, "
+                          f"head_dim], but {_describe(cache)}")
+    _require_float("paged", cache)
+    if block_table.ndim != 2 or block_table.dtype != i32 or block_table.node.op != "input":
+        raise FusionError("paged", f"the block table must be an i32 fusion input [batch, max_pages], but "
+                          f"{_describe(block_table)}")
+    batch, pages = block_table.shape
+    _, page_size, heads, dim = cache.shape
+    if isinstance(pages, int) and isinstance(page_size, int):
+        keys: Dim = pages * page_size
+    else:
+        keys = f"{pages}*{page_size}"   # bound from the table and the cache (Fusion.bind)
+    return cache._trace.add("paged", (cache, block_table), cache.dtype, (batch, heads, 1, keys, dim))
 
 
 # --------------------------------------------------------------------------------------------

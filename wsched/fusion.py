@@ -232,6 +232,11 @@ class Fusion:
                 elif sizes[dim] != size:
                     raise FusionError(op, f"symbol {dim} is bound to two sizes: {sizes[dim]} "
                                       f"({bound_at[dim]}) and {size} ({here})")
+        for node in self.nodes():   # a paged cache's keys: max_pages x page_size (dsl.paged)
+            keys = node.shape[-2] if node.op == "paged" else None
+            if isinstance(keys, str):
+                pages, page_size = (int(d) if d.isdigit() else sizes[d] for d in keys.split("*"))
+                sizes[keys] = pages * page_size
         return sizes
 
     def reference(self, *tensors: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, ...]:

@@ -55,6 +55,11 @@ def evaluate(fusion: Fusion, inputs: Sequence[torch.Tensor], sizes: dict[str, in
     return outputs[0] if len(outputs) == 1 else outputs
 
 
+def _per_sequence(lengths: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+    """Per-sequence key lengths [B] shaped to broadcast against scores [B, ..., S, T] (as [B, 1, ..., 1, 1])."""
+    return lengths.reshape(-1, *([1] * (scores.ndim - 1)))
+
+
 def _evaluate_node(node: Node, args: list[torch.Tensor], sizes: dict[str, int],
                    device: torch.device) -> torch.Tensor:
     """One node evaluated in fp32 on fp32 operands (rounding to node.dtype is the caller's)."""
@@ -88,10 +93,33 @@ def _evaluate_node(node: Node, args: list[torch.Tensor], sizes: dict[str, int],
         return torch.logsumexp(args[0], node.attr("dim"), keepdim=node.attr("keepdim"))
     if op == "softmax":
         return torch.softmax(args[0], node.attr("dim"))
-    if op == "causal_mask":
+    if op == "causal_mask":   # with key lengths (a second operand) bottom-right aligns to each sequence's
         queries, keys = args[0].shape[-2:]
-        offset = 0 if node.attr("align") == "top_left" else keys - queries
         query = torch.arange(queries, device=device)[:, None]
         key = torch.arange(keys, device=device)[None, :]
+        if node.attr("align") == "top_left":
+            offset = 0
+        elif len(args) == 2:
+            offset = _per_sequence(args[1], args[0]) - queries
+        else:
+            offset = keys - queries
         return args[0].masked_fill(key > query + offset, float("-inf"))
+    if op == "key_lengths":
+        keys, lengths = args[0].shape[-1], args[1]
+        if lengths.numel() and (lengths.min() < 0 or lengths.max() > keys):
+            bad = lengths[(lengths < 0) | (lengths > keys)][0].item()
+            raise FusionError("key_lengths", f"{node.inputs[1]} holds the length {bad:g}, outside 0..{keys} (the "
+                              f"keys the cache holds)", node.source)
+        key = torch.arange(keys, device=device)
+        return args[0].masked_fill(key >= _per_sequence(args[1], args[0]), float("-inf"))
+    if op == "paged":   # [P, PS, HK, D] by a [B, MP] table -> [B, HK, 1, MP * PS, D]
+        cache, table = args
+        table = table.long()
+        if table.numel() and (table.min() < 0 or table.max() >= cache.shape[0]):
+            bad = table[(table < 0) | (table >= cache.shape[0])][0].item()
+            raise FusionError("paged", f"{node.inputs[1]} holds page {bad}, outside the cache "
+                              f"{node.inputs[0]}'s {cache.shape[0]} pages", node.source)
+        pages = cache[table]                      # [B, MP, PS, HK, D]
+        b, mp, ps, hk, d = pages.shape
+        return pages.reshape(b, mp * ps, hk, d).permute(0, 2, 1, 3).unsqueeze(2)
     raise FusionError(op, f"the reference has no rule for node {node.id}", node.source)

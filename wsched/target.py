@@ -53,12 +53,16 @@ TMA_MAX_GLOBAL_DIM = 2**32
 TMA_MAX_STRIDE_BYTES = 2**40             # exclusive
 TMA_MAX_BOX_DIM = 256
 TMA_INNER_BOX_ALIGNMENT = 16             # bytes of the innermost box extent
+TMA_SMEM_ALIGNMENT = 128                 # bytes, the shared-memory address of a tensor copy
 TMA_SWIZZLES = (0, 32, 64, 128)          # swizzle spans in bytes; the inner box row must fit in it
 SWIZZLE_ROW_BYTES = 128                  # the 128-byte swizzle the operand layouts use
 # wgmma operand layouts in shared memory: rows (or column chunks) of one swizzle span, swizzled
 # with it; 128 bytes where the extent allows (64 x 16-bit), 64 bytes where it is a multiple of
 # 32 values only (attention's head dim 96: three chunks of 32).
 OPERAND_SWIZZLES = (SWIZZLE_ROW_BYTES, 64)
+# A swizzle pattern repeats every 8 rows (its atom: 8 x the span), so a TMA box that fills part of
+# a swizzled operand tile (a paged cache's page) starts, and spans, a multiple of 8 rows.
+PAGE_ROWS_ALIGN = 8
 
 
 # --- element types -------------------------------------------------------------------------------

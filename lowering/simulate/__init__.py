@@ -56,7 +56,10 @@ TMA box <-> smem sub-array: a box whose 2-D [rows, cols] shape (leading extent-1
 equals the tile a sub-array holds (`ir.tile_shape_of_subarray`) is written as that tile (column
 chunks for a (chunks, R, W) sub-array); any other box of the same volume is written in memory
 order (a [128, 64] box into a (2, 64, 64) sub-array fills [0] with rows 0-63 and [1] with rows
-64-127, as `A[s]` / `A[s, wg]` use it).
+64-127, as `A[s]` / `A[s, wg]` use it). A `tma.load ... row(r)` writes its box, flattened to
+[rows, W], into rows r .. r + rows - 1 of a 2-D [R, W] sub-array only, and its race checks cover
+exactly those rows (such a buffer is tracked in row groups); a row outside the sub-array or off
+the TMA / swizzle alignment is an error, as is an `ld.global` outside its tensor.
 
 The simulator trusts the structure of what it runs: `simulate` first runs the verifier's
 structural checks (`verify(kernel, contract=False)`: names, scopes, shapes, dtypes, limits), and
@@ -74,7 +77,7 @@ state (coroutines, mbarriers, smem cells, TMA operations, register tiles); `mach
 scheduler, assembled from one mixin per concern: `prepare` (arguments, statements compiled to
 nodes), `sync` (mbarriers, named barriers, syncthreads), `async_proxy` (smem race checks, TMA,
 wgmma), `tiles` (register tile ops) and `global_sync` (global memory between CTAs: tile stores
-and loads, GPU fences, atomics, `ld.shared`). `trace` is the timeline's vocabulary (which statements are
+and loads, GPU fences, atomics, `ld.shared`, `ld.global`). `trace` is the timeline's vocabulary (which statements are
 stamped, the events, the builder the GPU trace shares) and `traced_machine` the machine that
 stamps them.
 """

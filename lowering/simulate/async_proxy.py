@@ -38,7 +38,7 @@ class AsyncHandlers:
         lin = 0
         for v, n in zip(idx, decl.shape):
             lin = lin * n + v
-        per = math.prod(decl.shape[len(idx):depth])
+        per = math.prod(decl.shape[len(idx):depth]) * self.cell_splits.get(ref.buffer, 1)
         cells = co.cta.cells[ref.buffer][lin * per:(lin + 1) * per]
         return decl, co.cta.smem[ref.buffer][idx], cells, label
 
@@ -134,11 +134,15 @@ class AsyncHandlers:
 
     def _h_TmaLoad(self, co, node):
         s = node.stmt
-        dst_idx, coord_fns, bar_idx = node.ex
+        dst_idx, coord_fns, bar_idx, row_fn = node.ex
         param, tensor = self._tensormap(co, node, s.tensor)
         coords = self._coords(co, node, coord_fns, len(param.box))
         decl, view, cells, label = self._smem(co, node, s.dst, dst_idx)
-        chunked = self._chunked_box(param, decl, view.shape)
+        if row_fn is None:
+            chunked = self._chunked_box(param, decl, view.shape)
+        else:
+            view, cells, label = self._box_rows(co, node, param, decl, view, cells, label, row_fn(co.env))
+            chunked = False
         bar = self._barrier(co, node, s.bar.barrier, bar_idx(co.env))
         nbytes = math.prod(param.box) * ir.DTYPE_BYTES[param.dtype]
         self._check_tx(co, node, bar, nbytes)
@@ -160,6 +164,28 @@ class AsyncHandlers:
         self.async_ops.append(op)
         self.report.tma_loads += 1
         self.report.tma_bytes_loaded += op.bytes
+
+    def _box_rows(self, co, node, param, decl, view, cells, label: str, row):
+        """(view, cells, label) of the rows `tma.load ... row(r)` fills in the 2-D sub-array `view`
+        (whose cells split its rows evenly: `prepare._note_row_load`)."""
+        row = self._int(co, node, row, "tma.load's row")
+        height, width = view.shape
+        check_verified(param.box[-1] == width, "a row load's box is as wide as its sub-array")
+        rows = math.prod(param.box) // width
+        if not 0 <= row <= height - rows:
+            raise ProtocolError(f"tma.load into {label} at row({row}): the box's {rows} rows would land in rows "
+                                f"{row} .. {row + rows - 1}, outside the {height} rows of {label} (outside the "
+                                f"buffer on the GPU); a row load needs 0 <= row <= {height - rows}: {co.where(node)}")
+        align, step = ir.tma_row_step(decl)
+        if row % step:
+            raise ProtocolError(f"tma.load into {label} at row({row}): the box would start "
+                                f"{row * width * ir.DTYPE_BYTES[decl.dtype]} bytes into {label}, not on the {align}-byte "
+                                f"alignment its swizzle({decl.swizzle}) and TMA need (on the GPU its rows would land "
+                                f"swizzled as other rows, or the copy faults); use a row that is a multiple of "
+                                f"{step}: {co.where(node)}")
+        unit = height // len(cells)
+        return (view[row:row + rows], cells[row // unit:(row + rows) // unit],
+                f"{label} rows {row} .. {row + rows - 1}")
 
     def _check_tx(self, co: Co, node: Node, bar: MBarrier, nbytes: int) -> None:
         """A load belongs to the phase its issuer announced with arrive_expect_tx; its bytes must

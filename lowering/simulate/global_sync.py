@@ -1,6 +1,7 @@
 """The simulator's handlers of synchronisation through global memory (mixed into
 `machine.Machine`): the ordering of plain tile stores and loads between CTAs, `fence.acq_rel.gpu`,
-`atomic.inc` and `ld.shared` (split-K's ticket protocol).
+`atomic.inc` and `ld.shared` (split-K's ticket protocol); and `ld.global`, one element of an input
+(a paged cache's page table and lengths), which must lie inside its tensor.
 
 Global memory gets the same happens-before treatment as shared memory, at the granularity of
 elements: a `tile.store` remembers, per element, which agent wrote it at which epoch, and a
@@ -25,6 +26,7 @@ from __future__ import annotations
 import torch
 
 from .. import ir
+from ..evaluate import INT_MAX, INT_MIN
 from .errors import ProtocolError, RaceError, check_verified
 from .state import Co, Ctx, GlobalWrite, Node, Write
 
@@ -60,7 +62,7 @@ class GlobalSyncHandlers:
         records.append(GlobalWrite(co.agent(), Ctx(co, node)))
         index[region] = len(records) - 1
 
-    def check_global_read(self, co: Co, node: Node, name: str, coords, extents) -> None:
+    def check_global_read(self, co: Co, node: Node, name: str, coords, extents, verb: str = "tile.load") -> None:
         if name not in self.global_writes:
             return
         index, records = self.global_writes[name]
@@ -75,7 +77,7 @@ class GlobalSyncHandlers:
             w = records[i]
             if w.agent is not agent and vc.get(w.agent, 0) < w.epoch:
                 raise RaceError(
-                    f"tile.load of {name} reads elements another warpgroup stored with no synchronisation "
+                    f"{verb} of {name} reads elements another warpgroup stored with no synchronisation "
                     f"between the store and this load: between CTAs the writer must release its stores "
                     f"(bar.sync, then fence.acq_rel.gpu before its atomic.inc) and the reader acquire them "
                     f"(atomic.inc, then fence.acq_rel.gpu, then bar.sync) before it loads: reader "
@@ -142,3 +144,22 @@ class GlobalSyncHandlers:
                                 f"warpgroup in between (put `bar.sync` over the warpgroup's threads after the "
                                 f"write): reader {co.where(node)}; writer {w.ctx}")
         co.env[s.name] = int(view.reshape(-1)[0])
+
+    # -- one element of an input (a paged cache's page table and lengths) --------------------------
+    def _h_LoadGlobal(self, co, node):
+        s = node.stmt
+        entry = self.tensors.get(s.tensor)
+        check_verified(entry is not None and isinstance(entry[0], ir.GlobalParam)
+                       and not isinstance(entry[0], ir.WorkspaceParam), "ld.global reads an input global param")
+        param, tensor = entry
+        coords = self._coords(co, node, node.ex, tensor.dim())
+        if not all(0 <= c < n for c, n in zip(coords, tensor.shape)):
+            raise ProtocolError(f"ld.global reads {s.tensor}{list(coords)}, outside {s.tensor} {list(tensor.shape)}: "
+                                f"it would read out of bounds on the GPU; clamp the coordinates to the tensor "
+                                f"(e.g. min(i, n - 1)): {co.where(node)}")
+        self.check_global_read(co, node, s.tensor, coords, (1,) * len(coords), "ld.global")
+        value = int(tensor[coords])
+        if not INT_MIN <= value <= INT_MAX:
+            raise ProtocolError(f"ld.global reads {value} at {s.tensor}{list(coords)}, outside the 32-bit int the "
+                                f"kernel reads it as: {co.where(node)}")
+        co.env[s.name] = value

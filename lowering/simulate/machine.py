@@ -82,7 +82,8 @@ class Machine(KernelPreparation, BarrierHandlers, AsyncHandlers, TileHandlers, G
             # Never-written smem reads as NaN so a wrong box mapping shows in the numbers.
             cta.smem[d.name] = torch.full(d.shape, math.nan, dtype=tdt) if tdt.is_floating_point \
                 else torch.zeros(d.shape, dtype=tdt)
-            cta.cells[d.name] = [Cell() for _ in range(math.prod(d.shape[:self.cell_depth[d.name]]))]
+            cells = math.prod(d.shape[:self.cell_depth[d.name]]) * self.cell_splits.get(d.name, 1)
+            cta.cells[d.name] = [Cell() for _ in range(cells)]
         cta.bars = {b.name: [None] * b.slots for b in self.kernel.barriers}
         cta.named = {}
         cta.named_last = {}

@@ -6,6 +6,8 @@ not reported again."""
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from wsched.target import FLOAT_DTYPES, TORCH_DTYPES
@@ -105,7 +107,14 @@ class KernelPreparation:
     # -- compilation -------------------------------------------------------------------------
     def _compile_body(self) -> tuple[Node, ...]:
         self.lines = statement_lines(self.kernel)
-        return self._compile_block(self.kernel.body, False, False, ())
+        self.row_granules: dict[str, int] = {}
+        body = self._compile_block(self.kernel.body, False, False, ())
+        # A buffer that `tma.load ... row(r)` fills in parts is tracked in row groups below the
+        # deepest index any reference uses (unless that index already selects single rows).
+        self.cell_splits = {name: self.buffers[name].shape[-2] // granule
+                            for name, granule in self.row_granules.items()
+                            if self.cell_depth[name] == len(self.buffers[name].shape) - 2}
+        return body
 
     def _compile_block(self, stmts, in_role: bool, in_elect: bool, prefix: tuple[int, ...],
                        offset: int = 0) -> tuple[Node, ...]:
@@ -146,8 +155,11 @@ class KernelPreparation:
         elif isinstance(s, (ir.NamedBarrierSync, ir.NamedBarrierArrive)):
             node.ex = c(s.id)
         elif isinstance(s, ir.TmaLoad):
-            node.ex = (tuple(c(e) for e in s.dst.index), tuple(c(e) for e in s.coords), c(s.bar.index))
+            node.ex = (tuple(c(e) for e in s.dst.index), tuple(c(e) for e in s.coords), c(s.bar.index),
+                       None if s.row is None else c(s.row))
             self._note_ref(s.dst)
+            if s.row is not None:
+                self._note_row_load(s)
         elif isinstance(s, ir.TmaStore):
             node.ex = (tuple(c(e) for e in s.src.index), tuple(c(e) for e in s.coords))
             self._note_ref(s.src)
@@ -170,7 +182,7 @@ class KernelPreparation:
         elif isinstance(s, ir.TileMask):
             node.ex = (c(s.row0), c(s.col0), c(s.limit), None if s.causal is None else c(s.causal),
                        None if s.period is None else c(s.period))
-        elif isinstance(s, (ir.TileLoadGlobal, ir.TileStoreGlobal)):
+        elif isinstance(s, (ir.TileLoadGlobal, ir.TileStoreGlobal, ir.LoadGlobal)):
             node.ex = tuple(c(e) for e in s.coords)
         elif isinstance(s, (ir.TileStoreSmem, ir.LoadShared)):   # one smem reference
             ref = s.dst if isinstance(s, ir.TileStoreSmem) else s.src
@@ -187,6 +199,17 @@ class KernelPreparation:
         elif isinstance(s, ir.TileSelect):
             node.ex = tuple(None if isinstance(o, str) else c(o) for o in (s.cond, s.on_true, s.on_false))
         return node
+
+    def _note_row_load(self, s: ir.TmaLoad) -> None:
+        """Race tracking of a buffer that row loads fill: rows in groups that every such load
+        covers whole (it starts on a multiple of the alignment step and spans its box's rows)."""
+        decl, param = self.buffers[s.dst.buffer], self.kernel.param(s.tensor)
+        check_verified(isinstance(param, ir.TensorMapParam) and len(s.dst.index) == len(decl.shape) - 2
+                       and param.box[-1] == decl.shape[-1],
+                       "a tma.load with a row offset fills rows of a 2-D sub-array as wide as its box")
+        rows = math.prod(param.box) // decl.shape[-1]
+        _, step = ir.tma_row_step(decl)
+        self.row_granules[decl.name] = math.gcd(self.row_granules.get(decl.name, 0), step, rows, decl.shape[-2])
 
     def _note_ref(self, ref: ir.SmemRef) -> None:
         """Race tracking works on cells: the finest leading-index split any reference uses."""

@@ -30,7 +30,8 @@ This package's entry is `verify`; the work is done in
   in Python with a None, str or float where an int or an expression belongs is reported, not
   crashed on), nesting within the limits the parser also enforces;
 * `tiles`: its shape checks of TMA copies, wgmma operands and tile ops;
-* `global_sync`: its checks of `fence.acq_rel.gpu`, `atomic.inc` and `ld.shared` (split-K's tickets);
+* `global_sync`: its checks of `fence.acq_rel.gpu`, `atomic.inc` and `ld.shared` (split-K's tickets)
+  and of `ld.global` (a paged cache's page table and lengths);
 * `contract`: the load/compute contract, static and on host-run traces;
 * `errors`: `VerifyError`.
 

@@ -37,13 +37,18 @@ _SAME_ORDER = "the load and compute nests must traverse the same (tile, k) order
 
 
 def _lets_before(kernel: ir.Kernel, path: tuple[int, ...]) -> dict[str, ir.Expr]:
-    """The `let` definitions in scope at `path`, each substituted into the ones after it."""
+    """The `let` definitions in scope at `path`, each substituted into the ones after it. An
+    `ld.global x = t[c]` stands for the element it reads, spelled as the call `t(c)`: two sides
+    that read the same element of an input read the same value (a sequence length in both
+    nests' loop bounds)."""
     lets: dict[str, ir.Expr] = {}
     for depth in range(1, len(path) + 1):
         stmts, index, _ = block_of(kernel, path[:depth])
         for s in stmts[:index]:
             if isinstance(s, ir.Let) and not s.mutable:
                 lets[s.name] = subst(s.value, lets)
+            elif isinstance(s, ir.LoadGlobal):
+                lets[s.name] = ir.Call(s.tensor, tuple(subst(c, lets) for c in s.coords))
     return lets
 
 
@@ -83,7 +88,7 @@ class ContractCheck:
         runs = []
         if self.k.roles():
             runs = [(sample, traces) for sample in _samples(self.k)
-                    if (traces := _Tracer(self.k, sample.env).run()) is not None]
+                    if (traces := _Tracer(self.k, sample.env, sample.loaded).run()) is not None]
         _release_barriers(channels, runs[0][1] if runs else {})
         for ch in channels:
             self._channel_declarations(ch)
@@ -296,11 +301,12 @@ def _release_barriers(channels: list[_Channel], traces) -> None:
 class _Sample:
     env: dict
     text: str
+    loaded: int = 0           # the value every `ld.global` reads (global tensors are not traced)
 
 
 def _samples(kernel: ir.Kernel) -> list[_Sample]:
-    """A few problem sizes (every i32 param gets a value; several k-tile counts around typical
-    stage counts, partial tiles included) and CTA positions; the last one long enough that each
+    """A few problem sizes (every i32 param gets a value, and every `ld.global` the first of
+    them; several k-tile counts around typical stage counts, partial tiles included) and CTA positions; the last one long enough that each
     of the two tiles traced walks every stage of a ring of up to 7 more than once (a release
     is only checked on a stage the producer fills again); and one whose leading sizes are 1 (one
     batch entry: a CTA's second tile is the last of the tile order, where a causal kernel that
@@ -308,6 +314,7 @@ def _samples(kernel: ir.Kernel) -> list[_Sample]:
     ints = ((256, 384, 320, 192, 448, 130), (384, 130, 200, 448, 256, 320), (130, 256, 64, 320, 192, 384),
             (1000, 1030, 968, 1100, 1160, 900), (1, 1, 320, 192, 448, 130))
     ctas = ((0, 2), (1, 3), (0, 1), (1, 2), (0, 2))
+    reads_globals = any(isinstance(s, ir.LoadGlobal) for s in ir.walk(kernel.body))
     out = []
     for values, (cta, num) in zip(ints, ctas):
         env: dict = {}
@@ -322,7 +329,9 @@ def _samples(kernel: ir.Kernel) -> list[_Sample]:
             env[p.name] = values[i % len(values)] if p.dtype not in FLOAT_DTYPES else 1.0
         env.update(cta_id=cta, num_ctas=num)
         text = ", ".join(f"{k}={v}" for k, v in env.items())
-        out.append(_Sample(env, text))
+        if reads_globals:   # a length read from memory takes a size of the sample, like a scalar param
+            text += f", every ld.global reads {values[0]}"
+        out.append(_Sample(env, text, values[0]))
     return out
 
 
@@ -352,9 +361,10 @@ class _Tracer:
     MAX_STEPS = 200_000
     PERSISTENT_TILES = 2
 
-    def __init__(self, kernel: ir.Kernel, env: dict):
+    def __init__(self, kernel: ir.Kernel, env: dict, loaded: int):
         self.k = kernel
         self.env = env
+        self.loaded = loaded
         self.steps = 0
         self.traces: dict[tuple[tuple[int, ...], int], tuple[ir.Role, list[_Event]]] = {}
 
@@ -413,6 +423,8 @@ class _Tracer:
                     raise _Stop()
             elif isinstance(s, ir.LoadShared):
                 env[s.name] = 0     # smem values are not traced: a ticket reads as the first arrival
+            elif isinstance(s, ir.LoadGlobal):
+                env[s.name] = self.loaded   # nor global ones: every element reads as the sample's size
             elif out is not None:
                 event = self._event(s, path, env, point)
                 if event is not None:

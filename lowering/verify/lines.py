@@ -79,7 +79,7 @@ def statement_lines(kernel: ir.Kernel) -> dict[tuple[int, ...], int]:
 
 # The field holding the name a statement declares, updates or runs under (`role consumer`).
 _NAME_FIELDS = {ir.Role: "name", ir.For: "var", ir.Let: "name", ir.Assign: "name", ir.RegDecl: "name",
-                ir.TileView: "name", ir.LoadShared: "name"}
+                ir.TileView: "name", ir.LoadShared: "name", ir.LoadGlobal: "name"}
 
 
 def statement_name(s: ir.Stmt) -> str:

@@ -91,7 +91,7 @@ class StructureCheck(TileChecks, GlobalSyncChecks, RoleChecks):
         """Every let, var, loop variable and register tile, for messages about names used where
         their declaration is not in scope."""
         declares = {ir.Let: "let", ir.For: "loop variable", ir.RegDecl: "register tile",
-                    ir.TileView: "register tile", ir.LoadShared: "let"}
+                    ir.TileView: "register tile", ir.LoadShared: "let", ir.LoadGlobal: "let"}
         found: dict[str, list[_Declaration]] = {}
         for site in sites(self.k):
             s = site.stmt

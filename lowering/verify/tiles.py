@@ -10,8 +10,8 @@ expressions (`_expr`), barrier references (`_bar`) and dtypes (`_dtype`).
 from __future__ import annotations
 
 from wsched.target import (
-    DTYPE_NAMES, FLOAT_DTYPES, FRAGMENT_COLUMN_GROUP, OPERAND_SWIZZLES, SWIZZLE_ROW_BYTES, TMA_INNER_BOX_ALIGNMENT,
-    TMA_MAX_BOX_DIM, TMA_SWIZZLES, WGMMA_ACCUMULATOR_DTYPE, WGMMA_K, WGMMA_M, WGMMA_N, WGMMA_OPERAND_DTYPES,
+    DTYPE_NAMES, FLOAT_DTYPES, FRAGMENT_COLUMN_GROUP, OPERAND_SWIZZLES, PAGE_ROWS_ALIGN, SWIZZLE_ROW_BYTES,
+    TMA_INNER_BOX_ALIGNMENT, TMA_MAX_BOX_DIM, TMA_SWIZZLES, WGMMA_ACCUMULATOR_DTYPE, WGMMA_K, WGMMA_M, WGMMA_N, WGMMA_OPERAND_DTYPES,
 )
 
 from .. import ir
@@ -77,9 +77,9 @@ class TileChecks:
 
     # -- statements -----------------------------------------------------------------------------
 
-    def _tma(self, verb, ref: ir.SmemRef, tensor, coords, path, scope, ctx) -> None:
+    def _tma(self, verb, ref: ir.SmemRef, tensor, coords, path, scope, ctx, row=None) -> None:
         decl = self._smem(ref, path, scope, ctx)
-        for c in coords:
+        for c in coords + ((row,) if row is not None else ()):
             self._expr(c, path, scope, ctx)
         b = scope.get(tensor)
         param = b.decl if b is not None and b.what == "tensormap param" else None
@@ -106,6 +106,8 @@ class TileChecks:
             self.r.at(path, f"{verb} copies {param.dtype} (tensormap {tensor}) {direction} {decl.name}, "
                             f"which is {decl.dtype}; TMA does not convert: declare {decl.name} as "
                             f"{param.dtype}")
+        elif row is not None:
+            self._box_rows(param, decl, ref, row, path)
         elif box_bytes != sub_bytes:
             self.r.at(path, f"{verb} moves one box({', '.join(map(str, param.box))}) of {param.dtype} = "
                             f"{box_bytes} bytes but {ref_text(ref)} is {array_text(decl.dtype, sub)} = {sub_bytes} "
@@ -115,8 +117,43 @@ class TileChecks:
                             f"swizzle({decl.swizzle}); TMA lays the box out with the map's swizzle, so both "
                             f"must agree")
 
+    def _box_rows(self, param: ir.TensorMapParam, decl: ir.SmemDecl, ref: ir.SmemRef, row: ir.Expr, path) -> None:
+        """`tma.load D row(r) <- ...`: the box lands as rows r .. r + rows - 1 of the 2-D sub-array D."""
+        sub = ir.smem_subshape(decl, ref)
+        box = f"box({', '.join(map(str, param.box))})"
+        if len(sub) != 2:
+            self.r.at(path, f"tma.load {ref_text(ref)} row({expr_text(row)}): {ref_text(ref)} is "
+                            f"{array_text(decl.dtype, sub)}; a row offset fills rows of a 2-D [rows, width] "
+                            f"sub-array: index all but the last two dims of {decl.name}")
+            return
+        height, width = sub
+        if param.box[-1] != width:
+            self.r.at(path, f"tma.load {ref_text(ref)} row({expr_text(row)}): the {box} of tensormap "
+                            f"{param.name} has rows of {param.box[-1]} {param.dtype} but {ref_text(ref)} is "
+                            f"{array_text(decl.dtype, sub)}; the box's inner extent must be the sub-array's "
+                            f"width, {width}")
+            return
+        rows = volume(param.box) // width
+        head = f"tma.load {ref_text(ref)} row({expr_text(row)}): the {box}"
+        if rows > height:
+            self.r.at(path, f"{head} is {rows} rows but {ref_text(ref)} has {height}; use a box of at most "
+                            f"{height} rows")
+            return
+        first = constant(row)
+        if isinstance(first, int) and not 0 <= first <= height - rows:
+            self.r.at(path, f"{head} fills rows {first} .. {first + rows - 1} but {ref_text(ref)} has {height}; "
+                            f"the box must land inside the sub-array: row(r) with 0 <= r <= {height - rows}")
+            return
+        align, step = ir.tma_row_step(decl)
+        if isinstance(first, int) and first % step:
+            whose = (f"swizzle({decl.swizzle}) needs ({PAGE_ROWS_ALIGN} rows of its {decl.swizzle}-byte span, "
+                     f"where its pattern repeats)" if decl.swizzle else "TMA needs")
+            row_bytes = width * ir.DTYPE_BYTES[decl.dtype]
+            self.r.at(path, f"{head} would start {first} rows = {first * row_bytes} bytes into {ref_text(ref)}, "
+                            f"not on the {align}-byte alignment {whose}; use a row that is a multiple of {step}")
+
     def _TmaLoad(self, s: ir.TmaLoad, path, scope, ctx):
-        self._tma("tma.load", s.dst, s.tensor, s.coords, path, scope, ctx)
+        self._tma("tma.load", s.dst, s.tensor, s.coords, path, scope, ctx, s.row)
         self._bar(s.bar, path, scope, ctx)
 
     def _TmaStore(self, s: ir.TmaStore, path, scope, ctx):

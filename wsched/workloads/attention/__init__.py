@@ -50,7 +50,7 @@ class AttentionWorkload(Workload):
                                     f"{', '.join(map(str, schedule.HEAD_DIMS))}")
         else:
             head_dim = self._head_dim(fusion)
-        return schedule.default_schedule(head_dim, **overrides)
+        return schedule.default_schedule(head_dim, partition.page_size_of(fusion), **overrides)
 
     def variants(self, fusion, schedule: AttentionSchedule):
         """The default's 128-row tiles suit prefill; where a call has few query rows or few tiles

@@ -69,16 +69,26 @@ def build_loops(kernel: None, ctx: LoweringContext) -> ir.Kernel:
 
     params: list[ir.Param] = [ir.ScalarParam(f"batch{i}", "i32") for i in range(nb)]
     params += [ir.ScalarParam("G", "i32")] if a.packed else []
-    params += [ir.ScalarParam("S", "i32"), ir.ScalarParam("T", "i32")]
+    params.append(ir.ScalarParam("S", "i32"))
+    pc = a.paged
+    if pc:   # the cache's pages, the table's pages per sequence, and the keys they hold
+        params += [ir.ScalarParam("P", "i32"), ir.ScalarParam("MP", "i32"),
+                   ir.HostParam(a.keys, "i32", ir.mul("MP", pc.page_size))]
+    else:
+        params.append(ir.ScalarParam(a.keys, "i32"))
     if s.splits_kv:
-        params.append(ir.HostParam(SPLITS, "i32", split_count(s, nb, rows)))
+        params.append(ir.HostParam(SPLITS, "i32", split_count(s, nb, rows, a.keys)))
     if _rows_bound_keys(a.score):
         params.append(ir.HostParam(SECTION, "i32", section_heads(rows, bm)))
     ones = (1,) * nb
     q_name, k_name, v_name = (c.loads[0].tensor for c in part.channels)
     params.append(ir.TensorMapParam(q_name, dt, tuple(batch) + (rows, C(d)), ones + (64, qk_width), 0))
     for name, dim, width in ((k_name, d, qk_width), (v_name, dv, v_width)):
-        params.append(ir.TensorMapParam(name, dt, tuple(k_batch) + (V("T"), C(dim)), ones + (bn, width), 0))
+        if pc:   # [P, page_size, HK, D]: a box of rows_per_load keys of one page and head
+            params.append(ir.TensorMapParam(name, dt, (V("P"), C(pc.page_size), V("batch1"), C(dim)),
+                                            (1, pc.rows_per_load, 1, width), 0))
+        else:
+            params.append(ir.TensorMapParam(name, dt, tuple(k_batch) + (V(a.keys), C(dim)), ones + (bn, width), 0))
     params.append(ir.GlobalParam("o", a.out.dtype.name, tuple(batch) + (rows, C(dv))))
     if a.lse is not None:
         params.append(ir.GlobalParam("lse", "f32", tuple(batch) + (rows, C(1))))
@@ -86,6 +96,10 @@ def build_loops(kernel: None, ctx: LoweringContext) -> ir.Kernel:
     read = sf.inputs + ((a.sink,) if isinstance(a.sink, SideInput) else ())   # inputs read in the kernel
     params += [ir.GlobalParam(x.param, x.node.dtype.name, tuple(C(1) if dim is None else V(dim) for dim in x.dims))
                for x in read]
+    if sf.lengths is not None:
+        params.append(ir.GlobalParam(sf.lengths.param, "i32", (V("batch0"),)))
+    if pc:
+        params.append(ir.GlobalParam(pc.table_param, "i32", (V("batch0"), V("MP"))))
     if s.splits_kv:   # per split: O (unnormalised), row max and row sum of each tile; a ticket per warpgroup
         tiles = ir.mul(_heads(nb), ir.ceil_div(rows, bm))
         params += [ir.WorkspaceParam(PART_O, "f32", (V(SPLITS), tiles, C(bm), C(dv))),
@@ -102,8 +116,8 @@ def build_loops(kernel: None, ctx: LoweringContext) -> ir.Kernel:
         ir.Let("heads", _heads(nb)),
         ir.Let("m_blocks", ir.ceil_div(rows, bm)),
         ir.Let("num_tiles", ir.mul("heads", "m_blocks")),
-        ir.Let("kv_blocks", ir.ceil_div("T", bn)),
-    ) + ((ir.Let("num_units", ir.mul("num_tiles", SPLITS)),) if s.splits_kv else ())
+    ) + ((ir.Let("kv_blocks", ir.ceil_div("T", bn)),) if sf.lengths is None else ()) \
+      + ((ir.Let("num_units", ir.mul("num_tiles", SPLITS)),) if s.splits_kv else ())
 
     q_full, k_full, v_full = (ir.BarRef(c.full, C(0)) for c in part.channels)
     b_idx = tuple(V(f"b{i}") for i in range(nb))
@@ -116,7 +130,8 @@ def build_loops(kernel: None, ctx: LoweringContext) -> ir.Kernel:
     kv_loads = tuple(ir.TmaLoad(ir.SmemRef(buf, (C(0), C(c))), name, kb_idx + (row, C(c * width)), bar)
                      for buf, name, bar, count, width in (("K", k_name, k_full, chunks, qk_width),
                                                            ("V", v_name, v_full, v_chunks, v_width))
-                     for c in range(count))
+                     for c in range(count)) if not pc else _paged_loads(
+        pc, bn, row, (("K", k_name, k_full, chunks, qk_width), ("V", v_name, v_full, v_chunks, v_width)))
     producer = ir.Role(PRODUCER, 1, s.producer_registers, (
         tile_loop(ctx, q_loads + (k_loop(kv_loads),)),
     ))
@@ -197,12 +212,32 @@ def _heads(nb: int) -> ir.Expr:
     return heads
 
 
-def split_count(s, nb: int, rows: ir.Expr) -> ir.Expr:
+def _paged_loads(pc, bn: int, row: ir.Expr, operands) -> tuple[ir.Stmt, ...]:
+    """A kv block of bn keys from a paged cache: for each rows_per_load-key slice its page from
+    the block table (clamped into the table's row), then one TMA box per slice and column chunk
+    of K, then of V, into rows [r * rows_per_load, ...) of the block. A slice past the sequence's
+    keys (T) reads no page: its page index is P, past the cache, so TMA fills it with zeros."""
+    rows, ps = pc.rows_per_load, pc.page_size
+    keys = [row if r == 0 else ir.add(row, r * rows) for r in range(bn // rows)]
+    stmts: list[ir.Stmt] = [ir.LoadGlobal(f"page{r}", pc.table_param,
+                                          (V("b0"), ir.emin(ir.div(key, ps), ir.sub("MP", 1))))
+                            for r, key in enumerate(keys)]
+    for buf, name, bar, count, width in operands:
+        for r, key in enumerate(keys):
+            page = ir.Call("select", (ir.lt(key, "T"), V(f"page{r}"), V("P")))
+            for c in range(count):
+                stmts.append(ir.TmaLoad(ir.SmemRef(buf, (C(0), C(c))), name,
+                                        (page, ir.mod(key, ps) if ps > bn else C(0), V("b1"), C(c * width)), bar,
+                                        C(r * rows) if len(keys) > 1 else None))
+    return tuple(stmts)
+
+
+def split_count(s, nb: int, rows: ir.Expr, keys: str = "T") -> ir.Expr:
     """The host's split count for a call: enough (tile, split) units to fill the SMs in one wave,
     at most `split_kv`, and at least MIN_KV_BLOCKS_PER_SPLIT kv blocks a split."""
     bm, bn, _ = s.tile
     tiles = ir.mul(_heads(nb), ir.ceil_div(rows, bm))
-    longest = ir.emax(1, ir.div(ir.ceil_div("T", bn), MIN_KV_BLOCKS_PER_SPLIT))
+    longest = ir.emax(1, ir.div(ir.ceil_div(keys, bn), MIN_KV_BLOCKS_PER_SPLIT))
     return ir.emin(ir.emin(s.split_kv, longest), ir.emax(1, ir.div("num_sms", tiles)))
 
 
@@ -323,6 +358,10 @@ def tile_loop(ctx: LoweringContext, body: tuple[ir.Stmt, ...]) -> ir.For:
         lets += [ir.Let("m_block", ir.sub(ir.sub("m_blocks", 1), ir.mod(t, "m_blocks"))),
                  ir.Let("rest", ir.div(t, "m_blocks"))]
     lets += batch_index_lets(nb) if nb else []
+    if a.score.lengths is not None:   # this sequence's keys: its length, within the cache
+        lets += [ir.LoadGlobal("T_seq", a.score.lengths.param, (V("b0"),)),
+                 ir.Let("T", ir.emax(ir.emin("T_seq", a.keys), 0)),
+                 ir.Let("kv_blocks", ir.ceil_div("T", bn))]
     lets.append(ir.Let("m0", ir.mul("m_block", bm)))
     lets += kv_range(a.score, bm, bn, a.packed, s.splits_kv)
     count = V("num_units") if s.splits_kv else V("num_tiles")

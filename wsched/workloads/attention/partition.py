@@ -20,11 +20,29 @@ import networkx as nx
 
 from wsched.partition import Channel, OperandLoad, Partition, dag_of_loads, param_name
 from wsched.schedule import ScheduleError
-from wsched.target import WGMMA_OPERAND_DTYPES
+from wsched.target import PAGE_ROWS_ALIGN, WGMMA_OPERAND_DTYPES
 
 from . import score
-from .schedule import VALUE_DIMS, AttentionSchedule, chunk_columns, head_dims_text, max_keys_per_block
+from .schedule import (VALUE_DIMS, AttentionSchedule, chunk_columns, head_dims_text, max_keys_per_block,
+                       PAGED_SPLIT_KV_SPILLS, paged_producer_registers)
 from .score import ScoreFunction, SideInput
+
+
+@dataclass(frozen=True)
+class PagedCache:
+    """K and V as `ws.paged(cache, block_table)`: caches [P, page_size, HK, D] (one shape) and
+    an i32 [B, max_pages] table; a kv block of BN keys is `rows_per_load`-row TMA boxes, each
+    from one page (BN / page_size pages a block, or a slice of one page)."""
+
+    k_cache: object
+    v_cache: object
+    table: object
+    page_size: int
+    rows_per_load: int
+
+    @property
+    def table_param(self) -> str:
+        return param_name(self.table.id)
 
 
 @dataclass(frozen=True)
@@ -41,6 +59,13 @@ class AttentionPayload:
     k_broadcast: tuple[bool, ...]  # per batch dim: K and V have extent 1 there (GQA / MQA)
     sink: SideInput | float | None = None   # the softmax's sink logit: an input, a constant or none
     packed: bool = False           # GQA packing: the last batch dim (G) and S form the tile rows
+    paged: PagedCache | None = None   # K and V read from pages through a block table (ws.paged)
+
+    @property
+    def keys(self) -> str:
+        """The kernel's name for the keys K and V hold: T, or the cache's T_cache where each
+        sequence has its own length (the tile loop's `T` is then min(lengths[b], T_cache))."""
+        return "T" if self.score.lengths is None else "T_cache"
 
     @property
     def kernel_batch(self) -> int:
@@ -81,9 +106,9 @@ def describe(part: Partition) -> str:
              "load sub-DAG  (producer: 1 warp of 1 warpgroup, elected thread)",
              f"  for tile in persistent({batch} x ceil(S/{bm}) tiles):",
              f"    tma.load {a.q.id} -> Q   {bm} x {d} once per tile   (channel q)",
+             *([f"    T = min({sf.lengths.node.id}[b0], T_cache)   (this sequence's keys)"] if sf.lengths else []),
              f"    for k in range({kv}):",
-             f"      tma.load {a.k.id} -> K[stage]   {bn} x {d}   (channel k)",
-             f"      tma.load {a.v.id} -> V[stage]   {bn} x {s.value_dim}   (channel v)", "",
+             *(_load_lines(a, bn, d, s.value_dim)), "",
              f"compute sub-DAG  (consumers: {s.consumer_warpgroups} warpgroups x 64 query rows)",
              "  for tile in persistent(same tiles, same order):",
              f"    for k in range({kv}):",
@@ -100,6 +125,20 @@ def describe(part: Partition) -> str:
         lines.append(f"  {c.name}: {c.stages} stage(s) x {c.bytes_per_stage} bytes, {level}, barriers "
                      f"{c.full}[{c.stages}] / {c.empty}[{c.stages}] (arrivals {s.consumer_warpgroups})")
     return "\n".join(lines) + "\n"
+
+
+def _load_lines(a, bn: int, d: int, dv: int) -> list[str]:
+    pc = a.paged
+    if pc is None:
+        return [f"      tma.load {a.k.id} -> K[stage]   {bn} x {d}   (channel k)",
+                f"      tma.load {a.v.id} -> V[stage]   {bn} x {dv}   (channel v)"]
+    n = bn // pc.rows_per_load
+    pages = (f"{n} pages of {pc.page_size} keys" if n > 1 else
+             f"{pc.rows_per_load} keys of one {pc.page_size}-key page")
+    return [f"      page = {pc.table.id}[b0, key / {pc.page_size}]   for the block's {pages} "
+            f"(past T: page P, read as zeros)",
+            f"      tma.load {pc.k_cache.id}[page] -> K[stage]   {bn} x {d} in {n} box(es)   (channel k)",
+            f"      tma.load {pc.v_cache.id}[page] -> V[stage]   {bn} x {dv} in {n} box(es)   (channel v)"]
 
 
 def _same_sink(fusion, a, b) -> bool:
@@ -168,6 +207,15 @@ def _check_packing(fail, why_not: str | None, k_broadcast: tuple[bool, ...], sin
         fail("pack_gqa=True does not take a sink input (a per-head logit); use pack_gqa=False")
 
 
+def page_size_of(fusion) -> int | None:
+    """The declared page size of a paged K cache (`ws.paged`), if any and a number."""
+    for n in fusion.nodes():
+        if n.op == "paged":
+            size = fusion.node(n.inputs[0]).shape[1]
+            return size if isinstance(size, int) else None
+    return None
+
+
 def head_dim_of(fusion):
     """The head dim of the Q in Q @ K^T (None if not found)."""
     for n in fusion.nodes():
@@ -205,10 +253,12 @@ def partition_attention(workload, fusion, schedule: AttentionSchedule) -> Partit
     if kt.op != "transpose" or {kt.attr("dim0"), kt.attr("dim1")} != {-1, -2}:
         fail("the first matmul must be Q @ K.transpose(-1, -2)", qk)
     k, v = nodes[kt.inputs[0]], nodes[pv.inputs[1]]
-    for name, node in (("Q", q), ("K", k), ("V", v)):
+    paged = _paged_cache(nodes, q, k, v, schedule, fail)
+    loaded = (q, paged.k_cache, paged.v_cache) if paged else (q, k, v)
+    for name, node in zip(("Q", "K", "V"), loaded):
         if node.op != "input":
             fail(f"{name} must be a fusion input (it is loaded by TMA)", node)
-        if node.dtype.name not in WGMMA_OPERAND_DTYPES:
+        if node.dtype.name not in WGMMA_OPERAND_DTYPES:   # (a paged K / V: its cache)
             fail(f"{name} is {node.dtype.name}; wgmma takes {' or '.join(WGMMA_OPERAND_DTYPES)}", node)
     if len({q.dtype.name, k.dtype.name, v.dtype.name}) != 1:
         fail(f"Q, K, V dtypes differ ({q.dtype.name}, {k.dtype.name}, {v.dtype.name})")
@@ -273,8 +323,9 @@ def partition_attention(workload, fusion, schedule: AttentionSchedule) -> Partit
     qk_chunk, v_chunk = (chunk_columns(x, q.dtype.itemsize) for x in (d, dv))
     q_load = OperandLoad(param_name(q.id), "q", "Q", "k", dt, (64, qk_chunk),
                          schedule.consumer_warpgroups * (d // qk_chunk))
-    k_load = OperandLoad(param_name(k.id), "k", "K", "k", dt, (bn, qk_chunk), d // qk_chunk)
-    v_load = OperandLoad(param_name(v.id), "v", "V", "n", dt, (bn, v_chunk), dv // v_chunk)
+    rows, per_block = (paged.rows_per_load, bn // paged.rows_per_load) if paged else (bn, 1)
+    k_load = OperandLoad(param_name(loaded[1].id), "k", "K", "k", dt, (rows, qk_chunk), per_block * (d // qk_chunk))
+    v_load = OperandLoad(param_name(loaded[2].id), "v", "V", "n", dt, (rows, v_chunk), per_block * (dv // v_chunk))
     channels = (Channel("q", 1, (q_load,), "q_full", "q_empty", level="tile"),
                 Channel("k", schedule.stages, (k_load,), "k_full", "k_empty"),
                 Channel("v", schedule.stages, (v_load,), "v_full", "v_empty"))
@@ -284,10 +335,50 @@ def partition_attention(workload, fusion, schedule: AttentionSchedule) -> Partit
     dims = {f"batch{i}": (q.id, i) for i in range(batch - packed)}
     if packed:
         dims["G"] = (q.id, batch - 1)
-    dims.update({"S": (q.id, batch), "T": (k.id, batch)})
-    payload = AttentionPayload(q, k, v, out, lse, function, batch, k_broadcast, sink, packed)
+    payload = AttentionPayload(q, k, v, out, lse, function, batch, k_broadcast, sink, packed, paged)
+    dims["S"] = (q.id, batch)
+    if paged:   # the keys: max_pages x page_size (a host param)
+        dims.update({"P": (paged.k_cache.id, 0), "MP": (paged.table.id, 1)})
+    else:
+        dims[payload.keys] = (k.id, batch)
     outputs = (out,) + ((lse,) if lse is not None else ())
     names = ("o",) + (("lse",) if lse is not None else ())
     return Partition(workload, fusion, schedule, channels, dag_of_loads(channels), compute_dag, outputs,
-                     names, dims, ("T",), payload)
+                     names, dims, ("MP",) if paged else (payload.keys,), payload)
+
+
+def _paged_cache(nodes, q, k, v, schedule, fail) -> PagedCache | None:
+    """K and V read through `ws.paged` (both or neither, one block table), or None."""
+    if k.op != "paged" and v.op != "paged":
+        return None
+    if k.op != "paged" or v.op != "paged" or k.inputs[1] != v.inputs[1]:
+        fail("K and V must both be ws.paged(...) of one block table (or neither)", k if k.op == "paged" else v)
+    k_cache, table = nodes[k.inputs[0]], nodes[k.inputs[1]]
+    v_cache = nodes[v.inputs[0]]
+    if k_cache.shape != v_cache.shape:
+        fail(f"the K and V caches must have one shape [pages, page_size, kv_heads, head_dim]: "
+             f"{k_cache.type_str} and {v_cache.type_str}", v)
+    if len(q.shape) != 5:
+        fail(f"a paged K / V is [B, HK, 1, T, D]: write Q as [B, HK, G, S, D] (G query heads per KV head; "
+             f"1 for multi-head attention), not {q.type_str}", q)
+    bn, producer_registers = schedule.bn, schedule.producer_registers
+    page_size = k_cache.shape[1]
+    if not isinstance(page_size, int):
+        fail(f"the page size of {k_cache.id} is the symbol {page_size!r}; declare it as a number (16, 32, 64, "
+             f"...) so that the kernel's TMA boxes fit the pages", k)
+    if page_size % PAGE_ROWS_ALIGN or (bn % page_size and page_size % bn):
+        fail(f"page size {page_size}: TMA fills a kv block of {bn} keys from whole pages or slices of one page, "
+             f"in boxes of a multiple of {PAGE_ROWS_ALIGN} rows; the page size must be a multiple of "
+             f"{PAGE_ROWS_ALIGN} that divides {bn} or is a multiple of it (16, 32, 64, 128, 256, ...)", k)
+    need = paged_producer_registers(bn, page_size, schedule.splits_kv)
+    slices = bn // min(page_size, bn)
+    if schedule.splits_kv and slices > 1 and (schedule.consumer_warpgroups, schedule.value_dim) in PAGED_SPLIT_KV_SPILLS:
+        fail(f"split_kv={schedule.split_kv} with {slices} pages of {page_size} keys a block, head dim "
+             f"{schedule.value_dim} and {schedule.consumer_warpgroups} consumer warpgroups: ptxas spills; use pages "
+             f"of at least {bn} keys, one consumer warpgroup or split_kv=1", k)
+    if producer_registers < need:
+        fail(f"pages of {page_size} keys, {bn} keys a block: the producer holds the block's {bn // page_size} page "
+             f"indices from the table reads to the TMA issues; producer_registers={producer_registers} spills, use "
+             f"producer_registers >= {need}", k)
+    return PagedCache(k_cache, v_cache, table, page_size, min(page_size, bn))
 

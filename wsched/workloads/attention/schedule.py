@@ -17,7 +17,7 @@ from typing import Iterator
 
 from wsched.schedule import (Schedule, ScheduleError, check_overrides, default_consumer_registers, is_int,
                              max_stages)
-from wsched.target import SMEM_ALIGN, SWIZZLE_ROW_BYTES, WGMMA_K, launch_registers
+from wsched.target import SETMAXNREG_STEP, SMEM_ALIGN, SWIZZLE_ROW_BYTES, WGMMA_K, launch_registers
 
 # The head dims of Q and K the kernels implement, and the head dim of V and O beside each.
 VALUE_DIMS = {64: 64, 96: 96, 128: 128, 192: 128, 256: 256}
@@ -174,17 +174,42 @@ class AttentionSchedule(Schedule):
         return p
 
 
-def default_schedule(head_dim: int, **overrides) -> AttentionSchedule:
+def paged_producer_registers(bn: int, page_size: int, split: bool = False) -> int:
+    """The producer's registers where a kv block of bn keys is gathered from pages of page_size
+    keys: it holds the block's page indices (one per slice) from the table reads to the TMA
+    issues, and with split-KV the split's range too. Measured with ptxas (2026-11-23): 8 slices
+    (pages of 16, 128 keys a block) spill 16 bytes at 32 registers and none at 40; 4 slices
+    build at 32; 2 at 24, or 32 with split-KV (head dim 256, 32 keys a block)."""
+    slices = bn // min(page_size, bn)
+    if slices == 1:
+        return 24
+    need = 16 + 3 * slices + (8 if split else 0)
+    return max(24, -(-need // SETMAXNREG_STEP) * SETMAXNREG_STEP)
+
+
+# (consumer warpgroups, head dim of V and O) whose split-KV kernel spills where a kv block is
+# gathered from two or more pages (measured with nvcc, causal + LSE, 2026-11-23: 12 to 28 bytes at
+# any producer_registers from 24 to 48); one page a block, or no split, builds.
+PAGED_SPLIT_KV_SPILLS = {(2, 256)}
+
+
+def default_schedule(head_dim: int, page_size: int | None = None, **overrides) -> AttentionSchedule:
     """FlashAttention-3-like shape: 128 query rows (2 consumer warpgroups x 64), 128 keys per
     block (64 for head dim 256, to keep O and S in registers), 3 K/V stages where they fit (2 at
-    head dim 256), 24/240 registers, and the P V product of one block overlapping the softmax of
-    the next (mma_inflight=1)."""
+    head dim 256), 24/240 registers (more for the producer of a paged cache with pages shorter
+    than a block: `paged_producer_registers`), and the P V product of one block overlapping the
+    softmax of the next (mma_inflight=1)."""
     check_overrides(AttentionSchedule, overrides)
     consumers = overrides.get("consumer_warpgroups", 2)
     rows = 64 * consumers if is_int(consumers) and consumers >= 1 else 128
-    base = dict(tile=(rows, 64 if VALUE_DIMS.get(head_dim) == 256 else 128, head_dim), stages=1,
-                consumer_warpgroups=2, producer_registers=24,
-                consumer_registers=default_consumer_registers(consumers, overrides.get("producer_registers", 24)),
+    tile = (rows, 64 if VALUE_DIMS.get(head_dim) == 256 else 128, head_dim)
+    producer = 24
+    bn = overrides.get("tile", tile)[1] if isinstance(overrides.get("tile", tile), tuple) else None
+    if page_size and is_int(bn) and bn > 0:
+        producer = paged_producer_registers(bn, page_size, overrides.get("split_kv", 1) != 1)
+    producer = overrides.get("producer_registers", producer)
+    base = dict(tile=tile, stages=1, consumer_warpgroups=2, producer_registers=producer,
+                consumer_registers=default_consumer_registers(consumers, producer),
                 epilogue="direct", mma_inflight=1)
     # mode="pingpong" (pingpong.py) is correct but measured 1-14% slower than letting the
     # two warpgroups interleave freely (H200, 2026-11-21): cooperative stays the default.

@@ -33,7 +33,8 @@ import networkx as nx
 from wsched.target import COMPARE_OPS, ELEMENTWISE_OPS
 
 # Ops a score function is built from (besides its leaves: Q K^T, inputs, constants, positions).
-SCORE_OPS = frozenset(ELEMENTWISE_OPS) | frozenset(COMPARE_OPS) | {"logical_not", "where", "causal_mask"}
+SCORE_OPS = (frozenset(ELEMENTWISE_OPS) | frozenset(COMPARE_OPS)
+             | {"logical_not", "where", "causal_mask", "key_lengths"})
 _LEAVES = ("const", "position", "input")
 
 
@@ -94,6 +95,7 @@ class ScoreFunction:
     inner: str                     # the score before the masks and the scale (qk if none)
     masks: tuple[Mask, ...]
     inputs: tuple[SideInput, ...]
+    lengths: SideInput | None = None   # ws.key_lengths: each sequence's keys (an i32 [B] input)
 
     @property
     def causal(self) -> str | None:
@@ -120,7 +122,7 @@ class ScoreFunction:
     def rows_may_see_nothing(self) -> bool:
         """Whether a row may see no key in some block (or in all of them): any mask but the
         top-left causal one, which always shows a row its own key and every key before it."""
-        return any(m.causal != "top_left" for m in self.masks)
+        return self.lengths is not None or any(m.causal != "top_left" for m in self.masks)
 
 
 def analyse(fusion, scores, qk, roles: dict, batch: int, fail, param_name) -> ScoreFunction:
@@ -140,8 +142,10 @@ def analyse(fusion, scores, qk, roles: dict, batch: int, fail, param_name) -> Sc
     data = {qk.id} | nx.descendants(fusion.graph, qk.id)     # nodes that read the scores
     inputs = {}
     for node in chain:
-        for operand in node.inputs:
+        for index, operand in enumerate(node.inputs):
             x = fusion.node(operand)
+            if node.op in ("key_lengths", "causal_mask") and index == 1:
+                continue                    # the key lengths: per sequence, not per score
             if x.op == "input" and x.id not in inputs:
                 inputs[x.id] = SideInput(x, param_name(x.id), _side_dims(x, qk, batch, fail))
             if x.op == "position" and x.shape != ((qk.shape[-2], 1) if x.attr("dim") == -2 else (1, qk.shape[-1])):
@@ -149,9 +153,12 @@ def analyse(fusion, scores, qk, roles: dict, batch: int, fail, param_name) -> Sc
                      f"{qk.type_str}; take ws.positions(...) of the scores", x)
         _check_exact(node, fail)
 
-    scale, masks, x = 1.0, [], scores
+    scale, masks, x, lengths = 1.0, [], scores, None
     while x.id != qk.id:
-        if x.op == "causal_mask":
+        if x.op == "key_lengths":
+            lengths = x.inputs[1]
+            x = fusion.node(x.inputs[0])
+        elif x.op == "causal_mask":
             bound = Bound(0, x.attr("align") == "bottom_right")
             masks.append(Mask(x, analysed=True, upper=(bound,)))
             x = fusion.node(x.inputs[0])
@@ -167,7 +174,17 @@ def analyse(fusion, scores, qk, roles: dict, batch: int, fail, param_name) -> Sc
             scale *= factor
         else:
             break
-    return ScoreFunction(qk.id, scale, x.id, tuple(masks), tuple(inputs.values()))
+    inner = nx.ancestors(fusion.graph, x.id) | {x.id}
+    unpeeled = next((n for n in chain if n.op == "key_lengths" and n.id in inner), None)
+    if unpeeled is not None:
+        fail("ws.key_lengths must wrap the score function from outside (with the masks and the scale, "
+             "after every op that computes on the scores)", unpeeled)
+    lengths_of_causal = {m.node.inputs[1] for m in masks if m.node.op == "causal_mask" and len(m.node.inputs) > 1}
+    if lengths_of_causal - {lengths}:
+        fail("a bottom-right causal mask aligns to the key lengths it is computed from: take ws.key_lengths "
+             "around the scores that reach the softmax", masks[0].node)
+    side = None if lengths is None else SideInput(fusion.node(lengths), param_name(lengths), ("batch0",))
+    return ScoreFunction(qk.id, scale, x.id, tuple(masks), tuple(inputs.values()), side)
 
 
 def sink_of(fusion, softmax, qk, batch: int, fail, param_name) -> SideInput | float | None:

@@ -1,0 +1,237 @@
+"""Attention against a KV cache: per-sequence key lengths (`ws.key_lengths`) and paged K / V
+(`ws.paged`: [pages, page_size, HK, D] caches through a block table), on the CPU simulator
+against the torch reference (outputs poisoned with NaN first), the IR the producer gets, and the
+errors for what a cache cannot be."""
+
+
+import pytest
+import torch
+
+import wsched as ws
+from wsched.errors import FusionError
+from wsched.schedule import ScheduleError
+from wsched.workloads.attention.schedule import MAX_SPLIT_KV
+
+from attention_fusions import make_paged_attention
+from attention_fusions import paged_inputs as attention_paged_inputs
+
+D = 64
+
+
+def make_paged(page_size: int, causal: bool = True, lengths: bool = True):
+    return make_paged_attention(D, page_size, causal=causal, lengths=lengths, lse=True)
+
+
+@ws.fusion
+def cache_seqlens(q: ws.Tensor[ws.bf16, "B", "HK", "G", "S", D], k: ws.Tensor[ws.bf16, "B", "HK", 1, "T", D],
+                  v: ws.Tensor[ws.bf16, "B", "HK", 1, "T", D], seq_lens: ws.Tensor[ws.i32, "B"]):
+    s = ws.causal_mask(ws.key_lengths(ws.matmul(q, k.transpose(-1, -2)) * D ** -0.5, seq_lens), align="bottom_right")
+    return ws.matmul(ws.softmax(s, dim=-1), v).to(ws.bf16), ws.logsumexp(s, dim=-1)
+
+
+def paged_inputs(lens, page_size, **kw):
+    return attention_paged_inputs(lens, page_size, D, **kw)
+
+
+def compiled(fusion, **overrides):
+    schedule = ws.schedule_for(fusion, **overrides)
+    return ws.CompiledKernel(fusion, schedule, ws.partition(fusion, schedule), ws.lower(fusion, schedule),
+                             cuda_source="")
+
+
+def check(kernel, fusion, inputs, num_sms=8, seed=0):
+    got = kernel.simulate(*inputs, num_sms=num_sms, seed=seed)
+    want = fusion.reference(*inputs)
+    got, want = (got, want) if isinstance(got, tuple) else ((got,), (want,))
+    for g, w in zip(got, want):
+        assert not torch.isnan(g.float()).any(), "outputs never written (poisoned with NaN)"
+        # a row that sees no key: the reference's softmax is 0 / 0 (NaN), the kernel's O is 0; LSE -inf
+        assert (g[torch.isnan(w)] == 0).all(), "O of a row that sees no key is not 0"
+        assert torch.equal(torch.isneginf(w), torch.isneginf(g)), "LSE of rows that see no key differ"
+        finite = torch.isfinite(w)
+        if finite.any():
+            err = float((g.float()[finite] - w.float()[finite]).norm() / w.float()[finite].norm().clamp_min(1e-30))
+            assert err < 1e-2, err
+
+
+DECODE = dict(tile=(64, 128, D), consumer_warpgroups=1, split_kv=MAX_SPLIT_KV, pack_gqa=True)
+
+
+@pytest.mark.parametrize("page_size, lens, s", [
+    (16, [1, 127, 300], 1),       # 8 pages a kv block; one-key and ragged sequences
+    (64, [200, 0, 65], 3),        # an empty sequence: O = 0, LSE = -inf; 3 queries bottom-right
+    (256, [1100, 129], 16),       # half a page a kv block; 1100 keys: 9 blocks
+])
+def test_paged_decode_matches_torch(page_size, lens, s):
+    fusion = make_paged(page_size)
+    kernel = compiled(fusion, **DECODE)
+    check(kernel, fusion, paged_inputs(lens, page_size, s=s, seed=page_size))
+
+
+def test_paged_split_kv_merges_each_sequence_over_its_own_keys():
+    """One long sequence next to short ones on many SMs: the long one's keys split (at least 8
+    blocks a split), the splits of a short one past its keys run no block."""
+    fusion = make_paged(32)
+    kernel = compiled(fusion, **DECODE)
+    inputs = paged_inputs([2100, 40, 1], 32, hk=1, g=4, seed=3)
+    _, scalars, _ = kernel._bind_inputs(inputs)
+    assert kernel._host_params(scalars, 12)["splits"] == 2
+    check(kernel, fusion, inputs, num_sms=12)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_paged_prefill_tiles_without_packing(causal):
+    """128-row tiles, two consumer warpgroups, 64-row pages: a chunk of 150 new tokens against
+    caches of 150 and 400 keys."""
+    fusion = make_paged(64, causal=causal)
+    kernel = compiled(fusion, tile=(128, 128, D))
+    check(kernel, fusion, paged_inputs([150, 400], 64, hk=2, g=1, s=150, seed=5), num_sms=6)
+
+
+def test_paged_without_lengths_reads_every_page_of_the_table():
+    fusion = make_paged(16, lengths=False)
+    kernel = compiled(fusion, **DECODE)
+    inputs = paged_inputs([64, 48], 16, seed=7)[:4]
+    check(kernel, fusion, inputs)
+
+
+def test_contiguous_cache_with_per_sequence_lengths():
+    """FlashAttention's cache_seqlens: one contiguous cache [B, HK, 1, T, D], each sequence
+    holding its first seq_lens[b] keys (lengths 0 .. T)."""
+    gen = torch.Generator().manual_seed(11)
+    q = torch.randn(4, 2, 2, 2, D, generator=gen).bfloat16()
+    k, v = (torch.randn(4, 2, 1, 700, D, generator=gen).bfloat16() for _ in range(2))
+    lens = torch.tensor([700, 0, 1, 333], dtype=torch.int32)
+    for overrides in (DECODE, dict(tile=(128, 128, D))):
+        check(compiled(cache_seqlens, **overrides), cache_seqlens, [q, k, v, lens])
+
+
+def test_ws_compile_picks_the_packed_decode_kernel_for_a_paged_cache():
+    kernel = ws.compile(make_paged(16), build=False)
+    inputs = paged_inputs([300, 5], 16, seed=2)
+    chosen = kernel.choose(inputs, 132)           # as on a GPU of 132 SMs
+    assert chosen.schedule.pack_gqa and chosen.schedule.splits_kv
+
+
+def test_the_producer_reads_pages_from_the_block_table():
+    """The IR: each 16-key slice's page from the table (clamped into its row), one box per slice
+    and chunk into its rows of the kv block, a slice past the sequence's keys reading page P."""
+    text = compiled(make_paged(16), **DECODE).ir
+    assert "ld.global T_seq = seq_lens[b0]\n" in text
+    assert "let T = max(min(T_seq, T_cache), 0)\n" in text
+    assert "ld.global page7 = block_table[b0, min(((k + kv_first) * 128 + 112) / 16, MP - 1)]\n" in text
+    assert ("tma.load K[s, 0] row(112) <- k_cache[select((k + kv_first) * 128 + 112 < T, page7, P), 0, b1, 0] "
+            "bar(k_full[s])\n") in text
+    assert "i32 T_cache = MP * 16, " in text
+    assert "tensormap k_cache: bf16[P, 16, batch1, 64] box(1, 16, 1, 64) swizzle(128)" in text
+    big = compiled(make_paged(256), **DECODE).ir      # half a page a block: the row within the page
+    assert ("tma.load V[s, 0] <- v_cache[select((k + kv_first) * 128 < T, page0, P), (k + kv_first) * 128 % 256, "
+            "b1, 0] bar(v_full[s])\n") in big
+
+
+# -- errors ----------------------------------------------------------------------------------
+
+
+def test_page_size_must_tile_a_kv_block():
+    fusion = make_paged(48)
+    with pytest.raises(ScheduleError, match=r"page size 48: TMA fills a kv block of 128 keys from whole pages or "
+                                            r"slices of one page, in boxes of a multiple of 8 rows; the page size "
+                                            r"must be a multiple of 8 that divides 128 or is a multiple of it"):
+        ws.schedule_for(fusion, **DECODE) and ws.partition(fusion, ws.schedule_for(fusion, **DECODE))
+
+
+def test_block_table_out_of_range_is_refused_by_the_reference():
+    fusion = make_paged(16)
+    inputs = paged_inputs([20, 5], 16)
+    inputs[3][1, 0] = inputs[1].shape[0]
+    with pytest.raises(FusionError, match=r"block_table holds page \d+, outside the cache k_cache's \d+ pages"):
+        fusion.reference(*inputs)
+
+
+def test_a_block_table_entry_past_the_cache_reads_zeros_not_out_of_bounds():
+    """On the GPU a bad page index must not read outside the cache: the TMA box is out of range
+    and fills with zeros. The simulator models that (and would report any out-of-bounds read)."""
+    fusion = make_paged(16, causal=False)
+    kernel = compiled(fusion, **DECODE)
+    inputs = paged_inputs([32], 16, hk=1, g=1)
+    inputs[3][0, 1] = 10_000                       # keys 16..31 from a page that does not exist
+    o, _ = kernel.simulate(*inputs, num_sms=2)
+    good = inputs[3].clone()
+    zero_page = torch.zeros_like(inputs[1][:1])
+    k2, v2 = torch.cat([inputs[1], zero_page]), torch.cat([inputs[2], zero_page])
+    good[0, 1] = k2.shape[0] - 1
+    want, _ = fusion.reference(inputs[0], k2, v2, good, inputs[4])
+    assert float((o.float() - want.float()).abs().max()) < 2e-2
+
+
+def test_key_lengths_must_be_one_i32_per_sequence():
+    with pytest.raises(FusionError, match=r"lengths must be an i32 fusion input of shape \[B\]"):
+        @ws.fusion
+        def bad(q: ws.Tensor[ws.bf16, "B", "H", "S", D], k: ws.Tensor[ws.bf16, "B", "H", "T", D],
+                lens: ws.Tensor[ws.i32, "H"]):
+            return ws.key_lengths(ws.matmul(q, k.transpose(-1, -2)), lens)
+
+
+def test_key_lengths_inside_the_score_function_is_refused():
+    @ws.fusion
+    def inside(q: ws.Tensor[ws.bf16, "B", "H", "S", D], k: ws.Tensor[ws.bf16, "B", "H", "T", D],
+               v: ws.Tensor[ws.bf16, "B", "H", "T", D], lens: ws.Tensor[ws.i32, "B"]):
+        s = ws.tanh(ws.key_lengths(ws.matmul(q, k.transpose(-1, -2)), lens))
+        return ws.matmul(ws.softmax(s, dim=-1), v).to(ws.bf16)
+    with pytest.raises(ScheduleError, match=r"ws.key_lengths must wrap the score function from outside"):
+        ws.schedule_for(inside) and ws.partition(inside, ws.schedule_for(inside))
+
+
+def test_k_and_v_paged_by_two_tables_are_refused():
+    @ws.fusion
+    def two_tables(q: ws.Tensor[ws.bf16, "B", "HK", "G", "S", D], k_cache: ws.Tensor[ws.bf16, "P", 16, "HK", D],
+                   v_cache: ws.Tensor[ws.bf16, "P", 16, "HK", D], k_table: ws.Tensor[ws.i32, "B", "MP"],
+                   v_table: ws.Tensor[ws.i32, "B", "MP"]):
+        s = ws.matmul(q, ws.paged(k_cache, k_table).transpose(-1, -2))
+        return ws.matmul(ws.softmax(s, dim=-1), ws.paged(v_cache, v_table)).to(ws.bf16)
+    with pytest.raises(ScheduleError, match=r"K and V must both be ws.paged\(...\) of one block table"):
+        ws.partition(two_tables, ws.schedule_for(two_tables))
+
+
+def test_lengths_beyond_the_cache_are_refused_by_the_reference():
+    fusion = make_paged(16)
+    inputs = paged_inputs([20, 5], 16)
+    inputs[4][0] = 33                              # two pages a sequence: 32 keys
+    with pytest.raises(FusionError, match=r"seq_lens holds the length 33, outside 0..32 \(the keys the cache "
+                                          r"holds\)"):
+        fusion.reference(*inputs)
+
+
+def test_pages_shorter_than_a_block_give_the_producer_registers_for_their_indices():
+    """The default schedule raises producer_registers with the page slices a block holds; fewer
+    would spill (measured), and an explicit schedule with fewer is refused."""
+    fusion = make_paged(16)
+    assert [ws.schedule_for(make_paged(p)).producer_registers for p in (16, 32, 64, 128, 256)] == [40, 32, 24, 24, 24]
+    assert ws.schedule_for(fusion).consumer_registers == 232
+    with pytest.raises(ScheduleError, match=r"pages of 16 keys, 128 keys a block: the producer holds the block's 8 "
+                                            r"page indices from the table reads to the TMA issues; "
+                                            r"producer_registers=24 spills, use producer_registers >= 40"):
+        ws.partition(fusion, ws.schedule_for(fusion, producer_registers=24))
+
+
+def _paged_kernels(head_dim, page_size):
+    """The default kernel of a paged causal decode fusion and every per-call variant ws.compile may pick."""
+    from wsched.workloads.attention import ATTENTION
+
+    fusion = make_paged_attention(head_dim, page_size, causal=True, lse=True)
+    default = ATTENTION.default_schedule(fusion)
+    return fusion, [default] + [v.schedule for v in ATTENTION.variants(fusion, default)]
+
+
+@pytest.mark.nvcc
+@pytest.mark.parametrize("head_dim, page_size", [(64, 16), (128, 16), (128, 256), (256, 16), (256, 32)])
+def test_paged_kernels_build_without_spills(head_dim, page_size):
+    """The producer's registers for the page indices (paged_producer_registers) and the split-KV
+    variants a paged cache refuses (PAGED_SPLIT_KV_SPILLS) keep every kernel free of spills."""
+    from test_attention_variants import build_resources
+
+    fusion, schedules = _paged_kernels(head_dim, page_size)
+    assert len(schedules) == (2 if head_dim == 256 and page_size < 64 else 3)
+    for schedule in schedules:
+        resources = build_resources(ws.lower(fusion, schedule))
+        assert resources.spill_stores == 0 and resources.spill_loads == 0, schedule.short()

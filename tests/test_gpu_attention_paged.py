@@ -1,0 +1,71 @@
+"""Attention against a KV cache on the GPU: paged K / V (`ws.paged`) and per-sequence key
+lengths (`ws.key_lengths`), through `ws.compile`'s per-shape choice, against the torch reference
+in fp32; outputs poisoned with NaN first."""
+
+import pytest
+import torch
+
+import wsched as ws
+
+from attention_fusions import make_paged_attention, paged_inputs
+from test_gpu_attention import run
+
+pytestmark = pytest.mark.gpu
+
+_compiled = {}
+
+
+def compiled(d, page_size, causal):
+    key = (d, page_size, causal)
+    if key not in _compiled:
+        f = make_paged_attention(d, page_size, causal=causal, lse=True)
+        _compiled[key] = (f, ws.compile(f))
+    return _compiled[key]
+
+
+def check(f, k, inputs):
+    o, lse = run(f, k, inputs)
+    ro, rlse = f.reference(*inputs)
+    seen = torch.isfinite(rlse)
+    assert torch.equal(seen, torch.isfinite(lse)), "sequences with no key differ"
+    assert not torch.isnan(o).any() and (o[~seen] == 0).all()   # the reference's O there is 0 / 0
+    err_o = float((o[seen].float() - ro[seen].float()).norm() / ro[seen].float().norm())
+    err_lse = float((lse[seen] - rlse[seen]).norm() / rlse[seen].norm())
+    assert err_o < 1e-2 and err_lse < 1e-3, (err_o, err_lse)
+
+
+@pytest.mark.parametrize("page_size", [16, 64, 256])
+@pytest.mark.parametrize("s, lens", [
+    (1, [1, 127, 8193, 0]), (3, [3, 4097, 200]), (16, [1000, 16, 5000]), (64, [20000, 64])])
+def test_paged_decode_matches_torch(page_size, s, lens):
+    f, k = compiled(128, page_size, True)
+    inputs = paged_inputs(lens, page_size, 128, hk=8, g=4, s=s, seed=page_size + s, device="cuda")
+    check(f, k, inputs)
+
+
+@pytest.mark.parametrize("hk, g", [(32, 1), (2, 8)])
+def test_paged_mha_and_wide_groups(hk, g):
+    f, k = compiled(64, 16, False)
+    inputs = paged_inputs([3000, 1, 777] * 3, 16, 64, hk=hk, g=g, seed=hk, device="cuda")
+    check(f, k, inputs)
+
+
+def test_paged_prefill_chunk_against_its_cache():
+    """A chunk of 700 new tokens of each sequence at the end of its cache (128-row tiles)."""
+    f, k = compiled(128, 64, True)
+    inputs = paged_inputs([700, 3000, 1500], 64, 128, hk=4, g=2, s=700, seed=9, device="cuda")
+    check(f, k, inputs)
+
+
+def test_a_block_table_entry_past_the_cache_reads_zeros():
+    """A bad page index must not read outside the cache: TMA fills the box with zeros."""
+    f, k = compiled(128, 16, False)
+    inputs = paged_inputs([64, 64], 16, 128, hk=8, g=4, seed=1, device="cuda")
+    good = inputs[3].clone()
+    inputs[3][1, 2] = 1 << 20
+    o, _ = run(f, k, inputs)
+    zero = torch.zeros_like(inputs[1][:1])
+    k2, v2 = torch.cat([inputs[1], zero]), torch.cat([inputs[2], zero])
+    good[1, 2] = k2.shape[0] - 1
+    ro, _ = f.reference(inputs[0], k2, v2, good, inputs[4])
+    assert float((o.float() - ro.float()).abs().max()) < 3e-2
