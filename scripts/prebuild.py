@@ -9,7 +9,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
 
 import wsched as ws  # noqa: E402
-from attention_fusions import make_attention  # noqa: E402
+from attention_fusions import make_attention, make_paged_attention  # noqa: E402
 from fusions import gated, linear_relu_residual, matmul, matmul_f16, mlp, scaled_silu_f32  # noqa: E402
 
 VARIANTS = [(matmul, {}), (matmul_f16, {}), (mlp, {}), (linear_relu_residual, {}), (scaled_silu_f32, {}), (gated, {}),
@@ -21,7 +21,10 @@ ATTENTION = ([(make_attention(d, causal=c, lse=True), {}) for d in (64, 128, 256
              + [(make_attention(128, causal=True, gqa=True), {}), (make_attention(64, causal=True, dtype=ws.f16), {}),
                 (make_attention(128, causal="bottom_right", lse=True), {})]
              + [(make_attention(d, causal="bottom_right", lse=True, gqa=True), {}) for d in (64, 128)]
-             + [(make_attention(64, causal="bottom_right", lse=True), {})])
+             + [(make_attention(64, causal="bottom_right", lse=True), {})]
+             # tests/test_gpu_attention_paged.py
+             + [(make_paged_attention(128, p, causal=True, lse=True), {}) for p in (16, 64, 256)]
+             + [(make_paged_attention(64, 16, lse=True), {})])
 
 
 def build(item):
