@@ -68,7 +68,7 @@ def on_gpu(B: int, HK: int, G: int, S: int, T: int):
     q, k_cache, v_cache, table, _ = args
     kv_bytes = 2 * B * HK * T * D * 2
     t_ours = median_ms(k.bind(*args))
-    line = f"wsched {t_ours * 1e3:.1f} us ({kv_bytes / t_ours / 1e9:.0f} GB/s of K/V)"
+    line = f"wsched {t_ours * 1e3:.1f} us ({kv_bytes / t_ours / 1e6:.0f} GB/s of K/V)"
     qs = q.reshape(B, HK * G, S, D)
     ks, vs = (c[table.long()].reshape(B, -1, HK, D)[:, :T].transpose(1, 2).contiguous() for c in (k_cache, v_cache))
     for backend in (SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION):
