@@ -140,28 +140,42 @@ def test_page_size_must_tile_a_kv_block():
         ws.schedule_for(fusion, **DECODE) and ws.partition(fusion, ws.schedule_for(fusion, **DECODE))
 
 
-def test_block_table_out_of_range_is_refused_by_the_reference():
+def test_a_block_table_entry_a_sequence_uses_must_name_a_page():
     fusion = make_paged(16)
-    inputs = paged_inputs([20, 5], 16)
-    inputs[3][1, 0] = inputs[1].shape[0]
-    with pytest.raises(FusionError, match=r"block_table holds page \d+, outside the cache k_cache's \d+ pages"):
-        fusion.reference(*inputs)
-
-
-def test_a_block_table_entry_past_the_cache_reads_zeros_not_out_of_bounds():
-    """On the GPU a bad page index must not read outside the cache: the TMA box is out of range
-    and fills with zeros. The simulator models that (and would report any out-of-bounds read)."""
-    fusion = make_paged(16, causal=False)
     kernel = compiled(fusion, **DECODE)
-    inputs = paged_inputs([32], 16, hk=1, g=1)
-    inputs[3][0, 1] = 10_000                       # keys 16..31 from a page that does not exist
-    o, _ = kernel.simulate(*inputs, num_sms=2)
+    inputs = paged_inputs([20, 5], 16)
+    inputs[3][0, 1] = inputs[1].shape[0]          # keys 16..19 of sequence 0
+    with pytest.raises(FusionError, match=r"paged16_d64_causal_lse_bf16: block_table\[0, 1\] = 6 \(keys 16.. of "
+                                          r"sequence 0\) is not a page of k_cache: block table entries a sequence "
+                                          r"uses must lie in 0..5"):
+        kernel.simulate(*inputs, num_sms=2)
+
+
+def test_entries_past_a_sequences_pages_are_neither_checked_nor_read():
+    """Tables are padded past a sequence's pages (-1, or anything): those entries are not checked
+    and not read. Without lengths every entry is used and checked."""
+    fusion = make_paged(16, causal=False)
+    inputs = paged_inputs([20, 5], 16)
+    inputs[3][1, 1] = -1
+    check(compiled(fusion, **DECODE), fusion, inputs)
+    fusion = make_paged(16, lengths=False, causal=False)
+    inputs = paged_inputs([32], 16)[:4]
+    inputs[3][0, 1] = 10_000
+    with pytest.raises(FusionError, match=r"block_table\[0, 1\] = 10000 \(keys 16.. of sequence 0\)"):
+        compiled(fusion, **DECODE).simulate(*inputs, num_sms=2)
+
+
+def test_the_reference_reads_an_entry_outside_the_cache_as_a_page_of_zeros():
+    """As the kernels' TMA does (the GPU test checks the kernel against it)."""
+    fusion = make_paged(16, lengths=False, causal=False)
+    inputs = paged_inputs([32], 16, hk=1, g=1)[:4]
     good = inputs[3].clone()
+    inputs[3][0, 1] = 10_000
     zero_page = torch.zeros_like(inputs[1][:1])
     k2, v2 = torch.cat([inputs[1], zero_page]), torch.cat([inputs[2], zero_page])
     good[0, 1] = k2.shape[0] - 1
-    want, _ = fusion.reference(inputs[0], k2, v2, good, inputs[4])
-    assert float((o.float() - want.float()).abs().max()) < 2e-2
+    got, want = fusion.reference(*inputs), fusion.reference(inputs[0], k2, v2, good)
+    assert all(torch.equal(g, w) for g, w in zip(got, want))
 
 
 def test_key_lengths_must_be_one_i32_per_sequence():
@@ -193,13 +207,16 @@ def test_k_and_v_paged_by_two_tables_are_refused():
         ws.partition(two_tables, ws.schedule_for(two_tables))
 
 
-def test_lengths_beyond_the_cache_are_refused_by_the_reference():
+def test_lengths_beyond_the_cache_are_refused():
     fusion = make_paged(16)
     inputs = paged_inputs([20, 5], 16)
     inputs[4][0] = 33                              # two pages a sequence: 32 keys
     with pytest.raises(FusionError, match=r"seq_lens holds the length 33, outside 0..32 \(the keys the cache "
                                           r"holds\)"):
         fusion.reference(*inputs)
+    with pytest.raises(FusionError, match=r"seq_lens\[0\] = 33: a sequence's length must lie in 0..32 \(the keys "
+                                          r"its cache row holds\)"):
+        compiled(fusion, **DECODE).simulate(*inputs, num_sms=2)
 
 
 def test_pages_shorter_than_a_block_give_the_producer_registers_for_their_indices():

@@ -19,7 +19,7 @@ from .fusion import check_fusion
 from .lowering.pipeline import lower_partition
 from .partition import Partition, param_name
 from .schedule import Schedule, ScheduleError, check_schedule
-from . import torch_ops
+from . import knobs, torch_ops
 from .target import TMA_GLOBAL_ADDRESS_ALIGNMENT, TORCH_DTYPES
 from .workloads import partition, workload_for
 
@@ -57,6 +57,7 @@ class CompiledKernel:
     _workspaces: dict = field(default_factory=dict, repr=False)  # (name, device) -> scratch tensors
 
     def __post_init__(self):
+        self._check_values = knobs.check_values()
         # The torch custom op that runs this kernel (wsched/torch_ops.py). Registered now, not
         # on first use: torch.compile can trace a call of the op but not its registration.
         self.op = torch_ops.register(self)
@@ -235,6 +236,8 @@ class CompiledKernel:
             plan = self._plans.get(key)
             if plan is None:
                 plan = self._plans[key] = self._plan(tensors, out)
+        if self._check_values:   # WSCHED_CHECK_INPUTS=1
+            self.partition.workload.check_values(self.partition, dict(zip(plan.inputs, tensors)))
         outputs = plan.allocate_outputs() if out is None else tuple(out.values())
         return plan, plan.pack((*tensors, *outputs), private), outputs
 
@@ -314,6 +317,7 @@ class CompiledKernel:
         check_argument("seed", seed, int, "an int (it picks the interleaving)")
         check_argument("num_sms", num_sms, int, "a positive int (CTAs resident at a time)")
         inputs, scalars, sizes = self._bind_inputs(tensors)
+        self.partition.workload.check_values(self.partition, inputs)
         outs = self._outputs(sizes, "cpu")
         if any(t.numel() == 0 for t in outs.values()):
             return self._result(outs)    # an empty output: nothing to compute (a grid of no CTAs)

@@ -18,6 +18,14 @@ def debug() -> bool:
     return _flag("WSCHED_DEBUG")
 
 
+def check_values() -> bool:
+    """WSCHED_CHECK_INPUTS=1: every GPU call checks the values of the small inputs a kernel
+    indexes with (a paged cache's block table, per-sequence key lengths) on the host first: a copy
+    to the host and a wait per call, for debugging (the simulator always checks them). Read when a
+    kernel is compiled."""
+    return _flag("WSCHED_CHECK_INPUTS")
+
+
 def print_ir_after() -> frozenset[str]:
     """WSCHED_PRINT_IR=pass1,pass2 | all: print the IR after those passes to stderr."""
     return frozenset(p.strip() for p in os.environ.get("WSCHED_PRINT_IR", "").split(",") if p.strip())

@@ -61,6 +61,11 @@ class Workload(ABC):
         instead of the default `schedule`, each with the rule that picks it."""
         return ()
 
+    def check_values(self, partition: Partition, tensors: dict) -> None:
+        """Check the values of inputs the kernel indexes with (`tensors`: kernel param name ->
+        tensor), raising FusionError: the simulator calls it on every run, a GPU call with
+        WSCHED_CHECK_INPUTS=1. None by default."""
+
     def partition(self, fusion, schedule: Schedule) -> Partition:
         if not isinstance(schedule, self.schedule_type):
             raise ScheduleError(f"{fusion.name} is taken by the {self.name} workload; its schedule must be a "

@@ -34,6 +34,9 @@ class AttentionWorkload(Workload):
         Step("pingpong", pingpong.run, True, lambda s: s.mode == "pingpong", 'mode="pingpong"'),
     )
 
+    def check_values(self, part, tensors: dict) -> None:
+        partition.check_cache_values(part, tensors)
+
     def matches(self, fusion) -> bool:
         return partition.is_attention(fusion)
 

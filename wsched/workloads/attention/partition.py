@@ -17,8 +17,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import networkx as nx
+import torch
 
 from wsched.partition import Channel, OperandLoad, Partition, dag_of_loads, param_name
+from wsched.errors import FusionError
 from wsched.schedule import ScheduleError
 from wsched.target import PAGE_ROWS_ALIGN, WGMMA_OPERAND_DTYPES
 
@@ -139,6 +141,42 @@ def _load_lines(a, bn: int, d: int, dv: int) -> list[str]:
             f"(past T: page P, read as zeros)",
             f"      tma.load {pc.k_cache.id}[page] -> K[stage]   {bn} x {d} in {n} box(es)   (channel k)",
             f"      tma.load {pc.v_cache.id}[page] -> V[stage]   {bn} x {dv} in {n} box(es)   (channel v)"]
+
+
+def check_cache_values(part: Partition, tensors: dict) -> None:
+    """Per-sequence key lengths within the cache's keys, and the block table entries a
+    sequence's keys use (all of a row without lengths) naming pages of the cache; FusionError
+    naming the sequence, the entry and the rule. The kernel never reads outside the cache either
+    way (it clamps lengths, and a page outside the cache reads as zeros): this says the inputs
+    are wrong instead of computing on zeros."""
+    a = part.payload
+    pc, lengths = a.paged, a.score.lengths
+    if pc is None and lengths is None:
+        return
+    name = part.fusion.name
+    if pc is not None:
+        table = tensors[pc.table_param].detach().to("cpu", torch.int64)
+        pages = tensors[param_name(pc.k_cache.id)].shape[0]
+        keys = table.shape[1] * pc.page_size
+    else:
+        keys = tensors[param_name(a.k.id)].shape[-2]
+    if lengths is not None:
+        lens = tensors[lengths.param].detach().to("cpu", torch.int64)
+        bad = ((lens < 0) | (lens > keys)).nonzero()
+        if len(bad):
+            b = int(bad[0, 0])
+            raise FusionError(name, f"{lengths.node.id}[{b}] = {int(lens[b])}: a sequence's length must lie in "
+                                    f"0..{keys} (the keys its cache row holds)")
+    if pc is None:
+        return
+    used = (torch.arange(table.shape[1])[None, :] < (-(-lens // pc.page_size))[:, None]
+            if lengths is not None else torch.ones_like(table, dtype=torch.bool))
+    bad = (used & ((table < 0) | (table >= pages))).nonzero()
+    if len(bad):
+        b, i = (int(x) for x in bad[0])
+        what = f"keys {i * pc.page_size}.. of sequence {b}"
+        raise FusionError(name, f"{pc.table.id}[{b}, {i}] = {int(table[b, i])} ({what}) is not a page of "
+                                f"{pc.k_cache.id}: block table entries a sequence uses must lie in 0..{pages - 1}")
 
 
 def _same_sink(fusion, a, b) -> bool:
