@@ -611,6 +611,29 @@ def ignore_ticket(t):
             yield t.rewrite(s, f"{s.head.split('=')[0].strip()} = 1")
 
 
+# --- paged caches: page reads and the rows a box lands in ---------------------------------------------
+
+
+@operator(harmful=True)
+def page_row_shifted(t):
+    """A page's box lands 8 rows further down its kv block: it overlaps the next page's rows (or
+    runs past the block), and the 8 rows it should have filled keep the stage's previous keys."""
+    for s in heads(t, "tma.load "):
+        m = re.search(r" row\((\d+)\) ", s.head)
+        if m:
+            yield t.rewrite(s, s.head[:m.start()] + f" row({int(m.group(1)) + 8}) " + s.head[m.end():])
+
+
+@operator(harmful=True)
+def page_read_of_next_slice(t):
+    """A slice's page index read one table entry later: the block gathers the next page's keys
+    in its place (a wrong result), or reads past a sequence's pages."""
+    for s in heads(t, "ld.global page"):
+        m = re.search(r"\[b0, (.*)\]$", s.head)
+        if m:
+            yield t.rewrite(s, s.head[:m.start()] + f"[b0, min({m.group(1)} + 1, MP - 1)]")
+
+
 # --- independent statements swapped -----------------------------------------------------------------
 
 

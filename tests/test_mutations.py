@@ -30,7 +30,7 @@ from wsched.lowering.printer import print_kernel
 from wsched.lowering.simulate import SimulationError
 from wsched.lowering.verify import VerifyError, verify
 
-from attention_fusions import attention_inputs, make_attention, make_variant
+from attention_fusions import attention_inputs, make_attention, make_paged_attention, make_variant, paged_inputs
 from fusions import inputs_for, linear_relu_residual, matmul, matmul_f16, mlp, scaled_silu_f32
 from mutations import OPERATORS, Edit, Text
 from test_batched_matmul import batched_linear_b2
@@ -57,6 +57,7 @@ class Family:
     golden: str = ""                  # tests/golden/<golden> holds the IR text
     shapes: tuple = ()                # (M, N, K)s of a matmul family, where the default does not fit
     num_sms: int = NUM_SMS            # SMs the simulator runs the CTAs on
+    paged: tuple = ()                 # (lengths, page size, HK, G, S)s of a paged attention family
 
     @cached_property
     def compiled(self) -> ws.CompiledKernel:
@@ -75,6 +76,9 @@ class Family:
         blocks of 5 kv blocks (causal: 4 query blocks of 4..1 kv blocks, the counter running on
         across a CTA's tiles; bottom-right causal: 6 query blocks of 3..0 kv blocks, some tiles
         running no kv step; GQA: 6 tiles) over 3 stages."""
+        if self.paged:
+            d = self.fusion.inputs[0].shape[-1]
+            return [paged_inputs(lens, page, d, hk=hk, g=g, s=s, seed=1) for lens, page, hk, g, s in self.paged]
         if self.compiled.partition.workload.name == "attention" and self.shapes:   # (B, H, S, T, G)s
             d = self.fusion.inputs[0].shape[-1]
             return [attention_inputs(b, h, s, t, d, seed=1, gqa_groups=g) for b, h, s, t, g in self.shapes]
@@ -122,6 +126,13 @@ FAMILIES = [
            (("tile", (64, 128, 128)), ("consumer_warpgroups", 1), ("split_kv", 32), ("pack_gqa", True)),
            golden="attention_decode_split.ir", shapes=((1, 4, 3, 2000, 4), (1, 4, 3, 4200, 4), (2, 8, 20, 300, 4)),
            num_sms=4),
+    # Paged decode, pages of 16 keys (8 table reads and 8 boxes a K or V chunk per kv block),
+    # sequence lengths per batch entry, GQA packed, bottom-right causal: on 4 SMs one sequence of
+    # 2100 keys split in 2, then 8 tiles of sequences of 700, 0, 37 and 300 keys, not split
+    Family("attention_paged_decode.ir", make_paged_attention(64, 16, causal=True, lse=True),
+           (("tile", (64, 128, 64)), ("consumer_warpgroups", 1), ("split_kv", 32), ("pack_gqa", True)),
+           golden="attention_paged_decode.ir", num_sms=4,
+           paged=(([2100], 16, 1, 4, 3), ([700, 0, 37, 300], 16, 2, 2, 3))),
     # A batched linear layer (batch 2, the weight shared): 2 x 4 tiles, batch outermost, on 4 SMs
     Family("matmul_batched_linear.ir", batched_linear_b2, golden="matmul_batched_linear.ir", num_sms=4),
 ]
@@ -203,7 +214,9 @@ EQUIVALENT_AT = {
     ("attention_decode_split.ir", "drop_named_barrier", "bar.sync 1 + wg, 128", "mbarrier.arrive q_empty[0]"):
         "the sync before the one-thread release of q_empty: a split with kv steps has converged the "
         "warpgroup in its wgmma, and one with none never reads Q",
-    **{("attention_decode_split.ir", "drop_tile_fill", fill, after): MERGE_START for fill, after in (
+    # (with key lengths too: a row that sees any key of its sequence sees key 0, in the first split)
+    **{(family, "drop_tile_fill", fill, after): MERGE_START
+       for family in ("attention_decode_split.ir", "attention_paged_decode.ir") for fill, after in (
         ("tile.fill m_run, -1e+30", "tile.fill l_run, 0.0"), ("tile.fill l_run, 0.0", "tile.fill o_acc, 0.0"),
         ("tile.fill o_acc, 0.0", "for src_split in serial(0, splits, 1) {"))},
 }
@@ -269,6 +282,7 @@ NEEDS = {
     "producer_waits_reordered": r"mbarrier\.wait v_empty",      # two channels stepped together (K, V)
     "drop_gpu_fence": r"fence\.acq_rel\.gpu", "duplicate_gpu_fence": r"fence\.acq_rel\.gpu",
     "ticket_wrap": r"atomic\.inc", "ignore_ticket": r"ld\.shared",          # split-K
+    "page_row_shifted": r" row\(", "page_read_of_next_slice": r"ld\.global page",   # paged caches
 }
 
 
