@@ -23,9 +23,10 @@ import math
 from wsched.lowering import ir
 from wsched.lowering.context import LoweringContext
 from wsched.lowering.rewrite import map_loop, map_role
-from wsched.names import (CONSUMER, PART_L, PART_M, PART_O, SPLITS, TICKET_SLOT, TICKETS, TILE_VAR,
+from wsched.names import (CONSUMER, PART_L, PART_M, PART_O, SPLITS, TICKET_SLOT, TILE_VAR,
                           WARPGROUP_BARRIER)
 from wsched.target import WARPGROUP_THREADS
+from wsched.workloads.ticket import take_ticket
 
 
 LN2 = math.log(2.0)
@@ -125,11 +126,7 @@ def _split_merge(nwg: int, d: int, width: int) -> list[ir.Stmt]:
             ir.TileStoreGlobal(PART_O, (V("split"),) + at + (C(0),), "o_acc"),
             ir.TileStoreGlobal(PART_M, (V("split"),) + at + (C(0),), "m_run"),
             ir.TileStoreGlobal(PART_L, (V("split"),) + at + (C(0),), "l_run"),
-            sync,       # every thread's partial before the release
-            ir.ElectOne((ir.FenceGpu(), ir.AtomicInc(slot, TICKETS, (counter,), last), ir.FenceGpu())),
-            sync,       # the ticket (and what it acquired) to the warpgroup
-            ir.LoadShared("ticket", slot),
-            ir.Assign("last_split", ir.eq("ticket", last)),
+            *take_ticket(slot, counter, last, sync),
             ir.If(V("last_split"), merge),
         )),
     ]

@@ -71,10 +71,12 @@ from dataclasses import replace
 from wsched.lowering import ir
 from wsched.lowering.context import LoweringContext
 from wsched.lowering.rewrite import map_loop, map_role
-from wsched.names import (ACC, CONSUMER, EPILOGUE_SLICE, PARTIALS, SPLITS, TICKET_SLOT, TICKETS, TILE_VAR,
+from wsched.names import (ACC, CONSUMER, EPILOGUE_SLICE, PARTIALS, SPLITS, TICKET_SLOT, TILE_VAR,
                           WARPGROUP_BARRIER)
 from wsched.partition import param_name
 from wsched.target import DTYPE_BYTES, SWIZZLE_ROW_BYTES, UNARY_OPS, WARPGROUP_THREADS
+
+from wsched.workloads.ticket import take_ticket
 
 from .loops import batch_coords, output_shape
 
@@ -257,14 +259,7 @@ def _ticket(s, row0: ir.Expr, sync: ir.Stmt, width: int, slices: int) -> tuple[i
     slot = ir.SmemRef(TICKET_SLOT, (V("wg"),))
     counter = ir.add(ir.mul("out_tile", nwg), "wg") if nwg > 1 else V("out_tile")
     last = ir.sub(SPLITS, 1)
-    return (
-        _store_partial(row0, width, slices),
-        sync,
-        ir.ElectOne((ir.FenceGpu(), ir.AtomicInc(slot, TICKETS, (counter,), last), ir.FenceGpu())),
-        sync,
-        ir.LoadShared("ticket", slot),
-        ir.Assign("last_split", ir.eq("ticket", last)),
-    )
+    return (_store_partial(row0, width, slices),) + take_ticket(slot, counter, last, sync)
 
 
 def _sum_of_partials(row0, col0, rows: int, width: int, decls: dict) -> tuple[ir.Stmt, ...]:

@@ -1,0 +1,28 @@
+"""What the workloads share about split work (matmul's split-K, attention's split-KV): the ticket
+a unit takes once its partial is stored, so that the unit of a tile that arrives last, and only
+it, combines the partials. No unit waits for another (it cannot hang), and the counter wraps back
+to 0 after the last arrival (the workspace is never cleared).
+
+    bar.sync <sync>                         every thread's partial before the release
+    elect_one { fence.acq_rel.gpu ; atomic.inc slot <- tickets[counter] wrap(last) ; fence.acq_rel.gpu }
+    bar.sync <sync>                         the ticket (and what it acquired) to the warpgroup
+    ld.shared ticket = slot
+    set last_split = ticket == last
+"""
+
+from __future__ import annotations
+
+from wsched.lowering import ir
+from wsched.names import TICKETS
+
+
+def take_ticket(slot: ir.SmemRef, counter: ir.Expr, last: ir.Expr, sync: ir.Stmt) -> tuple[ir.Stmt, ...]:
+    """The ticket of `counter` (a tile, or a tile's warpgroup) through the i32 smem `slot`:
+    `last_split` (a `var`) becomes 1 for the unit whose ticket is `last` (splits - 1)."""
+    return (
+        sync,
+        ir.ElectOne((ir.FenceGpu(), ir.AtomicInc(slot, TICKETS, (counter,), last), ir.FenceGpu())),
+        sync,
+        ir.LoadShared("ticket", slot),
+        ir.Assign("last_split", ir.eq("ticket", last)),
+    )
