@@ -15,11 +15,11 @@ simulator on a small cache.
 from __future__ import annotations
 
 import argparse
-import shutil
 
 import torch
 
 import wsched as ws
+from common import show_lowered
 from wsched.timing import rel_error
 
 D, PAGE = 128, 16
@@ -87,13 +87,7 @@ def on_gpu(B: int, HK: int, G: int, S: int, T: int):
 def on_cpu(HK: int, G: int, S: int):
     schedule = ws.schedule_for(decode, tile=(64, 128, D), consumer_warpgroups=1, split_kv=32, pack_gqa=True)
     k = ws.compile(decode, schedule, build=False)
-    print(k.partition)
-    print(k.ir)
-    if shutil.which("nvcc"):
-        build = k.compile_cuda()
-        print(f"nvcc: {build.cu_path}  {k.resources}  (cache {'hit' if build.cache_hit else 'miss'})")
-    else:
-        print("nvcc not found: skipping the sm_90a build")
+    show_lowered(k)
     lens = [2100, 37, 0]   # 17 kv blocks: 2 splits on 8 SMs; a short sequence; an empty one
     args = inputs(lens, HK, G, S, "cpu")
     o, lse = k.simulate(*args, num_sms=8)

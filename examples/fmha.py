@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import argparse
 import math
-import shutil
 import time
 
 import torch
 
 import wsched as ws
+from common import show_lowered
 from wsched.timing import rel_error
 
 D = 128
@@ -62,13 +62,7 @@ def on_cpu():
     t0 = time.perf_counter()
     k = ws.compile(attention, build=False)
     print(f"lowered and emitted in {time.perf_counter() - t0:.2f} s\n")
-    print(k.partition)
-    print(k.ir)
-    if shutil.which("nvcc"):
-        build = k.compile_cuda()
-        print(f"nvcc: {build.cu_path}  {k.resources}  (cache {'hit' if build.cache_hit else 'miss'})")
-    else:
-        print("nvcc not found: skipping the sm_90a build")
+    show_lowered(k)
     q, kk, v = inputs(1, 2, 200, "cpu")
     t0 = time.perf_counter()
     o, lse = k.simulate(q, kk, v, seed=0)

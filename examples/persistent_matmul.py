@@ -8,12 +8,12 @@ the kernel in the CPU simulator at a small size, checked against the torch refer
 from __future__ import annotations
 
 import argparse
-import shutil
 import time
 
 import torch
 
 import wsched as ws
+from common import show_lowered
 from wsched.timing import rel_error
 
 
@@ -49,13 +49,7 @@ def on_cpu(M: int, N: int, K: int):
     t0 = time.perf_counter()
     k = ws.compile(mlp, build=False)
     print(f"lowered and emitted in {time.perf_counter() - t0:.2f} s; schedule {k.schedule.short()}\n")
-    print(k.partition)
-    print(k.ir)
-    if shutil.which("nvcc"):
-        build = k.compile_cuda()
-        print(f"nvcc: {build.cu_path}  {k.resources}  (cache {'hit' if build.cache_hit else 'miss'})")
-    else:
-        print("nvcc not found: skipping the sm_90a build")
+    show_lowered(k)
     a, b, bias = inputs(M, N, K, "cpu")
     t0 = time.perf_counter()
     out = k.simulate(a, b, bias, seed=0)

@@ -93,7 +93,7 @@ def _evaluate_node(node: Node, args: list[torch.Tensor], sizes: dict[str, int],
         return torch.logsumexp(args[0], node.attr("dim"), keepdim=node.attr("keepdim"))
     if op == "softmax":
         return torch.softmax(args[0], node.attr("dim"))
-    if op == "causal_mask":   # with key lengths (a second operand) bottom-right aligns to each sequence's
+    if op == "causal_mask":   # with key lengths (a second operand), bottom-right aligns to each sequence's length
         queries, keys = args[0].shape[-2:]
         query = torch.arange(queries, device=device)[:, None]
         key = torch.arange(keys, device=device)[None, :]

@@ -408,14 +408,14 @@ def _paged_cache(nodes, q, k, v, schedule, fail) -> PagedCache | None:
         fail(f"page size {page_size}: TMA fills a kv block of {bn} keys from whole pages or slices of one page, "
              f"in boxes of a multiple of {PAGE_ROWS_ALIGN} rows; the page size must be a multiple of "
              f"{PAGE_ROWS_ALIGN} that divides {bn} or is a multiple of it (16, 32, 64, 128, 256, ...)", k)
-    need = paged_producer_registers(bn, page_size, schedule.splits_kv)
     slices = bn // min(page_size, bn)
+    need = paged_producer_registers(bn, page_size, schedule.splits_kv)
     if schedule.splits_kv and slices > 1 and (schedule.consumer_warpgroups, schedule.value_dim) in PAGED_SPLIT_KV_SPILLS:
         fail(f"split_kv={schedule.split_kv} with {slices} pages of {page_size} keys a block, head dim "
              f"{schedule.value_dim} and {schedule.consumer_warpgroups} consumer warpgroups: ptxas spills; use pages "
              f"of at least {bn} keys, one consumer warpgroup or split_kv=1", k)
     if producer_registers < need:
-        fail(f"pages of {page_size} keys, {bn} keys a block: the producer holds the block's {bn // page_size} page "
+        fail(f"pages of {page_size} keys, {bn} keys a block: the producer holds the block's {slices} page "
              f"indices from the table reads to the TMA issues; producer_registers={producer_registers} spills, use "
              f"producer_registers >= {need}", k)
     return PagedCache(k_cache, v_cache, table, page_size, min(page_size, bn))

@@ -203,8 +203,9 @@ def default_schedule(head_dim: int, page_size: int | None = None, **overrides) -
     consumers = overrides.get("consumer_warpgroups", 2)
     rows = 64 * consumers if is_int(consumers) and consumers >= 1 else 128
     tile = (rows, 64 if VALUE_DIMS.get(head_dim) == 256 else 128, head_dim)
+    given = overrides.get("tile", tile)
+    bn = given[1] if isinstance(given, tuple) and len(given) == 3 else None   # else the schedule's error
     producer = 24
-    bn = overrides.get("tile", tile)[1] if isinstance(overrides.get("tile", tile), tuple) else None
     if page_size and is_int(bn) and bn > 0:
         producer = paged_producer_registers(bn, page_size, overrides.get("split_kv", 1) != 1)
     producer = overrides.get("producer_registers", producer)

@@ -179,10 +179,6 @@ def analyse(fusion, scores, qk, roles: dict, batch: int, fail, param_name) -> Sc
     if unpeeled is not None:
         fail("ws.key_lengths must wrap the score function from outside (with the masks and the scale, "
              "after every op that computes on the scores)", unpeeled)
-    lengths_of_causal = {m.node.inputs[1] for m in masks if m.node.op == "causal_mask" and len(m.node.inputs) > 1}
-    if lengths_of_causal - {lengths}:
-        fail("a bottom-right causal mask aligns to the key lengths it is computed from: take ws.key_lengths "
-             "around the scores that reach the softmax", masks[0].node)
     side = None if lengths is None else SideInput(fusion.node(lengths), param_name(lengths), ("batch0",))
     return ScoreFunction(qk.id, scale, x.id, tuple(masks), tuple(inputs.values()), side)
 
