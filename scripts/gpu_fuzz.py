@@ -5,12 +5,23 @@
     python scripts/gpu_fuzz.py --device cuda:1       # on another device than the current one
     python scripts/gpu_fuzz.py --repro '<case json>' # rerun one case printed by a failure
 
-Kernels: fusions of the matmul family (tests/fusions.py) and attention variants
-(tests/attention_fusions.py: head dim 64/128/256, causal top-left / bottom-right, GQA, LSE),
-each with a schedule drawn from its workload's `schedule_space(fusion)`. They are built first,
-in parallel (nvcc processes), into the build cache. Cases: shapes drawn per kernel — odd sizes,
-K (keys T) long enough to reuse every stage and shorter than one tile, fewer and more tiles
-than SMs.
+Kernels, one family after another (`--families`):
+
+    matmul     the matmul family (tests/fusions.py), a schedule from `schedule_space(fusion)`
+               (BM 64/128, split-K, ...)
+    attention  plain attention (tests/attention_fusions.py: head dim 64/128/256, causal top-left
+               / bottom-right, GQA, LSE), half with a schedule from `schedule_space`, half drawn
+               from the decode side of the workload (`sampled_attention_schedule`: one or two
+               consumer warpgroups, 32..192 keys a block, split-KV 1..32, GQA packing) or the
+               per-call default of `ws.compile(fusion)`
+    paged      attention over a paged K/V cache with per-sequence key lengths (pages of 16, 32,
+               64, 256, shuffled; empty, one-key and ragged sequences), schedules drawn the same way
+    variant    score functions and masks (causal, window, softcap, ALiBi, document, sinks; head
+               dims 64/96/128/192), schedules drawn the same way
+
+They are built first, in parallel (nvcc processes), into the build cache. Cases: shapes drawn
+per kernel — odd sizes, K (keys T) long enough to reuse every stage and shorter than one tile,
+fewer and more tiles than SMs, decode-like calls (a few queries, many keys).
 
 Every case runs in a worker process: outputs poisoned with NaN, the kernel launched, the device
 synchronized, the result compared in fp32 with `fusion.reference` on the same inputs. The
@@ -45,7 +56,8 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 NOMINAL_SMS = 132              # H100 / H200; shapes aim at both sides of it
 MAX_SCORES = 64_000_000        # B*H*S*T bound: the fp32 reference materialises the scores
-MATMUL_FUSIONS = ("matmul", "matmul_f16", "mlp", "linear_relu_residual", "scaled_silu_f32")
+MATMUL_FUSIONS = ("matmul", "matmul_f16", "mlp", "linear_relu_residual", "scaled_silu_f32", "gated")
+FAMILIES = ("matmul", "attention", "paged", "variant")
 # (rel L2, max |error| / max |ref|) a correct kernel stays under, by output element type: one
 # bf16 rounding of the output (2^-8) and of P in attention, accumulation-order noise in fp32.
 TOLERANCE = {"bfloat16": (1e-2, 6e-2), "float16": (1e-2, 6e-2), "float32": (1e-3, 1e-2)}
@@ -65,8 +77,13 @@ def fusion_of(spec: dict):
         import fusions
 
         return getattr(fusions, spec["name"])
-    from attention_fusions import make_attention
+    from attention_fusions import make_attention, make_paged_attention, make_variant
 
+    if spec["family"] == "paged":
+        return make_paged_attention(spec["head_dim"], spec["page_size"], causal=spec["causal"],
+                                    lengths=spec["lengths"], lse=spec["lse"])
+    if spec["family"] == "variant":
+        return make_variant(spec["head_dim"], spec["variant"], gqa=spec["gqa"], lse=spec["lse"])
     return make_attention(spec["head_dim"], causal=spec["causal"], lse=spec["lse"], gqa=spec["gqa"])
 
 
@@ -74,15 +91,51 @@ def fusion_label(spec: dict) -> str:
     return spec["name"] if spec["family"] == "matmul" else fusion_of(spec).name
 
 
-def schedule_json(schedule) -> dict:
-    return {"workload": schedule.workload, "fields": dataclasses.asdict(schedule)}
+def schedule_json(schedule) -> dict | None:
+    """The schedule as JSON; None for the per-call default of `ws.compile(fusion)`."""
+    return None if schedule is None else {"workload": schedule.workload, "fields": dataclasses.asdict(schedule)}
 
 
-def schedule_of(data: dict):
+def schedule_of(data: dict | None):
     from wsched.workloads import workload_named
 
+    if data is None:
+        return None
     fields = {k: tuple(v) if isinstance(v, list) else v for k, v in data["fields"].items()}
     return workload_named(data["workload"]).schedule_type(**fields)
+
+
+def short_of(schedule) -> str:
+    return "default (per-call choice)" if schedule is None else schedule.short()
+
+
+def sampled_attention_schedule(fusion, rng: random.Random, tries: int = 40):
+    """A schedule from the decode side of the attention workload, which `schedule_space` does not
+    enumerate: the workload's default with drawn overrides (one or two consumer warpgroups, 32 to
+    192 keys a block, stages, the softmax overlapped or not, split-KV up to 32, GQA packing),
+    kept only if the workload takes it for the fusion; or None (one time in five): the per-call
+    default of `ws.compile(fusion)`, which picks among the decode, split-KV and prefill kernels."""
+    from wsched.schedule import ScheduleError
+    from wsched.workloads import workload_for
+
+    workload = workload_for(fusion)
+    if rng.random() < 0.2:
+        return None
+    head_dim = fusion.inputs[0].shape[-1]
+    for _ in range(tries):
+        consumers = rng.choice((1, 2))
+        overrides = dict(tile=(64 * consumers, rng.choice((32, 64, 64, 128, 128, 192)), head_dim),
+                         consumer_warpgroups=consumers, mma_inflight=rng.choice((0, 1)),
+                         split_kv=rng.choice((1, 1, 2, 3, 8, 32)), pack_gqa=rng.random() < 0.5)
+        if rng.random() < 0.3:
+            overrides["stages"] = rng.randint(1, 4)
+        try:
+            schedule = workload.default_schedule(fusion, **overrides)
+            workload.partition(fusion, schedule)
+        except ScheduleError:
+            continue
+        return schedule
+    return workload.default_schedule(fusion)
 
 
 def attention_specs() -> list[dict]:
@@ -91,36 +144,54 @@ def attention_specs() -> list[dict]:
             for lse in (False, True) for gqa in (False, True)]
 
 
-def plan_kernels(count: int, rng: random.Random) -> list[dict]:
-    """`count` distinct (fusion, schedule) pairs: matmul family and attention alternating, each
-    fusion and head dim in turn, the schedule drawn from the workload's space."""
+def paged_specs() -> list[dict]:
+    return [{"family": "paged", "head_dim": d, "page_size": page, "causal": causal, "lengths": lengths, "lse": lse}
+            for d in (64, 128, 256) for page in (16, 32, 64, 256) for causal in (False, True)
+            for lengths in (True, False) for lse in (True, False)]
+
+
+def variant_specs() -> list[dict]:
+    from attention_fusions import VARIANTS
+
+    return [{"family": "variant", "head_dim": d, "variant": variant, "gqa": gqa, "lse": True}
+            for d in (64, 96, 128, 192) for variant in VARIANTS for gqa in (False, True)]
+
+
+def plan_kernels(count: int, rng: random.Random, families: tuple[str, ...] = FAMILIES) -> list[dict]:
+    """`count` distinct (fusion, schedule) pairs: the families in turn, each fusion and head dim
+    in turn within its family; matmul schedules drawn from the workload's space, attention ones
+    from the space or from the decode side (`sampled_attention_schedule`)."""
     from wsched.workloads import workload_for
 
-    matmul_specs = [{"family": "matmul", "name": n} for n in MATMUL_FUSIONS]
-    attention = attention_specs()
-    rng.shuffle(attention)
-    attention.sort(key=lambda s: s["head_dim"])          # then dealt round-robin by head dim
-    by_dim = {d: [s for s in attention if s["head_dim"] == d] for d in (64, 128, 256)}
+    def dealt(specs: list[dict]) -> list[dict]:   # shuffled, then dealt round-robin by head dim
+        rng.shuffle(specs)
+        dims = sorted({spec["head_dim"] for spec in specs})
+        by_dim = [[spec for spec in specs if spec["head_dim"] == d] for d in dims]
+        return [group[i % len(group)] for i in range(max(map(len, by_dim))) for group in by_dim]
+
+    specs = {"matmul": [{"family": "matmul", "name": n} for n in MATMUL_FUSIONS],
+             "attention": dealt(attention_specs()), "paged": dealt(paged_specs()), "variant": dealt(variant_specs())}
     spaces: dict[str, list] = {}
     kernels, seen = [], set()
     for slot in range(count * 4):
         if len(kernels) == count:
             break
-        if slot % 2 == 0:
-            spec = matmul_specs[(slot // 2) % len(matmul_specs)]
-        else:
-            dim = (64, 128, 256)[(slot // 2) % 3]
-            spec = by_dim[dim][(slot // 6) % len(by_dim[dim])]
+        family = families[slot % len(families)]
+        turn = slot // len(families)
+        spec = specs[family][turn % len(specs[family])]
         label = fusion_label(spec)
-        if label not in spaces:
-            fusion = fusion_of(spec)
-            spaces[label] = list(workload_for(fusion).schedule_space(fusion))
-        schedule = rng.choice(spaces[label])
+        fusion = fusion_of(spec)
+        if family == "matmul" or (family == "attention" and turn % 2 == 0):
+            if label not in spaces:
+                spaces[label] = list(workload_for(fusion).schedule_space(fusion))
+            schedule = rng.choice(spaces[label])
+        else:
+            schedule = sampled_attention_schedule(fusion, rng)
         if (label, schedule) in seen:
             continue
         seen.add((label, schedule))
         kernels.append({"kernel": len(kernels), "fusion": spec, "label": label,
-                        "schedule": schedule_json(schedule), "short": schedule.short()})
+                        "schedule": schedule_json(schedule), "short": short_of(schedule)})
     return kernels
 
 
@@ -153,11 +224,17 @@ def matmul_shape(kernel: dict, regime: str, rng: random.Random) -> dict:
     return {"M": rng.randint(2000, 8000), "N": n_of(8, 64), "K": long_k}
 
 
-def attention_shape(kernel: dict, regime: str, rng: random.Random) -> dict:
+def _attention_tile(kernel: dict) -> tuple[int, int, int]:
+    """(rows, keys, stages) of a kernel's tiles; the default's for the per-call choice."""
+    if kernel["schedule"] is None:
+        return 128, 128, 3
     fields = kernel["schedule"]["fields"]
-    bm, bn, _ = fields["tile"]
-    stages = fields["stages"]
-    gqa = kernel["fusion"]["gqa"]
+    return fields["tile"][0], fields["tile"][1], fields["stages"]
+
+
+def attention_shape(kernel: dict, regime: str, rng: random.Random) -> dict:
+    bm, bn, stages = _attention_tile(kernel)
+    gqa = kernel["fusion"].get("gqa")
     long_t = rng.randint((2 * stages + 1) * bn, 4096)
     if regime == "few_tiles":
         B, H, S, T = 1, rng.randint(1, 4), rng.randint(1, 3 * bm), long_t
@@ -184,6 +261,36 @@ def attention_shape(kernel: dict, regime: str, rng: random.Random) -> dict:
     return {"B": B, "H": H, "S": S, "T": T, "G": G}
 
 
+def paged_shape(kernel: dict, regime: str, rng: random.Random) -> dict:
+    """B sequences of ragged lengths (some empty or of one key where the fusion takes lengths),
+    HK KV heads of G query heads, S new queries each (decode: 1; chunked prefill: up to 200)."""
+    _, bn, stages = _attention_tile(kernel)
+    lengths = kernel["fusion"]["lengths"]
+    if regime == "few_tiles":
+        B, HK, S, top = rng.randint(1, 2), rng.randint(1, 2), rng.randint(1, 8), 8192
+    elif regime == "many_tiles":
+        B, HK, S, top = rng.randint(8, 40), rng.randint(2, 8), rng.randint(1, 4), 3000
+    elif regime == "short_k":
+        B, HK, S, top = rng.randint(1, 16), rng.randint(1, 4), rng.randint(1, 64), 2 * bn
+    else:   # "skinny": a chunk of new tokens against a long cache
+        B, HK, S, top = rng.randint(1, 4), rng.randint(1, 4), rng.randint(16, 200), 6000
+    G = rng.choice((1, 2, 4, 8))
+    lens = [rng.randint(1, top) for _ in range(B)]
+    if lengths:   # the edge cases: an empty sequence, one key, a length at a page / block boundary
+        for b in range(B):
+            pick = rng.random()
+            lens[b] = (0 if pick < 0.08 else 1 if pick < 0.16 else
+                       rng.randint(1, max(1, top // bn)) * bn if pick < 0.3 else lens[b])
+    else:         # every sequence holds all the table's keys: one length, long enough to reuse stages
+        lens = [max(lens[0], (2 * stages + 1) * bn if regime != "short_k" else 1)] * B
+    while B * HK * G * S * max(max(lens), 1) > MAX_SCORES:
+        if B > 1:
+            B, lens = B - 1, lens[:-1]
+        else:
+            S = max(1, S // 2)
+    return {"B": B, "HK": HK, "G": G, "S": S, "lens": lens}
+
+
 REGIMES = ("few_tiles", "many_tiles", "short_k", "skinny")
 
 
@@ -197,7 +304,7 @@ def plan_cases(kernels: list[dict], count: int, rng: random.Random, seed: int) -
             if len(cases) == count:
                 break
             regime = REGIMES[(round_ + kernel["kernel"]) % len(REGIMES)]
-            shape_of = matmul_shape if kernel["fusion"]["family"] == "matmul" else attention_shape
+            shape_of = {"matmul": matmul_shape, "paged": paged_shape}.get(kernel["fusion"]["family"], attention_shape)
             cases.append({"id": len(cases), "kernel": kernel["kernel"], "fusion": kernel["fusion"],
                           "schedule": kernel["schedule"], "regime": regime,
                           "shape": shape_of(kernel, regime, rng), "seed": seed * 1_000_000 + len(cases)})
@@ -205,10 +312,13 @@ def plan_cases(kernels: list[dict], count: int, rng: random.Random, seed: int) -
 
 
 def tiles_of(case: dict) -> int:
-    bm, bn, _ = case["schedule"]["fields"]["tile"]
     s = case["shape"]
     if case["fusion"]["family"] == "matmul":
+        bm, bn, _ = case["schedule"]["fields"]["tile"]
         return math.ceil(s["M"] / bm) * math.ceil(s["N"] / bn)
+    bm, _, _ = _attention_tile(case)
+    if case["fusion"]["family"] == "paged":
+        return s["B"] * s["HK"] * math.ceil(s["G"] * s["S"] / bm)
     return s["B"] * s["H"] * math.ceil(s["S"] / bm)
 
 
@@ -228,7 +338,14 @@ def build_one(kernel: dict) -> dict:
         return {"ok": True, "seconds": 0.0, "registers": 0, "unused": True}
     t0 = time.monotonic()
     try:
-        ck = ws.compile(fusion_of(kernel["fusion"]), schedule_of(kernel["schedule"]), build=True)
+        fusion, schedule = fusion_of(kernel["fusion"]), schedule_of(kernel["schedule"])
+        ck = ws.compile(fusion, schedule, build=True)
+        if schedule is None and hasattr(ck, "variants"):   # the per-call choice: every kernel it may pick
+            from wsched.kernel import build_kernel
+
+            for variant in ck.variants:
+                build_kernel(fusion, variant.schedule, build=True)
+            ck = ck.primary
         r = ck.resources
         return {"ok": True, "seconds": time.monotonic() - t0, "registers": r.registers}
     except Exception as error:  # noqa: BLE001 - every failure is a finding; keep building the rest
@@ -266,6 +383,17 @@ def make_inputs(case: dict, fusion, device):
                 t = t / shape["K"] ** 0.5   # keeps the sums O(1)
             inputs.append(t.to(node.dtype.torch_dtype))
         return inputs
+    if case["fusion"]["family"] == "paged":
+        from attention_fusions import paged_inputs
+
+        inputs = paged_inputs(shape["lens"], case["fusion"]["page_size"], case["fusion"]["head_dim"], hk=shape["HK"],
+                              g=shape["G"], s=shape["S"], seed=case["seed"], device=device)
+        return inputs if case["fusion"]["lengths"] else inputs[:4]
+    if case["fusion"]["family"] == "variant":
+        from attention_fusions import variant_inputs
+
+        return variant_inputs(fusion, shape["B"], shape["H"], shape["S"], shape["T"], case["fusion"]["head_dim"],
+                              device=device, seed=case["seed"], gqa_groups=shape["G"])
     B, H, S, T, G = (shape[k] for k in ("B", "H", "S", "T", "G"))
     D = case["fusion"]["head_dim"]
     dims = ([(B, H // G, G, S, D), (B, H // G, 1, T, D), (B, H // G, 1, T, D)] if G
@@ -346,6 +474,8 @@ def worker_main(conn, cache_dir: str | None, device_name: str = "cuda:0") -> Non
                 compiled[key] = ws.compile(fusion, schedule_of(case["schedule"]), build=True)
             k = compiled[key]
             inputs = make_inputs(case, fusion, device)
+            if hasattr(k, "kernel_for"):   # the per-call choice: the kernel it picks for this call
+                k = k.kernel_for(*inputs)
             outs = k._outputs(fusion.bind(*inputs), device)
             for t in outs.values():
                 t.fill_(float("nan"))
@@ -535,6 +665,7 @@ def main(argv=None) -> int:
     parser.add_argument("--cases", type=int, default=2560, help="cases in all, spread over the kernels")
     parser.add_argument("--device", default="cuda:0", help="where the tensors live (the current device stays 0)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--families", default=",".join(FAMILIES), help="kernel families, taken in turn")
     parser.add_argument("--budget", type=float, default=420.0, help="seconds; no case starts after")
     parser.add_argument("--case-timeout", type=float, default=30.0, help="seconds before a launch is a hang")
     parser.add_argument("--build-workers", type=int, default=os.cpu_count() or 4)
@@ -560,7 +691,11 @@ def main(argv=None) -> int:
         return 0 if set(statuses) == {"pass"} else 1
 
     rng = random.Random(args.seed)
-    kernels = plan_kernels(args.kernels, rng)
+    families = tuple(args.families.split(","))
+    unknown = set(families) - set(FAMILIES)
+    if unknown:
+        parser.error(f"unknown families {sorted(unknown)}; choose from {', '.join(FAMILIES)}")
+    kernels = plan_kernels(args.kernels, rng, families)
     cases = plan_cases(kernels, args.cases, rng, args.seed)
     if args.only:   # the same plan, a few of its cases (and only their kernels built)
         wanted = {int(i) for i in args.only.split(",")}

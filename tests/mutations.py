@@ -25,7 +25,7 @@ from wsched.lowering import ir
 from wsched.lowering.evaluate import evaluate
 from wsched.lowering.parser import parse_kernel
 from wsched.lowering.verify.lines import sites, statement_lines
-from wsched.target import REGISTER_FILE, SETMAXNREG_MAX, SETMAXNREG_MIN, WARPGROUP_THREADS, launch_registers
+from wsched.target import SETMAXNREG_MAX, SETMAXNREG_MIN, WARPGROUP_THREADS, launch_registers, register_pool
 
 
 @dataclass(frozen=True)
@@ -476,24 +476,24 @@ def _threads(t: Text) -> int:
 
 @operator(harmful=True)
 def setmaxnreg_value(t):
-    """8 registers more or fewer where that breaks the hardware: over the register file (the
+    """8 registers more or fewer where that breaks the hardware: over the CTA's register pool (the
     consumers' increase never completes) or below setmaxnreg's minimum of 24 (ptxas rejects it).
     A change that still fits is harmless on the GPU, so it is not made here."""
     for s in heads(t, "setmaxnreg."):
         action, n = s.head.split()
         for wrong in (int(n) + 8, int(n) - 8):
-            if not SETMAXNREG_MIN <= wrong <= SETMAXNREG_MAX or _register_use(t, s, wrong) > REGISTER_FILE:
+            if not SETMAXNREG_MIN <= wrong <= SETMAXNREG_MAX or _register_use(t, s, wrong) > register_pool(_threads(t)):
                 yield t.rewrite(s, f"{action} {wrong}")
 
 
 @operator(harmful=True)
 def drop_setmaxnreg(t):
     """A role left at the registers its warps start with, where the register file cannot hold
-    that beside the other roles' budgets: their increase never completes. (A role whose start
+    that beside the other roles' budgets in the CTA's pool: their increase never completes. (A role whose start
     still fits only runs with other registers than it declares: not made here.)"""
     start = launch_registers(_threads(t))
     for s in heads(t, "setmaxnreg."):
-        if _register_use(t, s, start) > REGISTER_FILE:
+        if _register_use(t, s, start) > register_pool(_threads(t)):
             yield t.drop(s)
 
 

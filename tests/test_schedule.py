@@ -45,8 +45,12 @@ def test_unknown_field_is_rejected():
     (dict(tile=(128, 256, 40)), "BK=40 is not a multiple of 16 (the wgmma k extent); use 32"),
     (dict(tile=(96, 256, 64)), "BM=96 must be a multiple of 64 x consumer_warpgroups=128"),
     (dict(tile=(128, 260, 64)), "BN=260 must be a multiple of 8 in [8, 256]"),
-    (dict(producer_registers=40, consumer_registers=240), "register budget exceeded: 128 x 40 + 256 x 240 = 66560 > 65536 "
-                                   "per SM by 1024"),
+    (dict(producer_registers=40, consumer_registers=240), "register budget exceeded: 128 x 40 + 256 x 240 = 66560 > 64512, "
+                                   "the registers a CTA of 384 threads holds (168 per thread), by 2048"),
+    # the 65536 of the register file is not the budget: the CTA holds 384 x 168 (this hung on an H100)
+    (dict(producer_registers=32, consumer_registers=240), "register budget exceeded: 128 x 32 + 256 x 240 = 65536 > 64512, "
+                                   "the registers a CTA of 384 threads holds (168 per thread), by 1024: "
+                                   "setmaxnreg.inc would wait forever for the rest"),
     (dict(producer_registers=42, consumer_registers=232), "producer_registers=42 must be a multiple of 8 in [24, 256]"),
     (dict(mode="pingpong"), "mode 'pingpong' is not implemented for matmul yet; use 'cooperative'"),
     (dict(epilogue="smem"), "epilogue 'smem' is not one of 'tma_store', 'direct'"),
@@ -136,3 +140,15 @@ def test_the_base_schedule_is_not_a_schedule_of_any_workload():
     with pytest.raises(ScheduleError, match=r"Schedule is the shared base of the workloads' schedules; build one "
                                             r"with ws\.schedule_for\(fusion, \*\*fields\)"):
         Schedule()
+
+
+@pytest.mark.parametrize("consumers, producer, expected", [(2, 24, 240), (2, 32, 232), (2, 40, 232), (2, 48, 224),
+                                                           (1, 24, 256), (1, 40, 256)])
+def test_default_consumer_registers_stay_within_the_ctas_pool(consumers, producer, expected):
+    # setmaxnreg moves registers within the 168 x 384 (or 248 x 256) a CTA holds, not the 65536 of
+    # the register file: 32 / 240 with two consumer warpgroups hung on an H100 (a paged cache's producer)
+    from wsched.schedule import default_consumer_registers
+    from wsched.target import register_pool
+
+    assert default_consumer_registers(consumers, producer) == expected
+    assert 128 * (producer + consumers * expected) <= register_pool(128 * (1 + consumers))

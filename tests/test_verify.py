@@ -408,7 +408,7 @@ STRUCTURAL = [
         "IR line 54 (setmaxnreg.dec): setmaxnreg outside a role; it belongs at the start of a role's body",
     ], id="setmaxnreg-outside-a-role"),
     pytest.param(lambda: matmul(roles=(producer(), consumer(registers=240))), [
-        "IR line 1 (kernel matmul): register budget exceeded: role producer 1×128×40 + role consumer 2×128×240 = 66560 registers, 1024 over the 65536 of an SM; lower the registers of a role, e.g. role consumer registers(232)",
+        "IR line 1 (kernel matmul): register budget exceeded: role producer 1×128×40 + role consumer 2×128×240 = 66560 registers, 2048 over the 64512 a CTA of 384 threads holds (setmaxnreg.inc would wait forever); lower the registers of a role, e.g. role consumer registers(232)",
     ], id="register-budget"),
     pytest.param(lambda: matmul(roles=(producer(registers=20), consumer())), [
         "IR line 13 (role producer): registers(20): a role's register count must be a multiple of 8 in [24, 256] (what setmaxnreg can set)",

@@ -23,7 +23,7 @@ from typing import ClassVar
 from .errors import short_repr, type_name
 from .target import (REGISTER_FILE, SETMAXNREG_MAX, SETMAXNREG_MIN, SETMAXNREG_STEP, SMEM_ALIGN,
                      SMEM_BASE_SLACK, SMEM_LIMIT, MAX_THREADS, WARPGROUP_THREADS, WGMMA_M, WGMMA_N,
-                     launch_registers)
+                     launch_registers, register_pool)
 
 
 class ScheduleError(ValueError):
@@ -238,7 +238,7 @@ class Schedule:
         return p
 
     def _register_problems(self) -> list[str]:
-        """setmaxnreg: budgets in its steps, within the register file, and on the right side of the
+        """setmaxnreg: budgets in its steps, within the CTA's register pool, and on the right side of the
         count every thread starts with (the producer's .dec lowers it, the consumers' .inc raises
         it; a consumer budget below it would depend on how many registers ptxas happens to use)."""
         p: list[str] = []
@@ -247,11 +247,14 @@ class Schedule:
             if regs % SETMAXNREG_STEP or not SETMAXNREG_MIN <= regs <= SETMAXNREG_MAX:
                 p.append(f"{name}={regs} must be a multiple of {SETMAXNREG_STEP} in "
                          f"[{SETMAXNREG_MIN}, {SETMAXNREG_MAX}] (setmaxnreg)")
-        if self.register_use > REGISTER_FILE:
+        pool = register_pool(self.threads)
+        if self.register_use > pool:
             p.append(f"register budget exceeded: {WARPGROUP_THREADS} x {self.producer_registers} + "
                      f"{WARPGROUP_THREADS * self.consumer_warpgroups} x {self.consumer_registers} = "
-                     f"{self.register_use} > {REGISTER_FILE} per SM by {self.register_use - REGISTER_FILE} "
-                     f"(producer_registers + consumer_warpgroups x consumer_registers, per warpgroup)")
+                     f"{self.register_use} > {pool}, the registers a CTA of {self.threads} threads holds "
+                     f"({launch_registers(self.threads)} per thread), by {self.register_use - pool}: setmaxnreg.inc "
+                     f"would wait forever for the rest (producer_registers + consumer_warpgroups x "
+                     f"consumer_registers, per warpgroup)")
         start = launch_registers(self.threads)
         if self.producer_registers > start:
             p.append(f"producer_registers={self.producer_registers} is above the {start} registers a thread "
@@ -288,12 +291,14 @@ def max_stages(schedule: Schedule, at_least_one: bool = True) -> int:
 
 
 def default_consumer_registers(consumer_warpgroups: object, producer_registers: object) -> object:
-    """What the consumers get by default: the registers the producer leaves, up to setmaxnreg's
-    maximum (2 consumers beside a 24-register producer: 240; 1 consumer: 256). Values of the wrong
+    """What the consumers get by default: the registers the producer leaves in the CTA's pool
+    (`register_pool`), up to setmaxnreg's maximum (2 consumers beside a 24-register producer: 240,
+    beside 32 or 40: 232; 1 consumer: 256). Values of the wrong
     type give 240, for the schedule to report them."""
     if not (is_int(consumer_warpgroups) and is_int(producer_registers) and consumer_warpgroups >= 1):
         return 240
-    share = (REGISTER_FILE // WARPGROUP_THREADS - producer_registers) // consumer_warpgroups
+    threads = WARPGROUP_THREADS * (1 + consumer_warpgroups)
+    share = (register_pool(threads) // WARPGROUP_THREADS - producer_registers) // consumer_warpgroups
     return max(SETMAXNREG_MIN, min(SETMAXNREG_MAX, share // SETMAXNREG_STEP * SETMAXNREG_STEP))
 
 

@@ -150,3 +150,13 @@ def launch_registers(threads: int) -> int:
     there and setmaxnreg.inc raises it; ptxas starts a kernel lower, at its largest .inc target,
     when that target is below this share."""
     return min(REGISTER_FILE // threads, MAX_THREAD_REGISTERS) // SETMAXNREG_STEP * SETMAXNREG_STEP
+
+
+def register_pool(threads: int) -> int:
+    """The registers a CTA of `threads` threads holds: its launch share per thread x threads (384
+    threads: 168 x 384 = 64512, not the 65536 of the register file). setmaxnreg moves registers
+    within this per-CTA pool: .dec returns a warp's registers to it, .inc takes from it and blocks
+    until it holds enough (PTX ISA, setmaxnreg). Budgets that add up to more than the pool leave
+    the consumers' .inc waiting forever: the kernel hangs (128 x 32 + 256 x 240 = 65536 did, on an
+    H100)."""
+    return launch_registers(threads) * threads

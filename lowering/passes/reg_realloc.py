@@ -1,8 +1,9 @@
 """reg_realloc: hand the producer's registers to the consumers with setmaxnreg.
 
 The producer only issues copies and lives on few registers; the consumers hold accumulators.
-Every role starts with its setmaxnreg. That the register file holds them all (Σ warpgroups x 128
-threads x registers) is the verifier's check, run on the kernel this pass returns.
+Every role starts with its setmaxnreg. That the CTA's register pool holds them all (Σ warpgroups
+x 128 threads x registers <= the launch share x threads, `target.register_pool`) is the
+verifier's check, run on the kernel this pass returns.
 
     after:  role producer warpgroups(1) registers(40) { setmaxnreg.dec 40  ... }
             role consumer warpgroups(2) registers(232) { setmaxnreg.inc 232  ... }

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from wsched.target import (
     MAX_THREADS, NAMED_BARRIERS, REGISTER_FILE, SETMAXNREG_MIN, SETMAXNREG_STEP, SMEM_LIMIT,
-    WARP_THREADS, WARPGROUP_THREADS, launch_registers,
+    WARP_THREADS, WARPGROUP_THREADS, launch_registers, register_pool,
 )
 
 from .. import ir
@@ -30,15 +30,16 @@ class RoleChecks:
             self.r.header(f"the roles add up to {threads} threads ({threads // per_wg} warpgroups); a CTA "
                           f"has at most {MAX_THREADS} threads ({MAX_THREADS // per_wg} warpgroups)")
         used = sum(r.warpgroups * per_wg * r.registers for r in roles)
-        if used > REGISTER_FILE:
+        pool = register_pool(threads)
+        if used > pool:
             terms = " + ".join(f"role {r.name} {r.warpgroups}×{per_wg}×{r.registers}" for r in roles)
             widest = max(roles, key=lambda r: r.warpgroups * r.registers)
             rest = used - widest.warpgroups * per_wg * widest.registers
-            fit = (REGISTER_FILE - rest) // (widest.warpgroups * per_wg) // SETMAXNREG_STEP * SETMAXNREG_STEP
+            fit = (pool - rest) // (widest.warpgroups * per_wg) // SETMAXNREG_STEP * SETMAXNREG_STEP
             hint = (f"lower the registers of a role, e.g. role {widest.name} registers({fit})"
                     if fit >= SETMAXNREG_MIN else "use fewer warpgroups")
-            self.r.header(f"register budget exceeded: {terms} = {used} registers, {used - REGISTER_FILE} "
-                          f"over the {REGISTER_FILE} of an SM; {hint}")
+            self.r.header(f"register budget exceeded: {terms} = {used} registers, {used - pool} over the "
+                          f"{pool} a CTA of {threads} threads holds (setmaxnreg.inc would wait forever); {hint}")
         total = self.k.smem_bytes
         if total > SMEM_LIMIT:
             self.r.header(f"shared memory needs {total} bytes (buffers, barriers and alignment), "
