@@ -68,12 +68,14 @@ class BuildError(RuntimeError):
     """nvcc/ptxas failed, or produced something we treat as an error (C7508, spills)."""
 
     def __init__(self, message: str, *, cu_path: Path | None = None,
-                 command: tuple[str, ...] = (), log: str = "", kernel: str | None = None):
+                 command: tuple[str, ...] = (), log: str = "", kernel: str | None = None,
+                 spills: bool = False):
         super().__init__(message)
         self.cu_path = cu_path
         self.command = tuple(command)
         self.log = log
         self.kernel = kernel
+        self.spills = spills   # the build succeeded but ptxas spilled registers (check_resources)
 
 
 @lru_cache(maxsize=None)

@@ -154,4 +154,4 @@ def check_resources(resources: Mapping[str, KernelResources], *, cu_path: Path |
                      f"{r.spill_stores} bytes spill stores, {r.spill_loads} bytes spill loads, "
                      f"{r.stack_bytes} bytes stack frame")
     lines += repro_lines(cu_path, command)
-    raise BuildError("\n".join(lines), cu_path=cu_path, command=command, log=log, kernel=bad[0][0])
+    raise BuildError("\n".join(lines), cu_path=cu_path, command=command, log=log, kernel=bad[0][0], spills=True)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from .errors import check_argument
 from .fusion import check_fusion
-from .kernel import CompiledKernel, NoGPUError, build_kernel, lower, schedule_for
+from .kernel import CompiledKernel, NoGPUError, build_kernel, build_without_spills, lower, schedule_for
 from .schedule import Schedule, ScheduleError
 
 __all__ = ["compile", "lower", "schedule_for", "CompiledKernel", "NoGPUError"]
@@ -31,7 +31,10 @@ def compile(fusion, schedule: Schedule | None = None, *, build: bool | None = No
 
     Without a schedule or overrides, a workload whose best schedule depends on the shape (matmul:
     split-K where the output tiles cannot fill the SMs) gives a `ShapeDispatchKernel` that picks
-    per call among its default and those variants (`wsched/dispatch.py`)."""
+    per call among its default and those variants (`wsched/dispatch.py`). The schedules the
+    compiler picks build without register spills: where ptxas spills, the workload's lighter
+    schedules are built in turn (`Workload.lighter`, `kernel.build_without_spills`); a schedule
+    the caller gives is built as given."""
     check_fusion(fusion, "ws.compile")
     check_argument("autotune", autotune, bool, "True or False")
     if autotune or autotune_for is not None:
@@ -42,12 +45,12 @@ def compile(fusion, schedule: Schedule | None = None, *, build: bool | None = No
         if autotune_for is None:
             return tuner.AutotunedKernel(fusion)
         schedule = tuner.tune(fusion, autotune_for).schedule
-    kernel = build_kernel(fusion, schedule, build=build, **overrides)
-    if schedule is None and not overrides:
-        from .dispatch import ShapeDispatchKernel
-        from .workloads import workload_for
+    if schedule is not None or overrides:
+        return build_kernel(fusion, schedule, build=build, **overrides)
+    from .dispatch import ShapeDispatchKernel
+    from .workloads import workload_for
 
-        variants = workload_for(fusion).variants(fusion, kernel.schedule)
-        if variants:
-            return ShapeDispatchKernel(kernel, variants, build=build)
-    return kernel
+    default = schedule_for(fusion)
+    kernel = build_without_spills(fusion, default, build=build)   # a lighter schedule where it spills
+    variants = workload_for(fusion).variants(fusion, default)
+    return ShapeDispatchKernel(kernel, variants, build=build) if variants else kernel

@@ -59,13 +59,13 @@ class ShapeDispatchKernel:
     def _variant_kernel(self, index: int):
         kernel = self._built.get(index)
         if kernel is None:
-            from .kernel import build_kernel
+            from .kernel import build_without_spills
 
             with self._lock:
                 kernel = self._built.get(index)
                 if kernel is None:
-                    kernel = self._built[index] = build_kernel(self.primary.fusion, self.variants[index].schedule,
-                                                               build=self._build)
+                    kernel = self._built[index] = build_without_spills(
+                        self.primary.fusion, self.variants[index].schedule, build=self._build)
         return kernel
 
     def choose(self, tensors, num_sms: int):

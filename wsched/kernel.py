@@ -13,7 +13,7 @@ import torch
 from cuda.bindings import driver
 
 from .codegen.launch import PackedArguments, check_base_alignment
-from .codegen.nvcc import nvcc_available
+from .codegen.nvcc import BuildError, nvcc_available
 from .errors import ArgumentError, FusionError, check_argument, short_repr
 from .fusion import check_fusion
 from .lowering.pipeline import lower_partition
@@ -457,3 +457,28 @@ def build_kernel(fusion, schedule: Schedule | None = None, *, build: bool | None
     if build or (build is None and nvcc_available()):
         ck.compile_cuda()
     return ck
+
+
+def build_without_spills(fusion, schedule: Schedule, *, build: bool | None = None) -> CompiledKernel:
+    """A schedule the compiler picked (the default, a per-call variant) built, or where ptxas
+    spills registers, the first of the workload's lighter schedules (`Workload.lighter`) that
+    builds without: a spill is an error only when every one of them spills (the error names each).
+    Without a build (`build=False`, no nvcc) nothing can spill: the schedule is kept."""
+    try:
+        return build_kernel(fusion, schedule, build=build)
+    except BuildError as error:
+        if not error.spills:
+            raise
+        spilled = [(schedule, error)]
+    for candidate in workload_for(fusion).lighter(fusion, schedule):
+        try:
+            return build_kernel(fusion, candidate, build=build)
+        except BuildError as error:
+            if not error.spills:
+                raise
+            spilled.append((candidate, error))
+    lines = [f"{fusion.name}: every schedule the compiler would pick spills registers (spills are build "
+             f"errors): pass a schedule with fewer keys per block or mma_inflight=0"]
+    lines += [f"  {s.short()}: {str(e).splitlines()[1].strip() if len(str(e).splitlines()) > 1 else e}"
+              for s, e in spilled]
+    raise BuildError("\n".join(lines), spills=True) from spilled[0][1]

@@ -61,6 +61,12 @@ class Workload(ABC):
         instead of the default `schedule`, each with the rule that picks it."""
         return ()
 
+    def lighter(self, fusion, schedule: Schedule) -> tuple[Schedule, ...]:
+        """Schedules to build instead of `schedule`, one of the schedules the compiler picks (the
+        default, a per-call variant), where ptxas spills its registers, lightest last
+        (`kernel.build_without_spills`). None by default."""
+        return ()
+
     def check_values(self, partition: Partition, tensors: dict) -> None:
         """Check the values of inputs the kernel indexes with (`tensors`: kernel param name ->
         tensor), raising FusionError: the simulator calls it on every run, a GPU call with

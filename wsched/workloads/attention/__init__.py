@@ -55,6 +55,27 @@ class AttentionWorkload(Workload):
             head_dim = self._head_dim(fusion)
         return schedule.default_schedule(head_dim, partition.page_size_of(fusion), **overrides)
 
+    def lighter(self, fusion, schedule: AttentionSchedule):
+        """Where the compiler's choice spills (ptxas's margin is thin at head dim 256, and a paged
+        producer or a score function moves it): the softmax not overlapped with P V (one score
+        tile fewer in flight), then half and a quarter of the keys per block (down to 32), each
+        kept only where the workload takes it for the fusion."""
+        bm, bn, d = schedule.tile
+        keep = dict(consumer_warpgroups=schedule.consumer_warpgroups, split_kv=schedule.split_kv,
+                    pack_gqa=schedule.pack_gqa, mode=schedule.mode)
+        tried = [(bn, 0)] if schedule.mma_inflight else []
+        tried += [(keys, inflight) for keys in (bn // 2, bn // 4) if keys >= 32
+                  for inflight in dict.fromkeys((schedule.mma_inflight, 0))]
+        found = []
+        for keys, inflight in tried:
+            try:
+                candidate = self.default_schedule(fusion, tile=(bm, keys, d), mma_inflight=inflight, **keep)
+                self.partition(fusion, candidate)
+            except ScheduleError:
+                continue
+            found.append(candidate)
+        return tuple(found)
+
     def variants(self, fusion, schedule: AttentionSchedule):
         """The default's 128-row tiles suit prefill; where a call has few query rows or few tiles
         it switches (docs/architecture.md, "Split-KV decode"):

@@ -140,7 +140,9 @@ class AttentionSchedule(Schedule):
 
     def short(self) -> str:
         return (super().short() + (f" split_kv={self.split_kv}" if self.split_kv != 1 else "")
-                + (" pack_gqa" if self.pack_gqa is True else ""))
+                + (" pack_gqa" if self.pack_gqa is True else "")
+                + (" mma_inflight=0" if self.mma_inflight == 0 else "")
+                + (" pingpong" if self.mode == "pingpong" else ""))
 
     def _workload_problems(self) -> list[str]:
         p: list[str] = []
