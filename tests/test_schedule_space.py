@@ -178,3 +178,25 @@ def test_corners_of_the_space_build_for_sm90a_without_spills(case, tmp_path_fact
     res = result.resources[emitted.name]
     assert (res.spill_stores, res.spill_loads, res.stack_bytes) == (0, 0, 0)
     assert not [w for w in result.warnings if re.search(r"C7508|setmaxnreg", w)]
+
+
+@pytest.mark.parametrize("paged", [True, False], ids=["paged16", "contiguous"])
+def test_the_attention_space_fits_the_fusion_and_holds_the_per_call_variants(paged):
+    """The search space (autotuner, GPU fuzzer) is fitted to the fusion — a paged cache's producer
+    needs 40 registers for 8 page indices, which a 24-register schedule refuses — and holds the
+    decode-side kernels ws.compile picks per call (64-row tiles, split-KV, GQA packing), so a search
+    at a decode shape can find them."""
+    from attention_fusions import make_paged_attention
+    from wsched.autotune import candidates_for
+
+    f = (make_paged_attention(128, 16, causal=True, lse=True) if paged
+         else make_attention(128, causal="bottom_right", lse=True, gqa=True))
+    workload = ws.workload_for(f)
+    space = list(workload.schedule_space(f))
+    for s in space:
+        assert workload.partition(f, s).schedule == s
+    variants = [v.schedule for v in workload.variants(f, workload.default_schedule(f))]
+    assert len(variants) == 2 and all(v in space and v in candidates_for(f) for v in variants)
+    assert any(s.consumer_warpgroups == 1 and s.pack_gqa and s.splits_kv for s in space)
+    producers = {s.producer_registers for s in space if s.bn == 128 and s.consumer_warpgroups == 2}
+    assert producers == ({40, 48} if paged else {24})   # 48: with split-KV's range beside the page indices

@@ -95,3 +95,26 @@ def test_a_per_call_variant_that_spills_takes_a_lighter_schedule(monkeypatch):
     variant = k._variant_kernel(0)
     assert variant.schedule.consumer_warpgroups == 1 and variant.schedule.bn == 64 and variant.schedule.split_kv > 1
     assert not k.dropped
+
+
+def test_a_spill_of_a_given_schedule_says_what_the_caller_can_do(monkeypatch):
+    # ptxas's own report (codegen) offers allow_spills, which ws.compile does not take
+    from wsched.codegen import build as codegen_build
+
+    def spilling(source, **kwargs):
+        raise BuildError("register spills in 'attn_d128_causal_bf16' (spills are an error; allow_spills=True to "
+                         "accept them):\n  kernel 'attn_d128_causal_bf16': 168 registers, 8 bytes spill stores, "
+                         "8 bytes spill loads, 8 bytes stack frame\n  source: /cache/kernel.cu", spills=True)
+    monkeypatch.setattr(codegen_build, "compile_cuda", spilling)
+    f = make_attention(128, causal=True)
+    with pytest.raises(BuildError) as info:
+        ws.compile(f, tile=(128, 64, 128), build=True)
+    assert info.value.spills and str(info.value).splitlines() == [
+        "register spills in 'attn_d128_causal_bf16' with the schedule 128x64x128 stages=3 consumers=2 regs=24/240 "
+        "epilogue=direct (spills are build errors): ws.compile(attn_d128_causal_bf16) without a schedule picks one "
+        "that builds; lighter schedules of this one: 128x64x128 stages=3 consumers=2 regs=24/240 epilogue=direct "
+        "mma_inflight=0; 128x32x128 stages=3 consumers=2 regs=24/240 epilogue=direct; 128x32x128 stages=3 "
+        "consumers=2 regs=24/240 epilogue=direct mma_inflight=0:",
+        "  kernel 'attn_d128_causal_bf16': 168 registers, 8 bytes spill stores, 8 bytes spill loads, 8 bytes stack "
+        "frame",
+        "  source: /cache/kernel.cu"]

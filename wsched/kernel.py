@@ -137,10 +137,24 @@ class CompiledKernel:
 
         t0 = time.perf_counter()
         artifacts = {f"ir_after_{name}.ir": text for name, text in self.ir_after.items()}
-        self.build = compile_cuda(self.cuda_source, name=self.kernel.name, artifacts=artifacts,
-                                  extra_key=repr(self.schedule))
+        try:
+            self.build = compile_cuda(self.cuda_source, name=self.kernel.name, artifacts=artifacts,
+                                      extra_key=repr(self.schedule))
+        except BuildError as error:
+            if not error.spills:
+                raise
+            raise BuildError(self._spill_message(error), cu_path=error.cu_path, command=error.command,
+                             log=error.log, kernel=error.kernel, spills=True) from None
         self.timings["build"] = time.perf_counter() - t0
         return self.build
+
+    def _spill_message(self, error: BuildError) -> str:
+        """ptxas's spill report, headed by what the caller of ws.compile can do about it."""
+        lighter = [s.short() for s in workload_for(self.fusion).lighter(self.fusion, self.schedule)]
+        head = (f"register spills in {self.kernel.name!r} with the schedule {self.schedule.short()} (spills are "
+                f"build errors): ws.compile({self.fusion.name}) without a schedule picks one that builds"
+                + (f"; lighter schedules of this one: {'; '.join(lighter)}" if lighter else "") + ":")
+        return "\n".join([head] + str(error).splitlines()[1:])
 
     def with_ir(self, text: str, *, build: bool | None = None) -> "CompiledKernel":
         """A new kernel from edited IR text (`print(k.ir)`, a `WSCHED_PRINT_IR` dump or a per-pass

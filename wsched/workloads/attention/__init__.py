@@ -115,10 +115,39 @@ class AttentionWorkload(Workload):
         return tuple(found)
 
     def schedule_space(self, fusion):
+        """Every schedule the workload implements for `fusion`, for a search (the autotuner, the
+        GPU fuzzer): the prefill side (`schedule.schedule_space`: 128-row tiles, keys per block,
+        stages, the softmax overlapped or not, ping-pong) fitted to the fusion (a paged cache's
+        producer registers), then the decode side the per-call variants come from (64-row tiles on
+        one consumer warpgroup, split-KV, GQA packing; 128-row tiles with split-KV), each kept only
+        where the workload takes it for the fusion."""
         # the partition of the default schedule checks the fusion and analyses its score function
         score_function = self.partition(fusion, self.default_schedule(fusion)).payload.score
         kinds = tuple(kind for kind, _ in score_function.register_costs(fusion))
-        return schedule.schedule_space(self._head_dim(fusion), kinds)
+        head_dim, page_size = self._head_dim(fusion), partition.page_size_of(fusion)
+        found: dict = {}
+
+        def take(**fields) -> None:
+            try:
+                candidate = schedule.default_schedule(head_dim, page_size, **fields)
+                self.partition(fusion, candidate)
+            except ScheduleError:
+                return
+            found.setdefault(candidate, None)
+
+        for s in schedule.schedule_space(head_dim, kinds):
+            take(tile=s.tile, stages=s.stages, mma_inflight=s.mma_inflight, mode=s.mode)
+        split = schedule_mod.MAX_SPLIT_KV
+        for keys in (32, 64, 128):
+            for inflight in (1, 0):
+                for pack in (False, True):
+                    for splits in (1, split):
+                        take(tile=(64, keys, head_dim), consumer_warpgroups=1, mma_inflight=inflight,
+                             pack_gqa=pack, split_kv=splits)
+        for keys in (64, 128):
+            for inflight in (1, 0):
+                take(tile=(128, keys, head_dim), mma_inflight=inflight, split_kv=split)
+        return iter(found)
 
     @staticmethod
     def _head_dim(fusion) -> int:
