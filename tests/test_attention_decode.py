@@ -115,6 +115,22 @@ def test_decode_ir_is_golden_and_round_trips(golden):
             in text)
 
 
+@pytest.mark.parametrize("g, s, rows", [(4, 1, 4), (8, 5, 40), (8, 16, 64)])
+def test_split_partials_keep_only_the_rows_queries_fill(g, s, rows):
+    """A split's partial O, max and sum hold the rows of its tile that queries fill (4 of 64 for
+    one token of 4 heads), not the whole tile: the last split reads every split's partials."""
+    fusion = make_attention(128, causal="bottom_right", lse=True, gqa=True)
+    kernel = compiled(fusion, **DECODE)
+    inputs = attention_inputs(2, 2 * g, s, 3000, 128, gqa_groups=g, seed=rows)
+    _, scalars, _ = kernel._bind_inputs(inputs)
+    params = kernel._host_params(scalars, 8)
+    assert params["part_rows"] == rows
+    part_o = next(p for p in kernel.kernel.params if p.name == "part_o")
+    tiles = 2 * 2 * -(-g * s // 64)   # batch x KV heads x 64-row blocks of the G x S packed rows
+    assert kernel._workspace(part_o, params, "cpu").numel() == params["splits"] * tiles * rows * 128
+    check(kernel, fusion, inputs, num_sms=8)
+
+
 @pytest.mark.parametrize("num_sms, section", [(3, 1), (12, 4), (24, 1)])
 def test_long_causal_sequences_walk_sections_heaviest_first(num_sms, section):
     """6 m-blocks a head: on 12 SMs (m-blocks >= half the SMs) sections of 4 heads then 2, each

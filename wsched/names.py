@@ -33,6 +33,7 @@ TICKET_SLOT = "ticket_slot"
 PART_O = "part_o"
 PART_M = "part_m"
 PART_L = "part_l"
+PART_ROWS = "part_rows"   # host param: the rows of a tile a query can fill (decode: G x S of 64)
 
 # Named barrier ids (bar.sync): 0 is __syncthreads; WARPGROUP_BARRIER + wg syncs the 128 threads
 # of one consumer warpgroup (a role of n warpgroups uses ids 1 .. n); ids from TOKEN_BARRIER on
@@ -51,7 +52,7 @@ LOWERING_NAMES = frozenset({
     "wg", "cta_id", "num_ctas", "num_sms", "M", "N", "K", "S", "T",
     # attention
     "m_blocks", "m_block", "kv_blocks", "rest", "s_acc", "p", "o_acc", "m_run", "l_run", "m_blk",
-    "corr", "o_t", "o", "lse", "heads", "G", "work", "kv_all", "kv_per", "kv_skip", PART_O, PART_M, PART_L, "o_j", "l_blk", "section", "first_head", "section_heads", "in_section",
+    "corr", "o_t", "o", "lse", "heads", "G", "work", "kv_all", "kv_per", "kv_skip", PART_O, PART_M, PART_L, PART_ROWS, "o_j", "l_blk", "section", "first_head", "section_heads", "in_section",
     # outputs, buffers, barriers
     "out", "A", "B", "Q", "V", "full", "empty",
     # matmul: epilogue slices and split-K

@@ -37,7 +37,7 @@ import math
 
 from wsched.lowering import ir
 from wsched.lowering.context import LoweringContext
-from wsched.names import (CONSUMER, K_COUNT, K_FIRST, K_VAR, PART_L, PART_M, PART_O, PRODUCER, SPLITS, TICKETS,
+from wsched.names import (CONSUMER, K_COUNT, K_FIRST, K_VAR, PART_L, PART_M, PART_O, PART_ROWS, PRODUCER, SPLITS, TICKETS,
                           TILE_VAR)
 from wsched.workloads.batch import batch_index_lets
 
@@ -101,10 +101,14 @@ def build_loops(kernel: None, ctx: LoweringContext) -> ir.Kernel:
     if pc:
         params.append(ir.GlobalParam(pc.table_param, "i32", (V("batch0"), V("MP"))))
     if s.splits_kv:   # per split: O (unnormalised), row max and row sum of each tile; a ticket per warpgroup
+        # Only the rows a query can fill are kept: a decode tile of 64 rows holds G x S of them
+        # (4 for one token of 4 heads), and the merge reads every split's rows. The stores drop,
+        # and the merge's loads read as 0, the rows past `part_rows`; no stored O row comes of them.
         tiles = ir.mul(_heads(nb), ir.ceil_div(rows, bm))
-        params += [ir.WorkspaceParam(PART_O, "f32", (V(SPLITS), tiles, C(bm), C(dv))),
-                   ir.WorkspaceParam(PART_M, "f32", (V(SPLITS), tiles, C(bm), C(1))),
-                   ir.WorkspaceParam(PART_L, "f32", (V(SPLITS), tiles, C(bm), C(1))),
+        params.append(ir.HostParam(PART_ROWS, "i32", ir.emin(bm, rows)))
+        params += [ir.WorkspaceParam(PART_O, "f32", (V(SPLITS), tiles, V(PART_ROWS), C(dv))),
+                   ir.WorkspaceParam(PART_M, "f32", (V(SPLITS), tiles, V(PART_ROWS), C(1))),
+                   ir.WorkspaceParam(PART_L, "f32", (V(SPLITS), tiles, V(PART_ROWS), C(1))),
                    ir.WorkspaceParam(TICKETS, "i32", (ir.mul(tiles, nwg) if nwg > 1 else tiles,), zeroed=True)]
 
     smem = (ir.SmemDecl("Q", dt, (1, nwg, chunks, 64, qk_width), 0),
