@@ -118,3 +118,16 @@ def test_a_spill_of_a_given_schedule_says_what_the_caller_can_do(monkeypatch):
         "  kernel 'attn_d128_causal_bf16': 168 registers, 8 bytes spill stores, 8 bytes spill loads, 8 bytes stack "
         "frame",
         "  source: /cache/kernel.cu"]
+
+
+def test_matmul_offers_no_mma_in_flight_then_narrower_tiles(monkeypatch):
+    from fusions import gated
+
+    built = spills_where(monkeypatch, lambda s: s.bn == 256)
+    k = ws.compile(gated, build=True)
+    chosen = k.primary.schedule if hasattr(k, "primary") else k.schedule
+    assert shape(chosen) == ((128, 128, 64), 1)
+    assert [s.short() for s in built] == [
+        "128x256x64 stages=3 consumers=2 regs=24/240 epilogue=tma_store",
+        "128x256x64 stages=3 consumers=2 regs=24/240 epilogue=tma_store mma_inflight=0",
+        "128x128x64 stages=4 consumers=2 regs=24/240 epilogue=tma_store"]

@@ -52,7 +52,8 @@ class MatmulSchedule(Schedule):
         return staging + (SMEM_ALIGN if is_int(self.split_k) and self.split_k > 1 else 0)
 
     def short(self) -> str:
-        return super().short() + (f" split_k={self.split_k}" if self.split_k != 1 else "")
+        return (super().short() + (f" split_k={self.split_k}" if self.split_k != 1 else "")
+                + (" mma_inflight=0" if self.mma_inflight == 0 and self.stages >= 2 else ""))
 
     def _workload_problems(self) -> list[str]:
         p: list[str] = []
