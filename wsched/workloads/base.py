@@ -67,6 +67,25 @@ class Workload(ABC):
         (`kernel.build_without_spills`). None by default."""
         return ()
 
+    def _narrower(self, fusion, schedule: Schedule, narrowest: int, **keep) -> tuple[Schedule, ...]:
+        """`lighter`'s usual answer: the default schedule with `keep` and the tile of `schedule`,
+        first with no MMA kept in flight (one accumulator's worth of registers fewer live), then
+        with half and a quarter of the tile's width down to `narrowest` (as in flight as
+        `schedule`, then not); each kept only where the workload takes it for the fusion."""
+        bm, bn, bk = schedule.tile
+        tried = [(bn, 0)] if schedule.mma_inflight else []
+        tried += [(width, inflight) for width in (bn // 2, bn // 4) if width >= narrowest
+                  for inflight in dict.fromkeys((schedule.mma_inflight, 0))]
+        found = []
+        for width, inflight in tried:
+            try:
+                candidate = self.default_schedule(fusion, tile=(bm, width, bk), mma_inflight=inflight, **keep)
+                self.partition(fusion, candidate)
+            except ScheduleError:
+                continue
+            found.append(candidate)
+        return tuple(found)
+
     def check_values(self, partition: Partition, tensors: dict) -> None:
         """Check the values of inputs the kernel indexes with (`tensors`: kernel param name ->
         tensor), raising FusionError: the simulator calls it on every run, a GPU call with

@@ -60,21 +60,8 @@ class AttentionWorkload(Workload):
         producer or a score function moves it): the softmax not overlapped with P V (one score
         tile fewer in flight), then half and a quarter of the keys per block (down to 32), each
         kept only where the workload takes it for the fusion."""
-        bm, bn, d = schedule.tile
-        keep = dict(consumer_warpgroups=schedule.consumer_warpgroups, split_kv=schedule.split_kv,
-                    pack_gqa=schedule.pack_gqa, mode=schedule.mode)
-        tried = [(bn, 0)] if schedule.mma_inflight else []
-        tried += [(keys, inflight) for keys in (bn // 2, bn // 4) if keys >= 32
-                  for inflight in dict.fromkeys((schedule.mma_inflight, 0))]
-        found = []
-        for keys, inflight in tried:
-            try:
-                candidate = self.default_schedule(fusion, tile=(bm, keys, d), mma_inflight=inflight, **keep)
-                self.partition(fusion, candidate)
-            except ScheduleError:
-                continue
-            found.append(candidate)
-        return tuple(found)
+        return self._narrower(fusion, schedule, 32, consumer_warpgroups=schedule.consumer_warpgroups,
+                              split_kv=schedule.split_kv, pack_gqa=schedule.pack_gqa, mode=schedule.mode)
 
     def variants(self, fusion, schedule: AttentionSchedule):
         """The default's 128-row tiles suit prefill; where a call has few query rows or few tiles

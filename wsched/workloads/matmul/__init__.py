@@ -71,21 +71,8 @@ class MatmulWorkload(Workload):
         """Where the compiler's choice spills: no wgmma kept in flight, then half and a quarter of
         the tile's width (down to 64 columns: a narrower accumulator and epilogue slices), each
         kept only where the workload takes it for the fusion."""
-        bm, bn, bk = schedule.tile
-        keep = dict(consumer_warpgroups=schedule.consumer_warpgroups, split_k=schedule.split_k,
-                    epilogue=schedule.epilogue)
-        tried = [(bn, 0)] if schedule.mma_inflight else []
-        tried += [(width, inflight) for width in (bn // 2, bn // 4) if width >= 64
-                  for inflight in dict.fromkeys((schedule.mma_inflight, 0))]
-        found = []
-        for width, inflight in tried:
-            try:
-                candidate = self.default_schedule(fusion, tile=(bm, width, bk), mma_inflight=inflight, **keep)
-                self.partition(fusion, candidate)
-            except ScheduleError:
-                continue
-            found.append(candidate)
-        return tuple(found)
+        return self._narrower(fusion, schedule, 64, consumer_warpgroups=schedule.consumer_warpgroups,
+                              split_k=schedule.split_k, epilogue=schedule.epilogue)
 
     def schedule_space(self, fusion):
         splits = (1,) if _batched(fusion) else (1, MAX_SPLIT_K)
