@@ -115,20 +115,22 @@ def test_decode_ir_is_golden_and_round_trips(golden):
             in text)
 
 
-@pytest.mark.parametrize("g, s, rows", [(4, 1, 4), (8, 5, 40), (8, 16, 64)])
-def test_split_partials_keep_only_the_rows_queries_fill(g, s, rows):
+@pytest.mark.parametrize("g, s, rows, bm, num_sms", [(4, 1, 4, 64, 8), (8, 5, 40, 64, 8), (8, 16, 64, 64, 16),
+                                                     (8, 12, 96, 128, 8)])
+def test_split_partials_keep_only_the_rows_queries_fill(g, s, rows, bm, num_sms):
     """A split's partial O, max and sum hold the rows of its tile that queries fill (4 of 64 for
-    one token of 4 heads), not the whole tile: the last split reads every split's partials."""
+    one token of 4 heads), not the whole tile: the last split reads every split's partials. Also
+    with two consumer warpgroups (128-row tiles), where the second holds rows 64..95 of 96."""
     fusion = make_attention(128, causal="bottom_right", lse=True, gqa=True)
-    kernel = compiled(fusion, **DECODE)
+    kernel = compiled(fusion, **(DECODE if bm == 64 else dict(split_kv=MAX_SPLIT_KV, pack_gqa=True)))
     inputs = attention_inputs(2, 2 * g, s, 3000, 128, gqa_groups=g, seed=rows)
     _, scalars, _ = kernel._bind_inputs(inputs)
-    params = kernel._host_params(scalars, 8)
-    assert params["part_rows"] == rows
+    params = kernel._host_params(scalars, num_sms)
+    assert params["part_rows"] == rows and params["splits"] == 2
     part_o = next(p for p in kernel.kernel.params if p.name == "part_o")
-    tiles = 2 * 2 * -(-g * s // 64)   # batch x KV heads x 64-row blocks of the G x S packed rows
+    tiles = 2 * 2 * -(-g * s // bm)   # batch x KV heads x row blocks of the G x S packed rows
     assert kernel._workspace(part_o, params, "cpu").numel() == params["splits"] * tiles * rows * 128
-    check(kernel, fusion, inputs, num_sms=8)
+    check(kernel, fusion, inputs, num_sms=num_sms)
 
 
 @pytest.mark.parametrize("num_sms, section", [(3, 1), (12, 4), (24, 1)])

@@ -57,8 +57,8 @@ def test_a_spill_of_every_candidate_names_each(monkeypatch):
         ws.compile(f, build=True)
     lines = str(info.value).splitlines()
     assert info.value.spills and lines[0] == (
-        "attn_d128_causal_lse_bf16: every schedule the compiler would pick spills registers (spills are build "
-        "errors): pass a schedule with fewer keys per block or mma_inflight=0")
+        "attn_d128_causal_lse_bf16: the schedule the compiler picked and each lighter one spill registers (spills "
+        "are build errors); pass a schedule of your own:")
     assert lines[1:] == [
         f"  {s}: kernel 'attn_d128_causal_lse_bf16': 168 registers, 8 bytes spill stores, 8 bytes spill loads, "
         f"8 bytes stack frame" for s in (
@@ -92,9 +92,12 @@ def test_a_per_call_variant_that_spills_takes_a_lighter_schedule(monkeypatch):
     spills_where(monkeypatch, lambda s: s.consumer_warpgroups == 1 and s.bn == 128)
     f = make_attention(128, causal="bottom_right", lse=True, gqa=True)
     k = ws.compile(f, build=True)
-    variant = k._variant_kernel(0)
+    from attention_fusions import attention_inputs
+
+    variant = k.choose(attention_inputs(1, 8, 1, 2000, 128, gqa_groups=4), 132)   # S = 1: the decode variant
     assert variant.schedule.consumer_warpgroups == 1 and variant.schedule.bn == 64 and variant.schedule.split_kv > 1
     assert not k.dropped
+    assert k.describe().splitlines()[1].startswith("  64x64x128 stages=3 consumers=1")   # the schedule built
 
 
 def test_a_spill_of_a_given_schedule_says_what_the_caller_can_do(monkeypatch):
@@ -111,10 +114,8 @@ def test_a_spill_of_a_given_schedule_says_what_the_caller_can_do(monkeypatch):
         ws.compile(f, tile=(128, 64, 128), build=True)
     assert info.value.spills and str(info.value).splitlines() == [
         "register spills in 'attn_d128_causal_bf16' with the schedule 128x64x128 stages=3 consumers=2 regs=24/240 "
-        "epilogue=direct (spills are build errors): ws.compile(attn_d128_causal_bf16) without a schedule picks one "
-        "that builds; lighter schedules of this one: 128x64x128 stages=3 consumers=2 regs=24/240 epilogue=direct "
-        "mma_inflight=0; 128x32x128 stages=3 consumers=2 regs=24/240 epilogue=direct; 128x32x128 stages=3 "
-        "consumers=2 regs=24/240 epilogue=direct mma_inflight=0:",
+        "epilogue=direct (spills are build errors; fewer keys or columns per tile, or mma_inflight=0, need fewer "
+        "registers, and ws.compile without a schedule tries such schedules itself):",
         "  kernel 'attn_d128_causal_bf16': 168 registers, 8 bytes spill stores, 8 bytes spill loads, 8 bytes stack "
         "frame",
         "  source: /cache/kernel.cu"]
@@ -131,3 +132,18 @@ def test_matmul_offers_no_mma_in_flight_then_narrower_tiles(monkeypatch):
         "128x256x64 stages=3 consumers=2 regs=24/240 epilogue=tma_store",
         "128x256x64 stages=3 consumers=2 regs=24/240 epilogue=tma_store mma_inflight=0",
         "128x128x64 stages=4 consumers=2 regs=24/240 epilogue=tma_store"]
+
+
+def test_a_lighter_schedule_that_fails_otherwise_says_it_was_a_fallback(monkeypatch):
+    def compile_cuda(self):
+        if self.schedule.bn == 128 and self.schedule.mma_inflight:
+            raise BuildError("register spills in 'k':\n  kernel 'k': 168 registers, 8 bytes spill stores", spills=True)
+        raise BuildError("nvcc failed: out of memory")
+    monkeypatch.setattr(CompiledKernel, "compile_cuda", compile_cuda)
+    with pytest.raises(BuildError) as info:
+        ws.compile(make_attention(128), build=True)
+    assert str(info.value) == (
+        "attn_d128_bf16: the schedule 128x128x128 stages=3 consumers=2 regs=24/240 epilogue=direct spilled "
+        "registers, and building the lighter 128x128x128 stages=3 consumers=2 regs=24/240 epilogue=direct "
+        "mma_inflight=0 instead failed: nvcc failed: out of memory")
+    assert not info.value.spills

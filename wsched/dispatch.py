@@ -70,8 +70,9 @@ class ShapeDispatchKernel:
 
     def choose(self, tensors, num_sms: int):
         """The kernel a call with `tensors` runs on a GPU of `num_sms` SMs: the first variant whose
-        rule holds for the call's sizes, else the default. A variant that fails to build (a
-        register spill, say) is dropped with a warning and the next one is tried."""
+        rule holds for the call's sizes, else the default. A variant is built without spills
+        (`kernel.build_without_spills`: a lighter schedule where its own spills); one that still
+        fails to build is dropped with a warning and the next one is tried."""
         _, scalars, _ = self.primary._bind_inputs(tensors)
         values = {**scalars, "num_sms": num_sms}
         for index, variant in enumerate(self.variants):
@@ -152,7 +153,9 @@ class ShapeDispatchKernel:
 
     def describe(self) -> str:
         lines = [f"{self.primary.fusion.name}: {self.primary.schedule.short()} (default)"]
-        lines += [f"  {v.schedule.short()} when {v.rule}" for v in self.variants]
+        # a variant built is shown as built (a lighter schedule where its own spilled)
+        lines += [f"  {self._built[i].schedule.short() if i in self._built else v.schedule.short()} when {v.rule}"
+                  for i, v in enumerate(self.variants)]
         return "\n".join(lines)
 
     def __getattr__(self, name):

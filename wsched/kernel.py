@@ -149,11 +149,12 @@ class CompiledKernel:
         return self.build
 
     def _spill_message(self, error: BuildError) -> str:
-        """ptxas's spill report, headed by what the caller of ws.compile can do about it."""
-        lighter = [s.short() for s in workload_for(self.fusion).lighter(self.fusion, self.schedule)]
+        """ptxas's spill report with what the caller of ws.compile can do about it (ptxas's own
+        report offers allow_spills, which ws.compile does not take); the byte counts stay on the
+        second line, where the autotuner's short reasons keep them."""
         head = (f"register spills in {self.kernel.name!r} with the schedule {self.schedule.short()} (spills are "
-                f"build errors): ws.compile({self.fusion.name}) without a schedule picks one that builds"
-                + (f"; lighter schedules of this one: {'; '.join(lighter)}" if lighter else "") + ":")
+                f"build errors; fewer keys or columns per tile, or mma_inflight=0, need fewer registers, and "
+                f"ws.compile without a schedule tries such schedules itself):")
         return "\n".join([head] + str(error).splitlines()[1:])
 
     def with_ir(self, text: str, *, build: bool | None = None) -> "CompiledKernel":
@@ -483,16 +484,20 @@ def build_without_spills(fusion, schedule: Schedule, *, build: bool | None = Non
     except BuildError as error:
         if not error.spills:
             raise
-        spilled = [(schedule, error)]
+        first = error
+    spilled = [(schedule, first)]
     for candidate in workload_for(fusion).lighter(fusion, schedule):
         try:
             return build_kernel(fusion, candidate, build=build)
         except BuildError as error:
             if not error.spills:
-                raise
+                raise BuildError(f"{fusion.name}: the schedule {schedule.short()} spilled registers, and building "
+                                 f"the lighter {candidate.short()} instead failed: {error}", cu_path=error.cu_path,
+                                 command=error.command, log=error.log, kernel=error.kernel) from error
             spilled.append((candidate, error))
-    lines = [f"{fusion.name}: every schedule the compiler would pick spills registers (spills are build "
-             f"errors): pass a schedule with fewer keys per block or mma_inflight=0"]
+    lines = [f"{fusion.name}: the schedule the compiler picked and each lighter one spill registers (spills are "
+             f"build errors); pass a schedule of your own:"]
     lines += [f"  {s.short()}: {str(e).splitlines()[1].strip() if len(str(e).splitlines()) > 1 else e}"
               for s, e in spilled]
-    raise BuildError("\n".join(lines), spills=True) from spilled[0][1]
+    raise BuildError("\n".join(lines), cu_path=first.cu_path, command=first.command, log=first.log,
+                     kernel=first.kernel, spills=True) from first

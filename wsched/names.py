@@ -33,7 +33,7 @@ TICKET_SLOT = "ticket_slot"
 PART_O = "part_o"
 PART_M = "part_m"
 PART_L = "part_l"
-PART_ROWS = "part_rows"   # host param: the rows of a tile a query can fill (decode: G x S of 64)
+PART_ROWS = "part_rows"   # host param: the rows of a tile queries fill (GQA-packed decode: G x S of 64)
 
 # Named barrier ids (bar.sync): 0 is __syncthreads; WARPGROUP_BARRIER + wg syncs the 128 threads
 # of one consumer warpgroup (a role of n warpgroups uses ids 1 .. n); ids from TOKEN_BARRIER on

@@ -76,15 +76,18 @@ class Workload(ABC):
         tried = [(bn, 0)] if schedule.mma_inflight else []
         tried += [(width, inflight) for width in (bn // 2, bn // 4) if width >= narrowest
                   for inflight in dict.fromkeys((schedule.mma_inflight, 0))]
-        found = []
-        for width, inflight in tried:
-            try:
-                candidate = self.default_schedule(fusion, tile=(bm, width, bk), mma_inflight=inflight, **keep)
-                self.partition(fusion, candidate)
-            except ScheduleError:
-                continue
-            found.append(candidate)
-        return tuple(found)
+        found = (self.taken(fusion, tile=(bm, width, bk), mma_inflight=inflight, **keep) for width, inflight in tried)
+        return tuple(s for s in found if s is not None)
+
+    def taken(self, fusion, **overrides) -> Schedule | None:
+        """The default schedule with `overrides` if the workload takes it for the fusion (it
+        validates and partitions the fusion), else None."""
+        try:
+            schedule = self.default_schedule(fusion, **overrides)
+            self.partition(fusion, schedule)
+        except ScheduleError:
+            return None
+        return schedule
 
     def check_values(self, partition: Partition, tensors: dict) -> None:
         """Check the values of inputs the kernel indexes with (`tensors`: kernel param name ->

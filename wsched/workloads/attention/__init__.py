@@ -105,36 +105,28 @@ class AttentionWorkload(Workload):
         """Every schedule the workload implements for `fusion`, for a search (the autotuner, the
         GPU fuzzer): the prefill side (`schedule.schedule_space`: 128-row tiles, keys per block,
         stages, the softmax overlapped or not, ping-pong) fitted to the fusion (a paged cache's
-        producer registers), then the decode side the per-call variants come from (64-row tiles on
-        one consumer warpgroup, split-KV, GQA packing; 128-row tiles with split-KV), each kept only
-        where the workload takes it for the fusion."""
+        producer registers), then the decode side (64-row tiles on one consumer warpgroup,
+        split-KV, GQA packing; 128-row tiles with split-KV) and the per-call variants themselves,
+        each kept only where the workload takes it for the fusion. At value dim 256 the decode side
+        is the variants alone: other one-warpgroup schedules there spill (nvcc, 2026-11-23: 8 of
+        the 122 one-warpgroup and split-KV schedules of five fusions, all at 256)."""
         # the partition of the default schedule checks the fusion and analyses its score function
-        score_function = self.partition(fusion, self.default_schedule(fusion)).payload.score
+        default = self.default_schedule(fusion)
+        score_function = self.partition(fusion, default).payload.score
         kinds = tuple(kind for kind, _ in score_function.register_costs(fusion))
-        head_dim, page_size = self._head_dim(fusion), partition.page_size_of(fusion)
-        found: dict = {}
-
-        def take(**fields) -> None:
-            try:
-                candidate = schedule.default_schedule(head_dim, page_size, **fields)
-                self.partition(fusion, candidate)
-            except ScheduleError:
-                return
-            found.setdefault(candidate, None)
-
-        for s in schedule.schedule_space(head_dim, kinds):
-            take(tile=s.tile, stages=s.stages, mma_inflight=s.mma_inflight, mode=s.mode)
+        head_dim = self._head_dim(fusion)
+        found = [self.taken(fusion, tile=s.tile, stages=s.stages, mma_inflight=s.mma_inflight, mode=s.mode)
+                 for s in schedule.schedule_space(head_dim, kinds)]
         split = schedule_mod.MAX_SPLIT_KV
-        for keys in (32, 64, 128):
-            for inflight in (1, 0):
-                for pack in (False, True):
-                    for splits in (1, split):
-                        take(tile=(64, keys, head_dim), consumer_warpgroups=1, mma_inflight=inflight,
-                             pack_gqa=pack, split_kv=splits)
-        for keys in (64, 128):
-            for inflight in (1, 0):
-                take(tile=(128, keys, head_dim), mma_inflight=inflight, split_kv=split)
-        return iter(found)
+        if default.value_dim != 256:
+            found += [self.taken(fusion, tile=(64, keys, head_dim), consumer_warpgroups=1, mma_inflight=inflight,
+                                 pack_gqa=pack, split_kv=splits)
+                      for keys in (32, 64, 128) for inflight in (1, 0) for pack in (False, True)
+                      for splits in (1, split)]
+            found += [self.taken(fusion, tile=(128, keys, head_dim), mma_inflight=inflight, split_kv=split)
+                      for keys in (64, 128) for inflight in (1, 0)]
+        found += [v.schedule for v in self.variants(fusion, default)]
+        return iter(dict.fromkeys(s for s in found if s is not None))
 
     @staticmethod
     def _head_dim(fusion) -> int:
@@ -147,14 +139,7 @@ class AttentionWorkload(Workload):
 
 def _first_taken(workload, fusion, candidates: list[dict]):
     """The first default schedule with these overrides that the fusion takes (None if none)."""
-    for overrides in candidates:
-        try:
-            schedule = workload.default_schedule(fusion, **overrides)
-            workload.partition(fusion, schedule)
-            return schedule
-        except ScheduleError:
-            continue
-    return None
+    return next((s for s in (workload.taken(fusion, **overrides) for overrides in candidates) if s is not None), None)
 
 
 def _tiles(values, bm: int) -> int:

@@ -53,7 +53,7 @@ class MatmulSchedule(Schedule):
 
     def short(self) -> str:
         return (super().short() + (f" split_k={self.split_k}" if self.split_k != 1 else "")
-                + (" mma_inflight=0" if self.mma_inflight == 0 and self.stages >= 2 else ""))
+                + (" mma_inflight=0" if self.mma_inflight == 0 and is_int(self.stages) and self.stages >= 2 else ""))
 
     def _workload_problems(self) -> list[str]:
         p: list[str] = []
