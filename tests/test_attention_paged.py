@@ -252,3 +252,19 @@ def test_paged_kernels_build_without_spills(head_dim, page_size):
     for schedule in schedules:
         resources = build_resources(ws.lower(fusion, schedule))
         assert resources.spill_stores == 0 and resources.spill_loads == 0, schedule.short()
+
+
+def test_every_eighth_schedule_of_the_search_space_runs_a_paged_cache_in_the_simulator():
+    """The autotuner may pick any schedule of the space (prefill side, decode side, per-call
+    variants, each fitted to the paged producer): a spread of them against the reference on
+    ragged sequences, one of them empty, with 3 queries each (bottom-right causal)."""
+    fusion = make_paged(16)
+    workload = ws.workload_for(fusion)
+    space = list(workload.schedule_space(fusion))
+    picked = space[::8]
+    assert len(picked) >= 6 and any(s.consumer_warpgroups == 1 for s in picked) and any(s.splits_kv for s in picked)
+    inputs = paged_inputs([300, 0, 77], 16, hk=2, g=2, s=3, seed=5)
+    for schedule in picked:
+        kernel = ws.CompiledKernel(fusion, schedule, ws.partition(fusion, schedule), ws.lower(fusion, schedule),
+                                   cuda_source="")
+        check(kernel, fusion, inputs, num_sms=6)
