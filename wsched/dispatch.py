@@ -53,6 +53,7 @@ class ShapeDispatchKernel:
         self._choice: dict[tuple, object] = {}       # layout key -> CompiledKernel
         self._lock = threading.Lock()
         self.dropped: dict[int, str] = {}              # variant index -> why it did not build
+        self._failed: dict[int, Exception] = {}        # variant index -> its build error (built once)
         self.op = torch_ops.register(self)             # registered now: torch.compile cannot trace it
 
     # -- choice -------------------------------------------------------------------------------
@@ -61,11 +62,17 @@ class ShapeDispatchKernel:
         if kernel is None:
             from .kernel import build_without_spills
 
-            with self._lock:
+            with self._lock:   # one build per variant, also for threads that waited here
                 kernel = self._built.get(index)
                 if kernel is None:
-                    kernel = self._built[index] = build_without_spills(
-                        self.primary.fusion, self.variants[index].schedule, build=self._build)
+                    if index in self._failed:
+                        raise self._failed[index]
+                    try:
+                        kernel = self._built[index] = build_without_spills(
+                            self.primary.fusion, self.variants[index].schedule, build=self._build)
+                    except Exception as error:
+                        self._failed[index] = error
+                        raise
         return kernel
 
     def choose(self, tensors, num_sms: int):
