@@ -223,10 +223,12 @@ def matmul_shape(kernel: dict, regime: str, rng: random.Random) -> dict:
 
 def _attention_tile(kernel: dict) -> tuple[int, int, int]:
     """(rows, keys, stages) of a kernel's tiles; the default's for the per-call choice."""
-    if kernel["schedule"] is None:
-        return 128, 128, 3
-    fields = kernel["schedule"]["fields"]
-    return fields["tile"][0], fields["tile"][1], fields["stages"]
+    schedule = schedule_of(kernel["schedule"])
+    if schedule is None:
+        import wsched as ws
+
+        schedule = ws.schedule_for(fusion_of(kernel["fusion"]))
+    return schedule.tile[0], schedule.tile[1], schedule.stages
 
 
 def attention_shape(kernel: dict, regime: str, rng: random.Random) -> dict:
@@ -472,7 +474,7 @@ def worker_main(conn, cache_dir: str | None, device_name: str = "cuda:0") -> Non
             if hasattr(k, "kernel_for"):   # the per-call choice: the kernel it picks for this call
                 chooser, k = k, k.kernel_for(*inputs)
                 if chooser.dropped:   # a variant that did not build: the call ran another kernel
-                    raise RuntimeError(f"per-call variants dropped: {chooser.dropped}")
+                    raise ValueError(f"per-call variants dropped: {chooser.dropped}")   # not a CUDA fault
             outs = k._outputs(fusion.bind(*inputs), device)
             for t in outs.values():
                 t.fill_(float("nan"))

@@ -126,8 +126,7 @@ def test_matmul_offers_no_mma_in_flight_then_narrower_tiles(monkeypatch):
 
     built = spills_where(monkeypatch, lambda s: s.bn == 256)
     k = ws.compile(gated, build=True)
-    chosen = k.primary.schedule if hasattr(k, "primary") else k.schedule
-    assert shape(chosen) == ((128, 128, 64), 1)
+    assert shape(k.primary.schedule) == ((128, 128, 64), 1)
     assert [s.short() for s in built] == [
         "128x256x64 stages=3 consumers=2 regs=24/240 epilogue=tma_store",
         "128x256x64 stages=3 consumers=2 regs=24/240 epilogue=tma_store mma_inflight=0",

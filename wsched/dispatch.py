@@ -52,7 +52,6 @@ class ShapeDispatchKernel:
         self._built: dict[int, object] = {}          # variant index -> CompiledKernel
         self._choice: dict[tuple, object] = {}       # layout key -> CompiledKernel
         self._lock = threading.Lock()
-        self.dropped: dict[int, str] = {}              # variant index -> why it did not build
         self._failed: dict[int, Exception] = {}        # variant index -> its build error (built once)
         self.op = torch_ops.register(self)             # registered now: torch.compile cannot trace it
 
@@ -75,6 +74,11 @@ class ShapeDispatchKernel:
                         raise
         return kernel
 
+    @property
+    def dropped(self) -> dict[int, str]:
+        """Variant index -> why it did not build (it is not used)."""
+        return {index: f"{type(error).__name__}: {error}" for index, error in self._failed.items()}
+
     def choose(self, tensors, num_sms: int):
         """The kernel a call with `tensors` runs on a GPU of `num_sms` SMs: the first variant whose
         rule holds for the call's sizes, else the default. A variant is built without spills
@@ -83,14 +87,14 @@ class ShapeDispatchKernel:
         _, scalars, _ = self.primary._bind_inputs(tensors)
         values = {**scalars, "num_sms": num_sms}
         for index, variant in enumerate(self.variants):
-            if index in self.dropped or not variant.applies(values):
+            if index in self._failed or not variant.applies(values):
                 continue
             try:
                 return self._variant_kernel(index)
-            except Exception as error:  # a build failure: the other kernels still serve the call
-                self.dropped[index] = f"{type(error).__name__}: {error}"
+            except Exception as error:  # a build failure (kept in _failed): the other kernels serve the call
                 warnings.warn(f"{self.primary.fusion.name}: the {variant.schedule.short()} kernel for "
-                              f"{variant.rule} did not build and is not used ({self.dropped[index]})", stacklevel=3)
+                              f"{variant.rule} did not build and is not used ({type(error).__name__}: {error})",
+                              stacklevel=3)
         return self.primary
 
     @staticmethod

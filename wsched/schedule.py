@@ -13,8 +13,9 @@ passes the verifier, emits CUDA and builds with nvcc (tests/test_schedule_space.
 the whole field space). Where ptxas's register margin is thin (head dim 256, a paged cache's
 producer) a schedule can still spill, which is a build error: for a schedule the caller gives,
 `BuildError` says so; the schedules `ws.compile` picks itself fall back to lighter ones
-(`kernel.build_without_spills`), and the autotuner rejects such a candidate. Field types are checked first (ints, not bools, floats or strings; tuples
-of three ints), so a wrong value is named by its field before any arithmetic runs on it.
+(`kernel.build_without_spills`), and the autotuner rejects such a candidate. Field types are
+checked first (ints, not bools, floats or strings; tuples of three ints), so a wrong value is
+named by its field before any arithmetic runs on it.
 """
 
 from __future__ import annotations

@@ -83,7 +83,7 @@ class AttentionWorkload(Workload):
         # the merge's registers beside a 256-wide O: overlap no softmax there (SPLIT_KV_SPILLS),
         # and one consumer warpgroup takes 32 keys a block (64 spilled 8 bytes, packed or not)
         inflights = (schedule.mma_inflight, 0)
-        wide = schedule.value_dim == 256
+        wide = schedule.value_dim == schedule_mod.THIN_MARGIN_VALUE_DIM
         decode = _first_taken(self, fusion, [
             dict(tile=(64, 32 if wide else schedule.bn, schedule.head_dim), consumer_warpgroups=1,
                  split_kv=schedule_mod.MAX_SPLIT_KV, pack_gqa=pack, mma_inflight=0 if wide else inflight)
@@ -107,9 +107,9 @@ class AttentionWorkload(Workload):
         stages, the softmax overlapped or not, ping-pong) fitted to the fusion (a paged cache's
         producer registers), then the decode side (64-row tiles on one consumer warpgroup,
         split-KV, GQA packing; 128-row tiles with split-KV) and the per-call variants themselves,
-        each kept only where the workload takes it for the fusion. At value dim 256 the decode side
-        is the variants alone: other one-warpgroup schedules there spill (nvcc, 2026-11-23: 8 of
-        the 122 one-warpgroup and split-KV schedules of five fusions, all at 256)."""
+        each kept only where the workload takes it for the fusion. At value dim 256
+        (`THIN_MARGIN_VALUE_DIM`) the decode side is the variants alone: other one-warpgroup
+        schedules spill there."""
         # the partition of the default schedule checks the fusion and analyses its score function
         default = self.default_schedule(fusion)
         score_function = self.partition(fusion, default).payload.score
@@ -118,7 +118,7 @@ class AttentionWorkload(Workload):
         found = [self.taken(fusion, tile=s.tile, stages=s.stages, mma_inflight=s.mma_inflight, mode=s.mode)
                  for s in schedule.schedule_space(head_dim, kinds)]
         split = schedule_mod.MAX_SPLIT_KV
-        if default.value_dim != 256:
+        if default.value_dim != schedule_mod.THIN_MARGIN_VALUE_DIM:
             found += [self.taken(fusion, tile=(64, keys, head_dim), consumer_warpgroups=1, mma_inflight=inflight,
                                  pack_gqa=pack, split_kv=splits)
                       for keys in (32, 64, 128) for inflight in (1, 0) for pack in (False, True)

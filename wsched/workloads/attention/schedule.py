@@ -27,8 +27,11 @@ HEAD_DIMS = tuple(VALUE_DIMS)
 # split count per call (loops.split_count), at most this.
 MAX_SPLIT_KV = 32
 # The fewest kv blocks a split takes: each split costs a partial's store and a step of the merge
-# (about 0.4 us, H100, 2026-11-23), which fewer, longer splits amortise (B1 H32/8 decode: T1024
-# ran fastest unsplit, T8192 and T32768 with 32 blocks a split).
+# (about 0.4 us, H100, 2026-11-23), and splitting at all costs 4-8 us more (the tickets' fences and
+# the last split's dependent loads: B8 H32/8 T1024 decode 23.8 us unsplit, 32.3 with 2 splits;
+# measured again with the partials narrowed to the rows queries fill, the same). Fewer, longer
+# splits amortise it (B1 H32/8 decode: T1024 ran fastest unsplit, T8192 and T32768 with 32 blocks
+# a split).
 MIN_KV_BLOCKS_PER_SPLIT = 8
 
 
@@ -74,6 +77,13 @@ SCORE_FUNCTION_KEYS_PER_BLOCK = {
                               (1, 128, 1): 128, (1, 256, 1): 64},
 }
 
+
+# The value dim at which one consumer warpgroup has no register margin left: beside a 64 x 256 fp32
+# O, the split-KV merge spills unless a block is 32 keys with the softmax not overlapped (the decode
+# variant, AttentionWorkload.variants), and other one-warpgroup decode schedules spill (nvcc,
+# 2026-11-23: 8 of the 122 one-warpgroup and split-KV schedules of five fusions, all at 256), so
+# the search space offers the variants alone there (AttentionWorkload.schedule_space).
+THIN_MARGIN_VALUE_DIM = 256
 
 # (consumer_warpgroups, head dim of V and O, mma_inflight) whose split-KV kernel spills where the
 # plain one does not (measured with nvcc on the causal + LSE kernels, GQA-packed or not,
