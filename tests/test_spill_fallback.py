@@ -146,3 +146,24 @@ def test_a_lighter_schedule_that_fails_otherwise_says_it_was_a_fallback(monkeypa
         "registers, and building the lighter 128x128x128 stages=3 consumers=2 regs=24/240 epilogue=direct "
         "mma_inflight=0 instead failed: nvcc failed: out of memory")
     assert not info.value.spills
+
+
+def test_a_split_decode_variant_offers_its_tiles_unsplit_last():
+    # 64x32x256 with split-KV and a top-left causal mask spilled 12 bytes (the merge's registers
+    # beside the 256-wide O): no narrower tile is left, the unsplit one builds
+    f = make_attention(256, causal=True, lse=True)
+    variant = ws.compile(f, build=False).variants[0].schedule
+    assert (variant.tile, variant.mma_inflight, variant.split_kv > 1) == ((64, 32, 256), 0, True)
+    assert [(s.tile, s.mma_inflight, s.split_kv) for s in workload_for(f).lighter(f, variant)] == [
+        ((64, 32, 256), 0, 1)]
+
+
+def test_a_split_variant_that_spills_runs_unsplit(monkeypatch):
+    spills_where(monkeypatch, lambda s: s.split_kv > 1 and s.consumer_warpgroups == 1)
+    f = make_attention(256, causal=True, lse=True)
+    k = ws.compile(f, build=True)
+    from attention_fusions import attention_inputs
+
+    variant = k.choose(attention_inputs(1, 8, 1, 2000, 256), 132)   # S = 1: the decode variant, unsplit
+    assert (variant.schedule.tile, variant.schedule.split_kv, variant.schedule.consumer_warpgroups) == ((64, 32, 256), 1, 1)
+    assert not k.dropped

@@ -59,9 +59,16 @@ class AttentionWorkload(Workload):
         """Where the compiler's choice spills (ptxas's margin is thin at head dim 256, and a paged
         producer or a score function moves it): the softmax not overlapped with P V (one score
         tile fewer in flight), then half and a quarter of the keys per block (down to 32), each
-        kept only where the workload takes it for the fusion."""
-        return self._narrower(fusion, schedule, 32, consumer_warpgroups=schedule.consumer_warpgroups,
-                              split_kv=schedule.split_kv, pack_gqa=schedule.pack_gqa, mode=schedule.mode)
+        kept only where the workload takes it for the fusion; last, where the keys are split, the
+        same tiles unsplit (the merge keeps registers live beside the O accumulator: a 64x32x256
+        split decode with a top-left causal mask spilled 12 bytes, unsplit it builds)."""
+        keep = dict(consumer_warpgroups=schedule.consumer_warpgroups, pack_gqa=schedule.pack_gqa, mode=schedule.mode)
+        lighter = self._narrower(fusion, schedule, 32, split_kv=schedule.split_kv, **keep)
+        if schedule.splits_kv:
+            unsplit = (self.taken(fusion, tile=s.tile, mma_inflight=s.mma_inflight, split_kv=1, **keep)
+                       for s in (schedule, *lighter))
+            lighter += tuple(dict.fromkeys(s for s in unsplit if s is not None))
+        return lighter
 
     def variants(self, fusion, schedule: AttentionSchedule):
         """The default's 128-row tiles suit prefill; where a call has few query rows or few tiles
