@@ -41,7 +41,7 @@ class EmitError(ValueError):
 # C++ keywords. An IR name that would is spelled with a trailing underscore (`_cpp_names`).
 _RESERVED = frozenset("""
     smem wsp_smem_raw wg_index fi fj fr row col row0 col0 row_ok row_addr v ptr i
-    desc_a desc_b ceil_div min max fminf fmaxf expf exp2f logf tanhf erff make_float2 memcpy
+    desc_a desc_b ceil_div bit_length min max fminf fmaxf expf exp2f logf tanhf erff make_float2 memcpy
     wsp threadIdx blockIdx gridDim blockDim warpSize INFINITY NAN uint8_t uint16_t uint32_t
     uint64_t uintptr_t float2 uint2 CUtensorMap
     alignas alignof and asm auto bool break case catch char class const constexpr continue
@@ -265,6 +265,11 @@ class Emitter:
                 raise EmitError(f"ceil_div needs integer operands: {e!r}")
             # device code calls wsp::ceil_div (scalar.cuh); the host grid is a formula in a comment
             return f"{'' if self.host else 'wsp::'}ceil_div({texts})", _ATOM, "int"
+        if e.func == "bit_length":
+            if args[0][2] != "int":
+                raise EmitError(f"bit_length needs an integer operand: {e!r}")
+            # device code calls wsp::bit_length (scalar.cuh); host text is a formula in a comment
+            return f"{'' if self.host else 'wsp::'}bit_length({texts})", _ATOM, "int"
         if all(a[2] == "int" for a in args):
             return f"{e.func}({texts})", _ATOM, "int"
         return f"f{e.func}f({texts})", _ATOM, "float"

@@ -17,7 +17,7 @@ precomputed swizzled offsets out of the tile loop and spilled.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 from wsched.lowering import ir
@@ -145,9 +145,21 @@ def emit_tile_store_global(em: Emitter, s: ir.TileStoreGlobal) -> None:
     owner = {ROW: f"threadIdx.x % {WARPGROUP_THREADS} < 4", COL: "threadIdx.x % 4 == 0",
              SCALAR: f"threadIdx.x % {WARPGROUP_THREADS} == 0"}.get(t.layout)
     head = f"if ({owner}) {{" if owner else "{"
-    with em.block(f"{head}  // tile.store {p.name}[{em.coords_text(s.coords)}] <- {t.name}, "
+    addressing = _global_addressing(em, s, p, t, s.coords)
+    limit = ""
+    if s.row_limit is not None:
+        # verifier _TileStoreGlobal: row_limit on a tensor of rank >= 2 (one with rows)
+        assert addressing.row0 is not None, s
+        text, prec, ctype = em.expr_prec(s.row_limit)
+        if ctype != "int":
+            raise EmitError(f"{describe(s)}: row_limit({em.expr(s.row_limit)}) is a float; a row limit is an "
+                            f"integer row index")
+        checks = addressing.checks[:1] + (f"row < {paren(text, prec, 12)}",) + addressing.checks[1:]
+        addressing = replace(addressing, checks=checks)
+        limit = f" row_limit({em.expr(s.row_limit)})"
+    with em.block(f"{head}  // tile.store {p.name}[{em.coords_text(s.coords)}] <- {t.name}{limit}, "
                   "bounds-checked"):
-        _global_loop(em, t, _global_addressing(em, s, p, t, s.coords), p, True, access)
+        _global_loop(em, t, addressing, p, True, access)
 
 
 def emit_tile_store_smem(em: Emitter, s: ir.TileStoreSmem) -> None:

@@ -13,8 +13,9 @@ The emitter spells every integer scalar as a C++ `int` and every float scalar as
   Python's floor; `ceil_div(a, b)` is the device helper's `(a + b - 1) / b`;
 * a float operand makes the operation float: fp32, rounded after every operation (an int
   operand converted to fp32 first), IEEE division (x / 0 is inf or nan, not an exception);
-* `%`, bitwise operators and `ceil_div` take integers only (the emitter has no float
-  spelling for them); shift counts must lie in [0, 32).
+* `%`, bitwise operators, `ceil_div` and `bit_length` take integers only (the emitter has no
+  float spelling for them); shift counts must lie in [0, 32); `bit_length(x)` is the device
+  helper's `32 - __clz(x)`, defined for x >= 0 only (a negative x raises ExprError).
 """
 
 from __future__ import annotations
@@ -201,6 +202,15 @@ def ceil_div(a, b) -> int:
     return c_div(total - 1, b)
 
 
+def bit_length(x) -> int:
+    """The device helper `wsp::bit_length(int x)`: the number of bits of x >= 0 (0 for 0)."""
+    if type(x) is not int:
+        raise ExprError(f"'bit_length' needs an integer, got {x!r}")
+    if x < 0:
+        raise ExprError(f"bit_length of a negative number ({x})")
+    return x.bit_length()
+
+
 def _min_max(pick: Callable) -> Callable:
     """`min` / `max` on two ints; `fminf` / `fmaxf` otherwise (a NaN operand is ignored)."""
     def fn(a, b):
@@ -215,7 +225,7 @@ def _min_max(pick: Callable) -> Callable:
     return fn
 
 
-_CALLS = {"min": _min_max(min), "max": _min_max(max), "ceil_div": ceil_div}
+_CALLS = {"min": _min_max(min), "max": _min_max(max), "ceil_div": ceil_div, "bit_length": bit_length}
 
 
 def _constant(value: int | float) -> Closure:
@@ -257,6 +267,10 @@ def compile_expr(e: ir.Expr) -> Closure:
         if e.func == "select":   # only the chosen operand is evaluated, as in C's `?:`
             c, a, b = args
             fn = lambda env: a(env) if c(env) else b(env)  # noqa: E731
+        elif len(args) == 1:
+            (a,) = args
+            op = _CALLS[e.func]
+            fn = lambda env: op(a(env))  # noqa: E731
         else:
             a, b = args
             op = _CALLS[e.func]
@@ -288,4 +302,4 @@ def evaluate(e: ir.Expr, env: dict[str, int | float]) -> int | float:
 
 
 __all__ = ["evaluate", "compile_expr", "Undefined", "ExprError", "INT_MIN", "INT_MAX", "f32", "c_div", "c_mod",
-           "ceil_div"]
+           "ceil_div", "bit_length"]

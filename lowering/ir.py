@@ -59,7 +59,7 @@ BINARY_PRECEDENCE: dict[str, int] = {
     "+": 8, "-": 8,
     "*": 9, "/": 9, "%": 9,
 }
-CALLS = {"min": 2, "max": 2, "ceil_div": 2, "select": 3}
+CALLS = {"min": 2, "max": 2, "ceil_div": 2, "bit_length": 1, "select": 3}
 
 
 @dataclass(frozen=True)
@@ -86,7 +86,8 @@ class BinOp:
 
 @dataclass(frozen=True)
 class Call:
-    """A builtin function: min(a, b), max(a, b), ceil_div(a, b), select(cond, a, b)."""
+    """A builtin function: min(a, b), max(a, b), ceil_div(a, b), bit_length(x) (the number of
+    bits of a non-negative int: 0 for 0, 3 for 5), select(cond, a, b)."""
 
     func: str
     args: tuple["Expr", ...]
@@ -141,6 +142,10 @@ def lt(a, b) -> Expr:
 
 def ceil_div(a, b) -> Expr:
     return Call("ceil_div", (as_expr(a), as_expr(b)))
+
+
+def bit_length(x) -> Expr:
+    return Call("bit_length", (as_expr(x),))
 
 
 def emin(a, b) -> Expr:
@@ -591,12 +596,16 @@ class TileLoadGlobal:
 
 @dataclass(frozen=True)
 class TileStoreGlobal:
-    """`tile.store c[m0, n0] <- y`: plain stores of a tile, each value rounded to the tensor's
-    dtype (round to nearest even); elements outside are dropped."""
+    """`tile.store c[m0, n0] <- y row_limit(L)`: plain stores of a tile, each value rounded to the
+    tensor's dtype (round to nearest even); elements outside are dropped. With `row_limit`
+    (tensors of rank >= 2), tile row r, at tensor row coords[-2] + r, is stored only where that
+    row is below L: a tile of one sequence of a packed [total_rows, ...] tensor stops at the
+    sequence's end (L <= coords[-2] stores nothing)."""
 
     tensor: str
     coords: tuple[Expr, ...]
     src: str
+    row_limit: Union[Expr, None] = None
 
 
 @dataclass(frozen=True)

@@ -490,8 +490,8 @@ class _ToIR(Transformer):
     def tile_load(self, dst, tensor, coords):
         return ir.TileLoadGlobal(str(dst), str(tensor), coords)
 
-    def tile_store(self, tensor, coords, src):
-        return ir.TileStoreGlobal(str(tensor), coords, str(src))
+    def tile_store(self, tensor, coords, src, row_limit=None):
+        return ir.TileStoreGlobal(str(tensor), coords, str(src), row_limit)
 
     def tile_store_smem(self, dst, src):
         return ir.TileStoreSmem(dst, str(src))

@@ -211,7 +211,8 @@ def _operands(s: ir.Stmt) -> str:
         case ir.TileLoadGlobal():
             return f"{s.dst} <- {s.tensor}[{_join(s.coords)}]"
         case ir.TileStoreGlobal():
-            return f"{s.tensor}[{_join(s.coords)}] <- {s.src}"
+            row_limit = "" if s.row_limit is None else f" row_limit({print_expr(s.row_limit)})"
+            return f"{s.tensor}[{_join(s.coords)}] <- {s.src}{row_limit}"
         case ir.TileStoreSmem():
             return f"{_smem_ref(s.dst)} <- {s.src}"
         # sliced epilogues and split-K

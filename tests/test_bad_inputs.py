@@ -354,7 +354,7 @@ EXPRS = [
     ("stray-paren", "1)", r"unexpected `\)`; expected end of input"),
     ("lone-minus", "-", r"unexpected end of input; expected `inf`, a float or an integer"),
     ("call-arity", "min(1)", r"`min` takes 2 arguments, not 1"),
-    ("unknown-call", "pow(1, 2)", r"unknown function `pow`; expected `min`, `max`, `ceil_div` or `select`"),
+    ("unknown-call", "pow(1, 2)", r"unknown function `pow`; expected `min`, `max`, `ceil_div`, `bit_length` or `select`"),
     ("deep-sum", "1" + " + 1" * 20000, r"expression nested more than 64 operators deep"),
     ("power-operator", "a ** b", r"unexpected `\*`"),
     ("brace", "{", r"unexpected `{`; expected an expression"),

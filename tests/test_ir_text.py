@@ -427,7 +427,7 @@ def test_error_declaration_after_statements():
      "unknown wgmma major `m`; expected `k` or `n`"),
     ("phase(s & 1)", "phase(select(s, 1))", (4, 33), "`select` takes 3 arguments, not 2"),
     ("phase(s & 1)", "phase(cdiv(s, 2))", (4, 33),
-     "unknown function `cdiv`; expected `min`, `max`, `ceil_div` or `select`; "
+     "unknown function `cdiv`; expected `min`, `max`, `ceil_div`, `bit_length` or `select`; "
      "did you mean `ceil_div`?"),
 ])
 def test_semantic_errors_name_the_token(old, new, position, detail):
@@ -594,7 +594,8 @@ def simple_statements(declared_smem: tuple[str, ...]):
         st.builds(ir.TileReduce, st.sampled_from(ir.REDUCE_OPS), tile_names, tile_names,
                   signed_ints),
         st.builds(ir.TileLoadGlobal, tile_names, st.sampled_from(TENSOR_NAMES), expr_tuples()),
-        st.builds(ir.TileStoreGlobal, st.sampled_from(TENSOR_NAMES), expr_tuples(), tile_names),
+        st.builds(ir.TileStoreGlobal, st.sampled_from(TENSOR_NAMES), expr_tuples(), tile_names,
+                  st.none() | exprs),
         st.builds(ir.TileStoreSmem, smem_refs(), tile_names),
         # attention score functions
         st.builds(ir.TileIota, tile_names, signed_ints, exprs),

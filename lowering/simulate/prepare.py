@@ -182,8 +182,10 @@ class KernelPreparation:
         elif isinstance(s, ir.TileMask):
             node.ex = (c(s.row0), c(s.col0), c(s.limit), None if s.causal is None else c(s.causal),
                        None if s.period is None else c(s.period))
-        elif isinstance(s, (ir.TileLoadGlobal, ir.TileStoreGlobal, ir.LoadGlobal)):
+        elif isinstance(s, (ir.TileLoadGlobal, ir.LoadGlobal)):
             node.ex = tuple(c(e) for e in s.coords)
+        elif isinstance(s, ir.TileStoreGlobal):   # (coordinates, row limit or None)
+            node.ex = (tuple(c(e) for e in s.coords), None if s.row_limit is None else c(s.row_limit))
         elif isinstance(s, (ir.TileStoreSmem, ir.LoadShared)):   # one smem reference
             ref = s.dst if isinstance(s, ir.TileStoreSmem) else s.src
             node.ex = tuple(c(e) for e in ref.index)

@@ -144,14 +144,15 @@ class TileHandlers:
         result = src.sum(s.axis, keepdim=True) if s.op == "sum" else src.amax(s.axis, keepdim=True)
         self._write_reg(co, node, s.dst, result)
 
-    def _global(self, co, node, name: str, tile_shape: tuple[int, ...]):
-        """(param, tensor, coords, extents) of a plain global access by a tile."""
+    def _global(self, co, node, name: str, tile_shape: tuple[int, ...], coord_fns=None):
+        """(param, tensor, coords, extents) of a plain global access by a tile (coordinates
+        `coord_fns`, by default the node's compiled expressions)."""
         entry = self.tensors.get(name)
         check_verified(entry is not None and isinstance(entry[0], ir.GlobalParam),
                        "tile.load and tile.store reach `global` params")
         param, tensor = entry
         rank = tensor.dim()
-        coords = self._coords(co, node, node.ex, rank)
+        coords = self._coords(co, node, node.ex if coord_fns is None else coord_fns, rank)
         t = len(tile_shape)
         if t >= rank:
             check_verified(all(d == 1 for d in tile_shape[:t - rank]),
@@ -172,8 +173,18 @@ class TileHandlers:
     def _h_TileStoreGlobal(self, co, node):
         s = node.stmt
         reg = self._read_reg(co, node, s.src)
-        param, tensor, coords, extents = self._global(co, node, s.tensor, reg.shape)
-        write_box(tensor, coords, reg.value.reshape(extents), TORCH_DTYPES[param.dtype])
+        coord_fns, limit_fn = node.ex
+        param, tensor, coords, extents = self._global(co, node, s.tensor, reg.shape, coord_fns)
+        data = reg.value.reshape(extents)
+        if limit_fn is not None:   # rows at or beyond the limit are not stored (nor noted as written)
+            check_verified(len(extents) >= 2, "row_limit bounds the rows of a tensor of rank 2 or more")
+            limit = self._int(co, node, limit_fn(co.env), "a store's row limit")
+            rows = max(0, min(extents[-2], limit - coords[-2]))
+            if rows == 0:
+                return
+            data = data[..., :rows, :]
+            extents = tuple(extents[:-2]) + (rows, extents[-1])
+        write_box(tensor, coords, data, TORCH_DTYPES[param.dtype])
         self.note_global_write(co, node, s.tensor, coords, extents)
 
     def _h_TileView(self, co, node):

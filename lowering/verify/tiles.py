@@ -345,6 +345,16 @@ class TileChecks:
 
     def _TileStoreGlobal(self, s: ir.TileStoreGlobal, path, scope, ctx):
         self._global_tile("tile.store", s.tensor, s.coords, s.src, path, scope, ctx)
+        if s.row_limit is None:
+            return
+        self._expr(s.row_limit, path, scope, ctx)
+        b = scope.get(s.tensor)   # _global_tile reported a name that is not a global param
+        param = b.decl if b is not None and b.what == "global param" else None
+        if param is not None and len(param.shape) < 2:
+            self.r.at(path, f"tile.store {s.tensor}[{', '.join(expr_text(c) for c in s.coords)}] <- {s.src} "
+                            f"row_limit({expr_text(s.row_limit)}): {s.tensor} is "
+                            f"{array_text(param.dtype, param.shape)} (rank {len(param.shape)}); row_limit "
+                            f"bounds the rows (dim -2) of a tensor of rank 2 or more")
 
     def _TileStoreSmem(self, s: ir.TileStoreSmem, path, scope, ctx):
         decl = self._smem(s.dst, path, scope, ctx)
