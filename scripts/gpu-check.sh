@@ -15,7 +15,7 @@ if [ "$which" != matmul ]; then   # the score-function kernels of the GPU tests 
   grep -i "failed" "$OUT/prebuild-attention-variants.log" | head -5
 fi
 if [ "$what" != bench ]; then
-  case "$which" in matmul) files=tests/test_gpu_matmul.py;; attention) files="tests/test_gpu_attention.py tests/test_gpu_attention_decode.py tests/test_gpu_attention_paged.py";; *) files=tests/;; esac
+  case "$which" in matmul) files=tests/test_gpu_matmul.py;; attention) files="tests/test_gpu_attention.py tests/test_gpu_attention_decode.py tests/test_gpu_attention_paged.py tests/test_gpu_attention_varlen.py";; *) files=tests/;; esac
   timeout 300 python3 -m pytest -q -m gpu $files -p no:cacheprovider -x 2>&1 | tee "$OUT/gpu-tests-$which.log" | tail -25
 fi
 if [ "$what" != tests ]; then
@@ -29,5 +29,6 @@ if [ "$what" != tests ]; then
     timeout 240 python3 benchmarks/attention.py --iters 20 2>&1 | tee "$OUT/bench-attention.log"
     timeout 240 python3 benchmarks/attention_variants.py --iters 20 2>&1 | tee "$OUT/bench-attention-variants.log"
     timeout 180 python3 benchmarks/decode.py --s 1,4 2>&1 | tee "$OUT/bench-decode.log" | grep -v "^  efficient:"
+    timeout 120 python3 benchmarks/attention_varlen.py --iters 20 2>&1 | tee "$OUT/bench-attention-varlen.log"
   fi
 fi

@@ -9,7 +9,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
 
 import wsched as ws  # noqa: E402
-from attention_fusions import make_attention, make_paged_attention  # noqa: E402
+from attention_fusions import make_attention, make_paged_attention, make_varlen_attention  # noqa: E402
 from fusions import gated, linear_relu_residual, matmul, matmul_f16, mlp, scaled_silu_f32  # noqa: E402
 
 VARIANTS = [(matmul, {}), (matmul_f16, {}), (mlp, {}), (linear_relu_residual, {}), (scaled_silu_f32, {}), (gated, {}),
@@ -24,7 +24,14 @@ ATTENTION = ([(make_attention(d, causal=c, lse=True), {}) for d in (64, 128, 256
              + [(make_attention(64, causal="bottom_right", lse=True), {})]
              # tests/test_gpu_attention_paged.py
              + [(make_paged_attention(128, p, causal=True, lse=True), {}) for p in (16, 64, 256)]
-             + [(make_paged_attention(64, 16, lse=True), {})])
+             + [(make_paged_attention(64, 16, lse=True), {})]
+             # tests/test_gpu_attention_varlen.py and benchmarks/attention_varlen.py
+             + [(make_varlen_attention(d, causal=c), {}) for d, c in ((128, False), (128, True), (128, "bottom_right"),
+                                                                      (64, True), (96, True), (256, True))]
+             + [(make_varlen_attention(128, causal="bottom_right", gqa=True), {})]
+             + [(make_varlen_attention(d, causal=c, lse=False, gqa=g), {})
+                for d, c, g in ((128, "bottom_right", False), (128, False, False), (128, "bottom_right", True),
+                                (64, "bottom_right", False))])
 
 
 def build(item):

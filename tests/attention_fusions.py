@@ -1,5 +1,6 @@
 """Attention fusions shared by the attention tests, the example and the benchmark."""
 
+import itertools
 import math
 
 import torch
@@ -206,3 +207,50 @@ def variant_inputs(fusion, B, H, S, T, D, device="cpu", seed=0, gqa_groups=None,
     doc_q = ids[:, :S].reshape(B, *ones, S, 1).contiguous().to(device)
     doc_k = ids[:, :T].reshape(B, *ones, 1, T).contiguous().to(device)
     return [q, k, v, doc_q, doc_k]
+
+
+def make_varlen_attention(head_dim: int, causal: bool | str = False, lse: bool = True, gqa: bool = False,
+                          dtype=ws.bf16):
+    """Attention over packed sequences (FlashAttention's varlen): Q [NQ, H, D] (GQA: [NQ, HK, G,
+    D] against K / V [NK, HK, 1, D]), sequence b holding query rows cu_q[b] .. cu_q[b+1] - 1 and
+    key rows cu_k[b] .. cu_k[b+1] - 1; O (and LSE) returned packed like Q."""
+    scale = 1.0 / math.sqrt(head_dim)
+    dv = VALUE_DIMS.get(head_dim, head_dim)
+    name = (f"varlen_{dims_text(head_dim)}{'_causal' if causal else ''}{'_br' if causal == 'bottom_right' else ''}"
+            f"{'_lse' if lse else ''}{'_gqa' if gqa else ''}_{dtype.name}")
+
+    def body(q, k, v, cu_q, cu_k):
+        s = ws.matmul(ws.varlen(q, cu_q), ws.varlen(k, cu_k).transpose(-1, -2)) * scale
+        if causal:
+            s = ws.causal_mask(s, align="bottom_right" if causal == "bottom_right" else "top_left")
+        o = ws.packed(ws.matmul(ws.softmax(s, dim=-1), ws.varlen(v, cu_k)).to(dtype), cu_q)
+        return (o, ws.packed(ws.logsumexp(s, dim=-1), cu_q)) if lse else o
+
+    if gqa:
+        def attention(q: ws.Tensor[dtype, "NQ", "HK", "G", head_dim], k: ws.Tensor[dtype, "NK", "HK", 1, head_dim],
+                      v: ws.Tensor[dtype, "NK", "HK", 1, dv], cu_q: ws.Tensor[ws.i32, "B1"],
+                      cu_k: ws.Tensor[ws.i32, "B1"]):
+            return body(q, k, v, cu_q, cu_k)
+    else:
+        def attention(q: ws.Tensor[dtype, "NQ", "H", head_dim], k: ws.Tensor[dtype, "NK", "H", head_dim],
+                      v: ws.Tensor[dtype, "NK", "H", dv], cu_q: ws.Tensor[ws.i32, "B1"],
+                      cu_k: ws.Tensor[ws.i32, "B1"]):
+            return body(q, k, v, cu_q, cu_k)
+    attention.__name__ = name
+    return ws.fusion(attention)
+
+
+def varlen_inputs(q_lens, k_lens, heads: int, head_dim: int, kv_heads: int | None = None, seed: int = 0,
+                  device: str = "cpu", dtype=torch.bfloat16):
+    """Packed q, k, v (GQA where kv_heads is given: q [NQ, HK, G, D], k / v [NK, HK, 1, D]) and
+    the i32 offsets cu_q, cu_k of sequences with these query and key counts."""
+    g = torch.Generator().manual_seed(seed)
+    dv = VALUE_DIMS.get(head_dim, head_dim)
+    cu_q, cu_k = (torch.tensor([0] + list(itertools.accumulate(lens)), dtype=torch.int32) for lens in (q_lens, k_lens))
+    nq, nk = int(cu_q[-1]), int(cu_k[-1])
+    q_heads = (kv_heads, heads // kv_heads) if kv_heads else (heads,)
+    kv = (kv_heads, 1) if kv_heads else (heads,)
+    q = torch.randn(nq, *q_heads, head_dim, generator=g)
+    k = torch.randn(nk, *kv, head_dim, generator=g)
+    v = torch.randn(nk, *kv, dv, generator=g)
+    return tuple(x.to(device=device, dtype=dtype) for x in (q, k, v)) + (cu_q.to(device), cu_k.to(device))

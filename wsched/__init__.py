@@ -7,6 +7,7 @@ from .dsl import (
     mul, neg, relu, sigmoid, silu, softmax, sub, tanh,
 )
 from .dsl import eq, ge, gt, inf, key_lengths, le, logical_and, logical_not, logical_or, lt, ne, paged, positions, where
+from .dsl import packed, varlen
 
 from .dsl import reduce_max as max, reduce_sum as sum  # noqa: A001 (ws.max, ws.sum, like torch)
 from .fusion import Fusion, Node, fusion

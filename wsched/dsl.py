@@ -560,6 +560,75 @@ def paged(cache: Tensor, block_table: Tensor) -> Tensor:
 
 
 # --------------------------------------------------------------------------------------------
+# Packed sequences (FlashAttention's varlen): ws.varlen and ws.packed
+# --------------------------------------------------------------------------------------------
+
+def varlen(x: Tensor, cu_seqlens: Tensor) -> Tensor:
+    """The sequences packed in x as one zero-padded batch: x is a fusion input [N, *heads, D]
+    (FlashAttention's varlen layout: the rows of every sequence one after another) and
+    `cu_seqlens` an i32 input [B1] of offsets, sequence b holding rows cu_seqlens[b] ..
+    cu_seqlens[b + 1] - 1. The result is [B1-1, *heads, N, D]: row t of sequence b is
+    x[cu_seqlens[b] + t], and 0 past its length. Over scores of a varlen Q and K, softmax and
+    logsumexp see each sequence's own keys only, and a bottom-right `causal_mask` aligns to each
+    sequence's query and key lengths; `ws.packed` turns a result back into packed rows."""
+    x, offsets = _operands("varlen", (x, cu_seqlens), allow_scalars=False)
+    if x.ndim not in (3, 4) or x.node.op != "input":
+        raise FusionError("varlen", f"x must be a fusion input [rows, heads, head_dim] or [rows, kv_heads, "
+                          f"group, head_dim] (the sequences' rows packed one after another), but {_describe(x)}")
+    _require_float("varlen", x)
+    if offsets.ndim != 1 or offsets.dtype != i32 or offsets.node.op != "input":
+        raise FusionError("varlen", f"cu_seqlens must be an i32 fusion input [B1] (the offsets of the B1 - 1 "
+                          f"sequences' rows in x), but {_describe(offsets)}")
+    (count,) = offsets.shape
+    if count == 1:
+        raise FusionError("varlen", f"{offsets.id} is declared with 1 offset; cu_seqlens must hold at least 2 "
+                          f"offsets (one sequence)")
+    # bound from cu_seqlens (Fusion.bind)
+    sequences: Dim = count - 1 if isinstance(count, int) else f"{count}-1"
+    rows, *heads, dim = x.shape
+    return x._trace.add("varlen", (x, offsets), x.dtype, (sequences, *heads, rows, dim))
+
+
+def packed(x: Tensor, cu_seqlens: Tensor) -> Tensor:
+    """The inverse of `ws.varlen`, for outputs: x [B1-1, *mid, N, *rest] computed from
+    `ws.varlen(..., cu_seqlens)` views as packed rows [N, *mid, *rest], row cu_seqlens[b] + t
+    holding x[b, ..., t, ...]. The sequence dim is the first dim after dim 0 that is the rows
+    N of such a view: O [B1-1, H, NQ, D] -> [NQ, H, D], the LSE [B1-1, H, NQ] -> [NQ, H]."""
+    x, offsets = _operands("packed", (x, cu_seqlens), allow_scalars=False)
+    if offsets.ndim != 1 or offsets.dtype != i32 or offsets.node.op != "input":
+        raise FusionError("packed", f"cu_seqlens must be an i32 fusion input [B1] (the offsets given to "
+                          f"ws.varlen), but {_describe(offsets)}")
+    views = _varlen_views_of(x, offsets)
+    if not views:
+        raise FusionError("packed", f"needs a tensor computed from ws.varlen(..., {offsets.id}), but "
+                          f"{_describe(x)}, computed from no such view")
+    sequences = views[0].shape[0]
+    if x.ndim < 2 or x.shape[0] != sequences:
+        raise FusionError("packed", f"dim 0 must be the sequences of {offsets.id} ({sequences}), but "
+                          f"{_describe(x)}")
+    rows = [view.shape[-2] for view in views]
+    dim = next((axis for axis in range(1, x.ndim) if x.shape[axis] in rows), None)
+    if dim is None:
+        raise FusionError("packed", f"needs a sequence dim after dim 0: "
+                          f"{' or '.join(map(str, dict.fromkeys(rows)))} (the rows of ws.varlen(..., {offsets.id})), "
+                          f"but {_describe(x)}")
+    shape = (x.shape[dim], *x.shape[1:dim], *x.shape[dim + 1:])
+    return x._trace.add("packed", (x, offsets), x.dtype, shape, [("dim", dim - x.ndim)])
+
+
+def _varlen_views_of(x: Tensor, offsets: Tensor) -> list[Node]:
+    """The `varlen(..., offsets)` nodes that x is computed from, in trace order."""
+    nodes = {n.id: n for n in x._trace.nodes}
+    stack, seen = [x.node], set()
+    while stack:
+        node = stack.pop()
+        if node.id not in seen:
+            seen.add(node.id)
+            stack.extend(nodes[i] for i in node.inputs)
+    return [n for n in x._trace.nodes if n.id in seen and n.op == "varlen" and n.inputs[1] == offsets.id]
+
+
+# --------------------------------------------------------------------------------------------
 # Masks and score functions: comparisons, logic, where, positions
 # --------------------------------------------------------------------------------------------
 

@@ -237,6 +237,13 @@ class Fusion:
             if isinstance(keys, str):
                 pages, page_size = (int(d) if d.isdigit() else sizes[d] for d in keys.split("*"))
                 sizes[keys] = pages * page_size
+            if node.op == "varlen" and isinstance(node.shape[0], str):   # the sequences: B1-1 (dsl.varlen)
+                offsets = self.node(node.inputs[1])
+                count = sizes[offsets.shape[0]]
+                if count < 2:
+                    raise FusionError(op, f"{offsets.id} holds {count} offset{'s' * (count != 1)}: cu_seqlens "
+                                      f"must hold at least 2 offsets (one sequence)")
+                sizes[node.shape[0]] = count - 1
         return sizes
 
     def reference(self, *tensors: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, ...]:

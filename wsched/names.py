@@ -41,6 +41,8 @@ PART_ROWS = "part_rows"   # host param: the rows of a tile queries fill (GQA-pac
 WARPGROUP_BARRIER = 1
 TOKEN_BARRIER = 3
 
+OFFSETS = "offsets"   # attention with packed sequences (ws.varlen): the entries of cu_seqlens
+
 LOWERING_NAMES = frozenset({
     PRODUCER, CONSUMER, TILE_VAR, K_VAR, ACC, K_BASE, K_COUNT, K_FIRST,
     # circular buffer and wgmma protocol
@@ -53,6 +55,9 @@ LOWERING_NAMES = frozenset({
     # attention
     "m_blocks", "m_block", "kv_blocks", "rest", "s_acc", "p", "o_acc", "m_run", "l_run", "m_blk",
     "corr", "o_t", "o", "lse", "heads", "G", "work", "kv_all", "kv_per", "kv_skip", PART_O, PART_M, PART_L, PART_ROWS, "o_j", "l_blk", "section", "first_head", "section_heads", "in_section",
+    # attention: packed sequences (ws.varlen)
+    OFFSETS, "S_packed", "T_packed", "search_steps", "v_block", "seq", "span", "step", "half", "mid", "cu_mid",
+    "q_start", "q_end", "k_start", "head", "kv_head", "go", "q_off0", "q_off1", "k_off0", "k_off1",
     # outputs, buffers, barriers
     "out", "A", "B", "Q", "V", "full", "empty",
     # matmul: epilogue slices and split-K

@@ -6,6 +6,7 @@ intermediates round where a kernel's would. Every test, and the simulator, compa
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Sequence
 
 import torch
@@ -45,14 +46,117 @@ def evaluate(fusion: Fusion, inputs: Sequence[torch.Tensor], sizes: dict[str, in
     with torch.no_grad():
         for declared, value in zip(fusion.inputs, inputs):
             values[declared.id] = value.float()
+        sequences = _packed_sequences(fusion, inputs)
         for node in fusion.nodes():
             if node.op != "input":
-                result = _evaluate_node(node, [values[i] for i in node.inputs], sizes, device)
+                result = _evaluate_node(node, [values[i] for i in node.inputs], sizes, device, sequences)
                 if node.dtype != f32:
                     result = result.to(node.dtype.torch_dtype).float()
                 values[node.id] = result
     outputs = tuple(values[o].to(fusion.node(o).dtype.torch_dtype) for o in fusion.outputs)
     return outputs[0] if len(outputs) == 1 else outputs
+
+
+# --------------------------------------------------------------------------------------------
+# Packed sequences (ws.varlen, ws.packed): offsets checked, per-sequence lengths of the scores
+# --------------------------------------------------------------------------------------------
+
+def check_cu_seqlens(name: str, cu: torch.Tensor, rows: int, rows_of: str, *, op: str = "varlen",
+                     location: str | None = None) -> None:
+    """FusionError(op, ...) unless `cu` (the offsets input `name`, any integer dtype and device)
+    holds at least 2 offsets that rise from 0 to `rows` (the packed rows of the input
+    `rows_of`) without decreasing; the message names the first bad offset and the rule."""
+    offsets = cu.detach().to("cpu", torch.int64).reshape(-1)
+    rule = f"cu_seqlens must be non-decreasing offsets from 0 to {rows} (the rows of {rows_of})"
+    if offsets.numel() < 2:
+        raise FusionError(op, f"{name} holds {offsets.numel()} offset{'s' * (offsets.numel() != 1)}: cu_seqlens must "
+                          f"hold at least 2 offsets (one sequence)", location)
+    if offsets[0] != 0:
+        raise FusionError(op, f"{name}[0] = {int(offsets[0])} must be 0: {rule}", location)
+    falls = (offsets[1:] < offsets[:-1]).nonzero()
+    if len(falls):
+        i = int(falls[0, 0]) + 1
+        raise FusionError(op, f"{name}[{i}] = {int(offsets[i])} is below {name}[{i - 1}] = {int(offsets[i - 1])}: "
+                          f"{rule}", location)
+    last = offsets.numel() - 1
+    if offsets[last] != rows:
+        raise FusionError(op, f"{name}[{last}] = {int(offsets[last])} (the last offset) must be {rows}: {rule}",
+                          location)
+
+
+@dataclass
+class _Sequences:
+    """What the varlen rules need, computed once per call from the cu_seqlens inputs: the
+    offsets [B + 1] by input id (int64), and for each softmax, logsumexp and causal_mask over
+    scores of a varlen K, the sequences' (query lengths, or None where Q is not varlen, key
+    lengths), each [B]."""
+
+    offsets: dict[str, torch.Tensor] = field(default_factory=dict)
+    lengths: dict[str, tuple[torch.Tensor | None, torch.Tensor]] = field(default_factory=dict)
+
+
+def _packed_sequences(fusion: Fusion, inputs: Sequence[torch.Tensor]) -> _Sequences:
+    """The offsets of every `varlen` node's cu_seqlens (checked against its rows) and the lengths
+    of the scores computed from them."""
+    sequences = _Sequences()
+    given = {declared.id: value for declared, value in zip(fusion.inputs, inputs)}
+    for node in fusion.nodes():
+        if node.op == "varlen":
+            rows_of, name = node.inputs
+            check_cu_seqlens(name, given[name], given[rows_of].shape[0], rows_of, location=node.source)
+            sequences.offsets[name] = given[name].to(torch.int64)
+    if not sequences.offsets:
+        return sequences
+    for node in fusion.nodes():
+        if node.op in ("softmax", "logsumexp", "causal_mask"):
+            views = _varlen_scores(fusion, node.inputs[0])
+            if views is not None:
+                queries, keys = (None if view is None else torch.diff(sequences.offsets[view.inputs[1]])
+                                 for view in views)
+                sequences.lengths[node.id] = (queries, keys)
+    return sequences
+
+
+def _varlen_scores(fusion: Fusion, scores: str) -> tuple[Node | None, Node] | None:
+    """(the varlen view of Q or None, that of K) of the matmul Q @ K^T that `scores` is computed
+    from, found back through everything but other matmuls; None if K is not a varlen view."""
+    stack, seen = [scores], set()
+    while stack:
+        node = fusion.node(stack.pop())
+        if node.id in seen or node.op == "input":
+            continue
+        seen.add(node.id)
+        if node.op != "matmul":
+            stack.extend(node.inputs)
+            continue
+        query, key = (_varlen_view(fusion, operand) for operand in node.inputs)
+        if key is not None and _is_transpose(fusion, node.inputs[1]) and (
+                fusion.node(node.inputs[1]).shape[-1] == key.shape[-2]):
+            return query, key
+    return None
+
+
+def _is_transpose(fusion: Fusion, node_id: str) -> bool:
+    """Whether `node_id`, followed back through casts and expands, is a transpose (K^T)."""
+    node = fusion.node(node_id)
+    while node.op in ("cast", "expand"):
+        node = fusion.node(node.inputs[0])
+    return node.op == "transpose"
+
+
+def _varlen_view(fusion: Fusion, node_id: str) -> Node | None:
+    """The varlen node that the matmul operand `node_id` reads, back through views and
+    elementwise ops (Q scaled before the matmul), or None."""
+    stack, seen = [node_id], set()
+    while stack:
+        node = fusion.node(stack.pop())
+        if node.id in seen or node.op in ("input", "matmul"):
+            continue
+        seen.add(node.id)
+        if node.op == "varlen":
+            return node
+        stack.extend(node.inputs)
+    return None
 
 
 def _per_sequence(lengths: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
@@ -61,9 +165,17 @@ def _per_sequence(lengths: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
 
 
 def _evaluate_node(node: Node, args: list[torch.Tensor], sizes: dict[str, int],
-                   device: torch.device) -> torch.Tensor:
-    """One node evaluated in fp32 on fp32 operands (rounding to node.dtype is the caller's)."""
+                   device: torch.device, sequences: _Sequences | None = None) -> torch.Tensor:
+    """One node evaluated in fp32 on fp32 operands (rounding to node.dtype is the caller's);
+    `sequences` holds the offsets and lengths of packed sequences (`_packed_sequences`)."""
     op = node.op
+    query_lengths, key_lengths = (sequences.lengths.get(node.id, (None, None)) if sequences
+                                  else (None, None))
+    if key_lengths is not None and op in ("softmax", "logsumexp") and node.attr("dim") == -1:
+        # a sequence's padded keys are hidden here, at the reduction, not at Q @ K^T: a score
+        # function (30 * tanh(s / 30)) would turn an early -inf finite
+        key = torch.arange(args[0].shape[-1], device=device)
+        args = [args[0].masked_fill(key >= _per_sequence(key_lengths, args[0]), float("-inf")), *args[1:]]
     if op in ELEMENTWISE_TORCH:
         return ELEMENTWISE_TORCH[op](*args)
     if op in MASK_TORCH:
@@ -99,6 +211,9 @@ def _evaluate_node(node: Node, args: list[torch.Tensor], sizes: dict[str, int],
         key = torch.arange(keys, device=device)[None, :]
         if node.attr("align") == "top_left":
             offset = 0
+        elif key_lengths is not None:   # packed sequences: each aligns to its own query and key lengths
+            offset = _per_sequence(key_lengths, args[0]) - (
+                queries if query_lengths is None else _per_sequence(query_lengths, args[0]))
         elif len(args) == 2:
             offset = _per_sequence(args[1], args[0]) - queries
         else:
@@ -121,4 +236,18 @@ def _evaluate_node(node: Node, args: list[torch.Tensor], sizes: dict[str, int],
         pages = cache[table.masked_fill(outside, 0)].masked_fill(outside[..., None, None, None], 0.0)
         b, mp, ps, hk, d = pages.shape
         return pages.reshape(b, mp * ps, hk, d).permute(0, 2, 1, 3).unsqueeze(2)
+    if op == "varlen":   # [N, *heads, D] by offsets [B + 1] -> [B, *heads, N, D], zero past each length
+        x, offsets = args[0], sequences.offsets[node.inputs[1]]
+        rows = x.shape[0]
+        t = torch.arange(rows, device=device)
+        inside = t < torch.diff(offsets)[:, None]                                   # [B, N]
+        gathered = x[(offsets[:-1, None] + t).clamp(max=max(rows - 1, 0))]          # [B, N, *heads, D]
+        gathered = gathered.masked_fill(~inside.reshape(*inside.shape, *[1] * (x.ndim - 1)), 0.0)
+        return gathered.movedim(1, -2)
+    if op == "packed":   # [B, *mid, N, *rest] -> [N, *mid, *rest]: row r of sequence b is its row r - offsets[b]
+        x, offsets = args[0], sequences.offsets[node.inputs[1]]
+        by_sequence = x.movedim(node.attr("dim"), 1)                                # [B, N, *mid, *rest]
+        row = torch.arange(by_sequence.shape[1], device=device)
+        sequence = torch.searchsorted(offsets[1:].contiguous(), row, right=True)
+        return by_sequence[sequence, row - offsets[sequence]]
     raise FusionError(op, f"the reference has no rule for node {node.id}", node.source)

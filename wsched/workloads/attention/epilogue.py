@@ -40,20 +40,24 @@ def epilogue(kernel: ir.Kernel, ctx: LoweringContext) -> ir.Kernel:
     d = s.value_dim
     row0 = ir.add("m0", ir.mul("wg", 64))
     coords = tuple(V(f"b{i}") for i in range(a.kernel_batch)) + (row0, C(0))
-    if a.score.rows_may_see_nothing:   # a row with no visible key has l = 0: store O = 0
+    lse_coords, limit = coords, None
+    if a.varlen is not None:   # packed rows [NQ, heads x D]: the sequence's rows, none past its end
+        row0 = ir.add("q_start", row0)
+        coords, lse_coords, limit = (row0, ir.mul("head", d)), (row0, V("head")), V("q_end")
+    if a.rows_may_see_nothing:   # a row with no visible key has l = 0: store O = 0
         normalise = [ir.TileBinary("maximum", "corr", "l_run", ir.FloatConst(1e-30)),
                      ir.TileBinary("div", "o_acc", "o_acc", "corr")]
     else:
         normalise = [ir.TileBinary("div", "o_acc", "o_acc", "l_run")]
     tail: list[ir.Stmt] = normalise + [
         ir.TileUnary("cast", "o_t", "o_acc"),
-        ir.TileStoreGlobal("o", coords, "o_t"),
+        ir.TileStoreGlobal("o", coords, "o_t", limit),
     ]
     if a.lse is not None:
         tail += [ir.TileUnary("log", "l_run", "l_run"),
                  ir.TileBinary("mul", "m_run", "m_run", ir.FloatConst(LN2)),
                  ir.TileBinary("add", "l_run", "l_run", "m_run"),
-                 ir.TileStoreGlobal("lse", coords, "l_run")]
+                 ir.TileStoreGlobal("lse", lse_coords, "l_run", limit)]
 
     decls = [ir.RegDecl("o_t", a.out.dtype.name, (64, d))]
     smem = kernel.smem

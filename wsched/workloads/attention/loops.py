@@ -37,7 +37,7 @@ import math
 
 from wsched.lowering import ir
 from wsched.lowering.context import LoweringContext
-from wsched.names import (CONSUMER, K_COUNT, K_FIRST, K_VAR, PART_L, PART_M, PART_O, PART_ROWS, PRODUCER, SPLITS, TICKETS,
+from wsched.names import (CONSUMER, K_COUNT, K_FIRST, K_VAR, OFFSETS, PART_L, PART_M, PART_O, PART_ROWS, PRODUCER, SPLITS, TICKETS,
                           TILE_VAR)
 from wsched.workloads.batch import batch_index_lets
 
@@ -50,6 +50,7 @@ LOG2E = 1.0 / math.log(2.0)
 V = ir.Var
 C = ir.IntConst
 SECTION = "section"   # host param: heads walked together, heaviest first (tile_loop)
+SEARCH_STEPS = "search_steps"   # host param: steps of the binary search for a packed tile's sequence
 
 
 def build_loops(kernel: None, ctx: LoweringContext) -> ir.Kernel:
@@ -67,11 +68,16 @@ def build_loops(kernel: None, ctx: LoweringContext) -> ir.Kernel:
     k_batch = [C(1) if a.k_broadcast[i] else batch[i] for i in range(nb)]
     rows = query_rows(a)
 
+    vl = a.varlen
     params: list[ir.Param] = [ir.ScalarParam(f"batch{i}", "i32") for i in range(nb)]
+    if vl:   # the sequences: one fewer than the offsets
+        params = [ir.ScalarParam(OFFSETS, "i32"), ir.HostParam("batch0", "i32", ir.sub(OFFSETS, 1))] + params[1:]
     params += [ir.ScalarParam("G", "i32")] if a.packed else []
-    params.append(ir.ScalarParam("S", "i32"))
+    params.append(ir.ScalarParam(a.queries, "i32"))
     pc = a.paged
-    if pc:   # the cache's pages, the table's pages per sequence, and the keys they hold
+    if vl:
+        params += [ir.ScalarParam(a.keys, "i32"), ir.HostParam(SEARCH_STEPS, "i32", ir.bit_length("batch0"))]
+    elif pc:   # the cache's pages, the table's pages per sequence, and the keys they hold
         params += [ir.ScalarParam("P", "i32"), ir.ScalarParam("MP", "i32"),
                    ir.HostParam(a.keys, "i32", ir.mul("MP", pc.page_size))]
     else:
@@ -79,19 +85,29 @@ def build_loops(kernel: None, ctx: LoweringContext) -> ir.Kernel:
     if s.splits_kv:
         params.append(ir.HostParam(SPLITS, "i32", split_count(s, nb, rows, a.keys)))
     if _rows_bound_keys(a.score):
-        params.append(ir.HostParam(SECTION, "i32", section_heads(rows, bm)))
+        params.append(ir.HostParam(SECTION, "i32", section_heads(m_blocks_of(a, bm))))
     ones = (1,) * nb
     q_name, k_name, v_name = (c.loads[0].tensor for c in part.channels)
-    params.append(ir.TensorMapParam(q_name, dt, tuple(batch) + (rows, C(d)), ones + (64, qk_width), 0))
+    if vl:   # packed [N, *heads, D] read as [N, heads x D]: a tile's head is a run of columns
+        params.append(ir.TensorMapParam(q_name, dt, (V(a.queries), ir.mul(_heads(nb, 1), d)), (64, qk_width), 0))
+    else:
+        params.append(ir.TensorMapParam(q_name, dt, tuple(batch) + (rows, C(d)), ones + (64, qk_width), 0))
     for name, dim, width in ((k_name, d, qk_width), (v_name, dv, v_width)):
-        if pc:   # [P, page_size, HK, D]: a box of rows_per_load keys of one page and head
+        if vl:
+            params.append(ir.TensorMapParam(name, dt, (V(a.keys), ir.mul(_heads(nb, 1, k_batch), dim)), (bn, width), 0))
+        elif pc:   # [P, page_size, HK, D]: a box of rows_per_load keys of one page and head
             params.append(ir.TensorMapParam(name, dt, (V("P"), C(pc.page_size), V("batch1"), C(dim)),
                                             (1, pc.rows_per_load, 1, width), 0))
         else:
             params.append(ir.TensorMapParam(name, dt, tuple(k_batch) + (V(a.keys), C(dim)), ones + (bn, width), 0))
-    params.append(ir.GlobalParam("o", a.out.dtype.name, tuple(batch) + (rows, C(dv))))
-    if a.lse is not None:
-        params.append(ir.GlobalParam("lse", "f32", tuple(batch) + (rows, C(1))))
+    if vl:   # packed rows: O [NQ, heads x dv], LSE [NQ, heads]
+        params.append(ir.GlobalParam("o", a.out.dtype.name, (V(a.queries), ir.mul(_heads(nb, 1), dv))))
+        if a.lse is not None:
+            params.append(ir.GlobalParam("lse", "f32", (V(a.queries), _heads(nb, 1))))
+    else:
+        params.append(ir.GlobalParam("o", a.out.dtype.name, tuple(batch) + (rows, C(dv))))
+        if a.lse is not None:
+            params.append(ir.GlobalParam("lse", "f32", tuple(batch) + (rows, C(1))))
     sf = a.score
     read = sf.inputs + ((a.sink,) if isinstance(a.sink, SideInput) else ())   # inputs read in the kernel
     params += [ir.GlobalParam(x.param, x.node.dtype.name, tuple(C(1) if dim is None else V(dim) for dim in x.dims))
@@ -100,6 +116,8 @@ def build_loops(kernel: None, ctx: LoweringContext) -> ir.Kernel:
         params.append(ir.GlobalParam(sf.lengths.param, "i32", (V("batch0"),)))
     if pc:
         params.append(ir.GlobalParam(pc.table_param, "i32", (V("batch0"), V("MP"))))
+    if vl:
+        params += [ir.GlobalParam(cu, "i32", (V(OFFSETS),)) for cu in dict.fromkeys((vl.cu_q_param, vl.cu_k_param))]
     if s.splits_kv:   # per split: O (unnormalised), row max and row sum of each tile; a ticket per warpgroup
         # Only the rows a query can fill are kept: a decode tile of 64 rows holds G x S of them
         # (4 for one token of 4 heads), and the merge reads every split's rows. The stores drop,
@@ -117,21 +135,33 @@ def build_loops(kernel: None, ctx: LoweringContext) -> ir.Kernel:
     barriers = tuple(ir.BarrierDecl(name, 1) for c in part.channels for name in (c.full, c.empty))
 
     setup = (
-        ir.Let("heads", _heads(nb)),
-        ir.Let("m_blocks", ir.ceil_div(rows, bm)),
+        ir.Let("heads", _heads(nb, 1 if vl else 0)),
+        ir.Let("m_blocks", m_blocks_of(a, bm)),
         ir.Let("num_tiles", ir.mul("heads", "m_blocks")),
-    ) + ((ir.Let("kv_blocks", ir.ceil_div("T", bn)),) if sf.lengths is None else ()) \
+    ) + ((ir.Let("kv_blocks", ir.ceil_div("T", bn)),) if sf.lengths is None and not vl else ()) \
       + ((ir.Let("num_units", ir.mul("num_tiles", SPLITS)),) if s.splits_kv else ())
 
     q_full, k_full, v_full = (ir.BarRef(c.full, C(0)) for c in part.channels)
     b_idx = tuple(V(f"b{i}") for i in range(nb))
     kb_idx = tuple(C(0) if a.k_broadcast[i] else b_idx[i] for i in range(nb))
-    q_loads = tuple(ir.TmaLoad(ir.SmemRef("Q", (C(0), C(w), C(c))), q_name,
-                               b_idx + (_plus("m0", w * 64), C(c * qk_width)), q_full)
-                    for w in range(nwg) for c in range(chunks))
+    if vl:   # the sequence's rows of the packed Q, its head's columns
+        q_loads = tuple(ir.TmaLoad(ir.SmemRef("Q", (C(0), C(w), C(c))), q_name,
+                                   (ir.add("q_start", _plus("m0", w * 64)), _plus_mul("head", d, c * qk_width)), q_full)
+                        for w in range(nwg) for c in range(chunks))
+    else:
+        q_loads = tuple(ir.TmaLoad(ir.SmemRef("Q", (C(0), C(w), C(c))), q_name,
+                                   b_idx + (_plus("m0", w * 64), C(c * qk_width)), q_full)
+                        for w in range(nwg) for c in range(chunks))
     # The kv block's first key: k counts this tile's blocks from its first visible one.
     row = ir.mul(ir.add(K_VAR, K_FIRST), bn) if _lower_bounds(sf) or s.splits_kv else ir.mul(K_VAR, bn)
-    kv_loads = tuple(ir.TmaLoad(ir.SmemRef(buf, (C(0), C(c))), name, kb_idx + (row, C(c * width)), bar)
+    if vl:
+        kv_loads = tuple(ir.TmaLoad(ir.SmemRef(buf, (C(0), C(c))), name,
+                                    (ir.add("k_start", row), _plus_mul("kv_head", dim, c * width)), bar)
+                         for buf, name, bar, count, width, dim in (("K", k_name, k_full, chunks, qk_width, d),
+                                                                    ("V", v_name, v_full, v_chunks, v_width, dv))
+                         for c in range(count))
+    else:
+        kv_loads = tuple(ir.TmaLoad(ir.SmemRef(buf, (C(0), C(c))), name, kb_idx + (row, C(c * width)), bar)
                      for buf, name, bar, count, width in (("K", k_name, k_full, chunks, qk_width),
                                                            ("V", v_name, v_full, v_chunks, v_width))
                      for c in range(count)) if not pc else _paged_loads(
@@ -197,7 +227,7 @@ def build_loops(kernel: None, ctx: LoweringContext) -> ir.Kernel:
         tile_loop(ctx, (ir.TileFill("o_acc", f(0.0)), *loads[False], *_running_state(a.sink, tiles),
                         k_loop(softmax))),
     ))
-    units = ir.mul(_heads(nb), ir.ceil_div(rows, bm))
+    units = ir.mul(_heads(nb, 1 if vl else 0), m_blocks_of(a, bm))
     grid = ir.emin("num_sms", ir.mul(units, SPLITS) if s.splits_kv else units)
     return ir.Kernel(ctx.name, tuple(params), grid, (1, 1, 1), smem, barriers, setup + (producer, consumer))
 
@@ -208,12 +238,31 @@ def query_rows(a) -> ir.Expr:
     return ir.mul("G", "S") if a.packed else V("S")
 
 
-def _heads(nb: int) -> ir.Expr:
-    """batch0 x batch1 x ...: the (batch, head) slices the tiles walk."""
-    heads: ir.Expr = C(1)
-    for i in range(nb):
-        heads = V(f"batch{i}") if i == 0 else ir.mul(heads, f"batch{i}")
+def _heads(nb: int, first: int = 0, extents: list | None = None) -> ir.Expr:
+    """batch<first> x ... x batch<nb-1>: the (batch, head) slices the tiles walk (from batch1:
+    the heads of one packed sequence); `extents` in place of the batch params (K's, 1 where
+    it broadcasts)."""
+    dims = [V(f"batch{i}") if extents is None else extents[i] for i in range(first, nb)]
+    dims = [x for x in dims if x != C(1)]
+    heads: ir.Expr = dims[0] if dims else C(1)
+    for x in dims[1:]:
+        heads = ir.mul(heads, x)
     return heads
+
+
+def _plus_mul(name: str, factor: int, offset: int) -> ir.Expr:
+    """name * factor + offset: a head's first column (plus a chunk's) in a [N, heads x D] view."""
+    e = ir.mul(name, factor)
+    return ir.add(e, offset) if offset else e
+
+
+def m_blocks_of(a, bm: int) -> ir.Expr:
+    """The m-blocks the tiles of one head walk: ceil(rows / bm), or, for packed sequences, the
+    virtual blocks S_packed / bm + B: sequence b takes blocks from cu_q[b] / bm + b on, which
+    leaves it at least ceil(its queries / bm) of them (`varlen_lets`)."""
+    if a.varlen is not None:
+        return ir.add(ir.div(a.queries, bm), "batch0")
+    return ir.ceil_div(query_rows(a), bm)
 
 
 def _paged_loads(pc, bn: int, row: ir.Expr, operands) -> tuple[ir.Stmt, ...]:
@@ -245,7 +294,7 @@ def split_count(s, nb: int, rows: ir.Expr, keys: str = "T") -> ir.Expr:
     return ir.emin(ir.emin(s.split_kv, longest), ir.emax(1, ir.div("num_sms", tiles)))
 
 
-def section_heads(rows: ir.Expr, bm: int) -> ir.Expr:
+def section_heads(m_blocks: ir.Expr) -> ir.Expr:
     """How many (batch, head) slices the causal tile order walks together, heaviest m-block first
     across them: 1 (one head after another, in reverse m-block order: the heads in flight share
     K and V in L2) unless a head has at least half as many m-blocks as the GPU has SMs; then two
@@ -253,7 +302,6 @@ def section_heads(rows: ir.Expr, bm: int) -> ir.Expr:
     m-block period (132 SMs, 128 m-blocks at S = 16384): a CTA then sums 3x another's kv blocks.
     Measured on an H100 against cuDNN in one run (2026-11-23): S16384 causal 0.69 one head after
     another, 0.86 in sections of 2 heads; sections at S <= 8192 were 0-11% slower."""
-    m_blocks = ir.ceil_div(rows, bm)
     long = ir.BinOp(">=", ir.mul(2, m_blocks), V("num_sms"))
     return ir.add(1, ir.mul(long, ir.sub(ir.ceil_div(ir.mul(2, "num_sms"), m_blocks), 1)))
 
@@ -351,25 +399,89 @@ def tile_loop(ctx: LoweringContext, body: tuple[ir.Stmt, ...]) -> ir.For:
     lets: list[ir.Stmt] = []
     if s.splits_kv:
         lets += [ir.Let("split", ir.mod(TILE_VAR, SPLITS)), ir.Let("work", ir.div(TILE_VAR, SPLITS))]
+    block = "v_block" if a.varlen else "m_block"   # packed sequences: a virtual block (varlen_lets)
     if _rows_bound_keys(a.score):
         # sections of `section` heads (the last one may hold fewer), each walked heaviest m-block first
         lets += [ir.Let("first_head", ir.mul(ir.div(t, ir.mul(SECTION, "m_blocks")), SECTION)),
                  ir.Let("section_heads", ir.emin(SECTION, ir.sub("heads", "first_head"))),
                  ir.Let("in_section", ir.sub(t, ir.mul("first_head", "m_blocks"))),
-                 ir.Let("m_block", ir.sub(ir.sub("m_blocks", 1), ir.div("in_section", "section_heads"))),
+                 ir.Let(block, ir.sub(ir.sub("m_blocks", 1), ir.div("in_section", "section_heads"))),
                  ir.Let("rest", ir.add("first_head", ir.mod("in_section", "section_heads")))]
     else:
-        lets += [ir.Let("m_block", ir.sub(ir.sub("m_blocks", 1), ir.mod(t, "m_blocks"))),
+        lets += [ir.Let(block, ir.sub(ir.sub("m_blocks", 1), ir.mod(t, "m_blocks"))),
                  ir.Let("rest", ir.div(t, "m_blocks"))]
-    lets += batch_index_lets(nb) if nb else []
+    if a.varlen:
+        lets += varlen_lets(a, bm, bn)
+    else:
+        lets += batch_index_lets(nb) if nb else []
     if a.score.lengths is not None:   # this sequence's keys: its length, within the cache
         lets += [ir.LoadGlobal("T_seq", a.score.lengths.param, (V("b0"),)),
                  ir.Let("T", ir.emax(ir.emin("T_seq", a.keys), 0)),
                  ir.Let("kv_blocks", ir.ceil_div("T", bn))]
     lets.append(ir.Let("m0", ir.mul("m_block", bm)))
-    lets += kv_range(a.score, bm, bn, a.packed, s.splits_kv)
+    kv = kv_range(a.score, bm, bn, a.packed, s.splits_kv)
+    if a.varlen:   # a virtual block past its sequence's queries: no kv block, nothing stored
+        kv = [ir.Let(x.name, ir.Call("select", (ir.lt("m0", "S"), x.value, C(0)))) if x.name == K_COUNT else x
+              for x in kv]
+    lets += kv
     count = V("num_units") if s.splits_kv else V("num_tiles")
     return ir.For(TILE_VAR, V("cta_id"), count, V("num_ctas"), "persistent", tuple(lets) + body)
+
+
+def varlen_lets(a, bm: int, bn: int) -> list[ir.Stmt]:
+    """Packed sequences (ws.varlen): the tile's heads from `rest`, then its sequence b0 from its
+    virtual block: sequence b owns the blocks from V_b = cu_q[b] / bm + b on (V_b grows with b,
+    and V_{b+1} - V_b >= ceil(queries of b / bm)); b0 is the last b with V_b <= v_block, found by
+    a binary search over cu_q in `search_steps` = bit_length(B) steps. Then the sequence's rows:
+    S and T are its query and key counts, q_start and k_start its first rows in the packed
+    tensors (offsets clamped into the tensors: bad offsets never read or write outside them).
+    A block past the sequence's queries has m0 >= S: no kv block, no row stored."""
+    vl, nb = a.varlen, a.kernel_batch
+    lets: list[ir.Stmt] = []
+    rest = "rest"
+    for i in reversed(range(1, nb)):   # b<nb-1> fastest, as batch_index_lets
+        if i == 1:
+            lets.append(ir.Let("b1", V(rest)))
+        else:
+            lets += [ir.Let(f"b{i}", ir.mod(rest, f"batch{i}")), ir.Let(f"rest{i}", ir.div(rest, f"batch{i}"))]
+            rest = f"rest{i}"
+    go = ir.BinOp("<=", ir.add(ir.div("cu_mid", bm), "mid"), V("v_block"))
+    lets += [
+        ir.Let("seq", C(0), mutable=True),
+        ir.Let("span", V("batch0"), mutable=True),
+        ir.For("step", C(0), V(SEARCH_STEPS), C(1), "serial", (
+            ir.Let("half", ir.div("span", 2)),
+            ir.Let("mid", ir.add("seq", "half")),
+            ir.LoadGlobal("cu_mid", vl.cu_q_param, (V("mid"),)),
+            ir.Let("go", go),
+            ir.Assign("seq", ir.Call("select", (V("go"), V("mid"), V("seq")))),
+            ir.Assign("span", ir.Call("select", (V("go"), ir.sub("span", "half"), V("half")))),
+        )),
+        ir.Let("b0", V("seq")),
+    ]
+    last = ir.emin(ir.add("b0", 1), ir.sub(OFFSETS, 1))
+    for side, cu, rows, count in (("q", vl.cu_q_param, a.queries, "S"), ("k", vl.cu_k_param, a.keys, "T")):
+        lets += [ir.LoadGlobal(f"{side}_off0", cu, (V("b0"),)), ir.LoadGlobal(f"{side}_off1", cu, (last,)),
+                 ir.Let(f"{side}_start", ir.emin(ir.emax(f"{side}_off0", 0), rows)),
+                 ir.Let(f"{side}_end", ir.emin(ir.emax(f"{side}_off1", f"{side}_start"), rows)),
+                 ir.Let(count, ir.sub(f"{side}_end", f"{side}_start"))]
+    k_ext = [C(1) if a.k_broadcast[i] else V(f"batch{i}") for i in range(nb)]
+    lets += [ir.Let("kv_blocks", ir.ceil_div("T", bn)),
+             ir.Let("m_block", ir.emax(ir.sub("v_block", ir.add(ir.div("q_start", bm), "b0")), 0)),
+             ir.Let("head", _flat_index(nb, [V(f"batch{i}") for i in range(nb)], [False] * nb)),
+             ir.Let("kv_head", _flat_index(nb, k_ext, a.k_broadcast))]
+    return lets
+
+
+def _flat_index(nb: int, extents: list, broadcast) -> ir.Expr:
+    """b1 * extent2 * ... + ... + b<nb-1>: the head of a tile among dims 1.. of a packed tensor
+    (dims where it broadcasts count as index 0 of extent 1)."""
+    index: ir.Expr | None = None
+    for i in range(1, nb):
+        if broadcast[i]:
+            continue
+        index = V(f"b{i}") if index is None else ir.add(ir.mul(index, extents[i]), f"b{i}")
+    return C(0) if index is None else index
 
 
 def _rows_bound_keys(sf) -> bool:

@@ -21,6 +21,7 @@ import torch
 
 from wsched.partition import Channel, OperandLoad, Partition, dag_of_loads, param_name
 from wsched.errors import FusionError
+from wsched.names import OFFSETS
 from wsched.schedule import ScheduleError
 from wsched.target import PAGE_ROWS_ALIGN, WGMMA_OPERAND_DTYPES
 
@@ -48,6 +49,29 @@ class PagedCache:
 
 
 @dataclass(frozen=True)
+class VarlenBatch:
+    """Q, K and V as `ws.varlen(packed, cu_seqlens)`: packed inputs [NQ, *heads, D] and
+    [NK, *kv_heads, D], sequence b holding query rows cu_q[b] .. cu_q[b+1] - 1 and key rows
+    cu_k[b] .. cu_k[b+1] - 1 (i32 [B + 1] inputs; one input where they are the same). The tiles
+    walk each sequence's own m-blocks (`loops.varlen_lets`), each tile's S and T are its
+    sequence's lengths, and O and LSE are stored packed (`ws.packed`)."""
+
+    q: object
+    k: object
+    v: object
+    cu_q: object
+    cu_k: object
+
+    @property
+    def cu_q_param(self) -> str:
+        return param_name(self.cu_q.id)
+
+    @property
+    def cu_k_param(self) -> str:
+        return param_name(self.cu_k.id)
+
+
+@dataclass(frozen=True)
 class AttentionPayload:
     """What only the attention workload knows about its partition."""
 
@@ -62,12 +86,28 @@ class AttentionPayload:
     sink: SideInput | float | None = None   # the softmax's sink logit: an input, a constant or none
     packed: bool = False           # GQA packing: the last batch dim (G) and S form the tile rows
     paged: PagedCache | None = None   # K and V read from pages through a block table (ws.paged)
+    varlen: VarlenBatch | None = None  # packed sequences of their own lengths (ws.varlen)
 
     @property
     def keys(self) -> str:
         """The kernel's name for the keys K and V hold: T, or the cache's T_cache where each
-        sequence has its own length (the tile loop's `T` is then min(lengths[b], T_cache))."""
+        sequence has its own length (the tile loop's `T` is then min(lengths[b], T_cache)), or
+        T_packed, the rows of packed K and V (the tile loop's `T` is its sequence's keys)."""
+        if self.varlen is not None:
+            return "T_packed"
         return "T" if self.score.lengths is None else "T_cache"
+
+    @property
+    def rows_may_see_nothing(self) -> bool:
+        """Whether a query may see no key at all (O = 0, LSE = -inf): by a mask, or as a packed
+        sequence without keys (every block that runs still shows each row a key)."""
+        return self.score.rows_may_see_nothing or self.varlen is not None
+
+    @property
+    def queries(self) -> str:
+        """The kernel's name for the query rows Q holds: S, or S_packed, the rows of a packed Q
+        (the tile loop's `S` is then its sequence's queries)."""
+        return "S" if self.varlen is None else "S_packed"
 
     @property
     def kernel_batch(self) -> int:
@@ -106,9 +146,12 @@ def describe(part: Partition) -> str:
               if plain else score_lines(part.fusion, sf))
     lines = [f"partition of {part.fusion.name} (attention {s.short()})", "",
              "load sub-DAG  (producer: 1 warp of 1 warpgroup, elected thread)",
-             f"  for tile in persistent({batch} x ceil(S/{bm}) tiles):",
-             f"    tma.load {a.q.id} -> Q   {bm} x {d} once per tile   (channel q)",
+             (f"  for tile in persistent({batch} x ceil(S/{bm}) tiles):" if a.varlen is None else
+              f"  for tile in persistent(batch1.. x (S_packed/{bm} + batch0) blocks, each sequence's own):"),
+             f"    tma.load {(a.varlen or a).q.id} -> Q   {bm} x {d} once per tile   (channel q)",
              *([f"    T = min({sf.lengths.node.id}[b0], T_cache)   (this sequence's keys)"] if sf.lengths else []),
+             *([f"    sequence b0 of the tile's block (a binary search over {a.varlen.cu_q.id}); S, T its queries and "
+                f"keys, from {a.varlen.cu_q.id} and {a.varlen.cu_k.id}"] if a.varlen else []),
              f"    for k in range({kv}):",
              *(_load_lines(a, bn, d, s.value_dim)), "",
              f"compute sub-DAG  (consumers: {s.consumer_warpgroups} warpgroups x 64 query rows)",
@@ -132,8 +175,9 @@ def describe(part: Partition) -> str:
 def _load_lines(a, bn: int, d: int, dv: int) -> list[str]:
     pc = a.paged
     if pc is None:
-        return [f"      tma.load {a.k.id} -> K[stage]   {bn} x {d}   (channel k)",
-                f"      tma.load {a.v.id} -> V[stage]   {bn} x {dv}   (channel v)"]
+        rows = f"[k_start + k * {bn}..]" if a.varlen else ""
+        return [f"      tma.load {(a.varlen or a).k.id}{rows} -> K[stage]   {bn} x {d}   (channel k)",
+                f"      tma.load {(a.varlen or a).v.id}{rows} -> V[stage]   {bn} x {dv}   (channel v)"]
     n = bn // pc.rows_per_load
     pages = (f"{n} pages of {pc.page_size} keys" if n > 1 else
              f"{pc.rows_per_load} keys of one {pc.page_size}-key page")
@@ -151,6 +195,12 @@ def check_cache_values(part: Partition, tensors: dict) -> None:
     are wrong instead of computing on zeros."""
     a = part.payload
     pc, lengths = a.paged, a.score.lengths
+    if a.varlen is not None:   # offsets from 0 to the packed rows, non-decreasing
+        from wsched.reference import check_cu_seqlens
+
+        vl = a.varlen
+        for cu, rows in ((vl.cu_q, vl.q), (vl.cu_k, vl.k)):
+            check_cu_seqlens(cu.id, tensors[param_name(cu.id)], tensors[param_name(rows.id)].shape[0], rows.id)
     if pc is None and lengths is None:
         return
     name = part.fusion.name
@@ -292,7 +342,9 @@ def partition_attention(workload, fusion, schedule: AttentionSchedule) -> Partit
         fail("the first matmul must be Q @ K.transpose(-1, -2)", qk)
     k, v = nodes[kt.inputs[0]], nodes[pv.inputs[1]]
     paged = _paged_cache(nodes, q, k, v, schedule, fail)
-    loaded = (q, paged.k_cache, paged.v_cache) if paged else (q, k, v)
+    varlen = _varlen_batch(nodes, q, k, v, fail)
+    loaded = ((q, paged.k_cache, paged.v_cache) if paged else
+              (varlen.q, varlen.k, varlen.v) if varlen else (q, k, v))
     for name, node in zip(("Q", "K", "V"), loaded):
         if node.op != "input":
             fail(f"{name} must be a fusion input (it is loaded by TMA)", node)
@@ -336,11 +388,14 @@ def partition_attention(workload, fusion, schedule: AttentionSchedule) -> Partit
     packed = schedule.pack_gqa
     if packed:
         _check_packing(fail, sf_plain(function), k_broadcast, sink, batch)
+    if varlen is not None:
+        _check_varlen(fail, schedule, function, varlen)
     if schedule.splits_kv and sink is not None:
         fail(f"split_kv={schedule.split_kv} does not take an attention sink (its logit would count once per "
              f"split); use split_kv=1")
 
-    outputs = [nodes[o] for o in fusion.outputs]
+    stored = [nodes[o] for o in fusion.outputs]   # what the kernel stores; with varlen Q, packed
+    outputs = _unpacked(nodes, stored, varlen, fail)
     out = next((o for o in outputs if o.id == pv.id or (o.op == "cast" and o.inputs[0] == pv.id)), None)
     if out is None:
         fail("the output of the second matmul (optionally cast) must be a fusion output")
@@ -355,11 +410,13 @@ def partition_attention(workload, fusion, schedule: AttentionSchedule) -> Partit
         fail(f"outputs other than O and LSE cannot be fused: {[o.id for o in extra]}", extra[0])
     if out.dtype.name not in ("bf16", "f16"):
         fail(f"O is stored as bf16 or f16; add .to(ws.bf16) (it is {out.dtype.name})", out)
+    packed_of = dict(zip((o.id for o in outputs), stored))
+    out, lse = packed_of[out.id], (packed_of[lse.id] if lse is not None else None)
 
     bm, bn, _ = schedule.tile
     dt = q.dtype.name
     qk_chunk, v_chunk = (chunk_columns(x, q.dtype.itemsize) for x in (d, dv))
-    q_load = OperandLoad(param_name(q.id), "q", "Q", "k", dt, (64, qk_chunk),
+    q_load = OperandLoad(param_name(loaded[0].id), "q", "Q", "k", dt, (64, qk_chunk),
                          schedule.consumer_warpgroups * (d // qk_chunk))
     rows, per_block = (paged.rows_per_load, bn // paged.rows_per_load) if paged else (bn, 1)
     k_load = OperandLoad(param_name(loaded[1].id), "k", "K", "k", dt, (rows, qk_chunk), per_block * (d // qk_chunk))
@@ -373,16 +430,62 @@ def partition_attention(workload, fusion, schedule: AttentionSchedule) -> Partit
     dims = {f"batch{i}": (q.id, i) for i in range(batch - packed)}
     if packed:
         dims["G"] = (q.id, batch - 1)
-    payload = AttentionPayload(q, k, v, out, lse, function, batch, k_broadcast, sink, packed, paged)
+    payload = AttentionPayload(q, k, v, out, lse, function, batch, k_broadcast, sink, packed, paged, varlen)
     dims["S"] = (q.id, batch)
     if paged:   # the keys: max_pages x page_size (a host param)
         dims.update({"P": (paged.k_cache.id, 0), "MP": (paged.table.id, 1)})
+    elif varlen:   # packed [N, *heads, D]: the sequences from cu_seqlens (batch0 is a host param)
+        dims = {f"batch{i}": (varlen.q.id, i) for i in range(1, batch)}
+        dims.update({OFFSETS: (varlen.cu_q.id, 0), payload.queries: (varlen.q.id, 0),
+                     payload.keys: (varlen.k.id, 0)})
     else:
         dims[payload.keys] = (k.id, batch)
     outputs = (out,) + ((lse,) if lse is not None else ())
     names = ("o",) + (("lse",) if lse is not None else ())
     return Partition(workload, fusion, schedule, channels, dag_of_loads(channels), compute_dag, outputs,
-                     names, dims, ("MP",) if paged else (payload.keys,), payload)
+                     names, dims, ("MP",) if paged else (payload.queries, payload.keys) if varlen else (payload.keys,),
+                     payload)
+
+
+def _varlen_batch(nodes, q, k, v, fail) -> VarlenBatch | None:
+    """Q, K and V read as `ws.varlen` of packed inputs (all three or none; K and V of one
+    cu_seqlens), or None."""
+    if not any(x.op == "varlen" for x in (q, k, v)):
+        return None
+    if not all(x.op == "varlen" for x in (q, k, v)):
+        fail("Q, K and V must all be ws.varlen(packed, cu_seqlens) of packed sequences, or none",
+             next(x for x in (q, k, v) if x.op == "varlen"))
+    if k.inputs[1] != v.inputs[1]:
+        fail("K and V must be ws.varlen(..., cu_seqlens) of one cu_seqlens (a sequence's keys and values are "
+             "the same rows)", v)
+    return VarlenBatch(*(nodes[x.inputs[0]] for x in (q, k, v)), nodes[q.inputs[1]], nodes[k.inputs[1]])
+
+
+def _check_varlen(fail, schedule, function, varlen: VarlenBatch) -> None:
+    """What packed sequences do not take (yet): GQA packing, split-KV, key lengths beside them."""
+    if schedule.pack_gqa:
+        fail("pack_gqa=True does not take ws.varlen sequences (a tile's rows are one sequence's queries of one "
+             "head); use pack_gqa=False")
+    if schedule.splits_kv:
+        fail(f"split_kv={schedule.split_kv} does not take ws.varlen sequences; use split_kv=1")
+    if function.lengths is not None:
+        fail(f"ws.key_lengths beside ws.varlen: a packed sequence's keys are its rows of "
+             f"{varlen.k.id} (cu_seqlens {varlen.cu_k.id}); drop ws.key_lengths", function.lengths.node)
+
+
+def _unpacked(nodes, stored: list, varlen: VarlenBatch | None, fail) -> list:
+    """The fusion's outputs with ws.packed taken off: with ws.varlen Q each output must be
+    ws.packed(x, cu_q) (rows of the packed queries), without it none may be."""
+    if varlen is None:
+        for o in stored:
+            if o.op == "packed":
+                fail("ws.packed outputs are the rows of ws.varlen sequences; Q, K and V are not ws.varlen", o)
+        return stored
+    for o in stored:
+        if o.op != "packed" or o.inputs[1] != varlen.cu_q.id:
+            fail(f"with ws.varlen sequences the outputs are packed rows: return ws.packed(x, {varlen.cu_q.id}) "
+                 f"(O [NQ, heads, D], LSE [NQ, heads])", o)
+    return [nodes[o.inputs[0]] for o in stored]
 
 
 def _paged_cache(nodes, q, k, v, schedule, fail) -> PagedCache | None:

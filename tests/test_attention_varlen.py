@@ -1,0 +1,186 @@
+"""Attention over packed sequences of their own lengths (`ws.varlen` / `ws.packed`,
+FlashAttention's varlen layout: Q [NQ, H, D], K and V [NK, H, D], i32 offsets cu_q and cu_k):
+the CPU simulator against the torch reference (outputs poisoned with NaN first), the IR of the
+tile loop (a binary search for the tile's sequence, its rows in the packed tensors, stores that
+stop at the sequence's end), the host check of the offsets, nvcc builds, and what is refused."""
+
+import pytest
+import torch
+
+import wsched as ws
+from wsched.errors import FusionError
+from wsched.schedule import ScheduleError
+
+from attention_fusions import make_varlen_attention, varlen_inputs
+
+
+def compiled(fusion, **overrides):
+    schedule = ws.schedule_for(fusion, **overrides)
+    return ws.CompiledKernel(fusion, schedule, ws.partition(fusion, schedule), ws.lower(fusion, schedule),
+                             cuda_source="")
+
+
+def check(kernel, fusion, inputs, num_sms=4, seed=0):
+    got = kernel.simulate(*inputs, num_sms=num_sms, seed=seed)
+    want = fusion.reference(*inputs)
+    got, want = (got, want) if isinstance(got, tuple) else ((got,), (want,))
+    for g, w in zip(got, want):
+        assert g.shape == w.shape
+        assert not torch.isnan(g.float()).any(), "packed rows never written (poisoned with NaN)"
+        # a query that sees no key: the reference's softmax is 0 / 0 (NaN), the kernel's O is 0; LSE -inf
+        assert (g[torch.isnan(w)] == 0).all(), "O of a row that sees no key is not 0"
+        assert torch.equal(torch.isneginf(w), torch.isneginf(g)), "LSE of rows that see no key differ"
+        finite = torch.isfinite(w)
+        err = float((g.float()[finite] - w.float()[finite]).norm() / w.float()[finite].norm().clamp_min(1e-30))
+        assert err < 1e-2, err
+
+
+@pytest.mark.parametrize("causal", [False, True, "bottom_right"])
+def test_ragged_sequences_match_torch(causal):
+    # an empty query sequence, a one-token one, one that ends a block early, one of 3 blocks and
+    # queries without keys (O = 0, LSE = -inf); the keys of each sequence differ from its
+    # queries (bottom-right aligns each to its own)
+    fusion = make_varlen_attention(64, causal=causal)
+    inputs = varlen_inputs([0, 1, 130, 300, 7], [5, 1, 200, 260, 0], 2, 64, seed=1)
+    check(compiled(fusion), fusion, inputs)
+
+
+def test_gqa_with_empty_key_sequences_and_more_tiles_than_sms():
+    fusion = make_varlen_attention(128, causal="bottom_right", gqa=True)
+    inputs = varlen_inputs([3, 64, 0, 129, 17, 1, 250], [3, 100, 7, 129, 300, 0, 250], 4, 128, kv_heads=2, seed=3)
+    check(compiled(fusion), fusion, inputs, num_sms=3)
+
+
+def test_many_short_sequences_on_64_row_tiles():
+    # 13 sequences: a 4-step search; 64-row tiles of one consumer warpgroup, more SMs than tiles
+    fusion = make_varlen_attention(64, causal=True, lse=False)
+    lens = [1, 7, 64, 65, 0, 33, 2, 128, 5, 90, 64, 1, 40]
+    check(compiled(fusion, tile=(64, 64, 64), consumer_warpgroups=1), fusion,
+          varlen_inputs(lens, lens, 1, 64, seed=4), num_sms=64)
+
+
+def test_one_offsets_tensor_for_queries_and_keys():
+    @ws.fusion
+    def self_attention(q: ws.Tensor[ws.bf16, "N", "H", 64], k: ws.Tensor[ws.bf16, "N", "H", 64],
+                       v: ws.Tensor[ws.bf16, "N", "H", 64], cu: ws.Tensor[ws.i32, "B1"]):
+        s = ws.causal_mask(ws.matmul(ws.varlen(q, cu), ws.varlen(k, cu).transpose(-1, -2)) * 0.125)
+        return ws.packed(ws.matmul(ws.softmax(s, dim=-1), ws.varlen(v, cu)).to(ws.bf16), cu)
+
+    kernel = compiled(self_attention)
+    assert [p.name for p in kernel.kernel.params].count("cu") == 1
+    q, k, v, cu, _ = varlen_inputs([150, 3, 97], [150, 3, 97], 2, 64, seed=5)
+    check(kernel, self_attention, (q, k, v, cu))
+
+
+def test_a_score_function_sees_positions_within_each_sequence():
+    @ws.fusion
+    def softcap_window(q: ws.Tensor[ws.bf16, "NQ", "H", 64], k: ws.Tensor[ws.bf16, "NK", "H", 64],
+                       v: ws.Tensor[ws.bf16, "NK", "H", 64], cu_q: ws.Tensor[ws.i32, "B1"],
+                       cu_k: ws.Tensor[ws.i32, "B1"]):
+        s = ws.matmul(ws.varlen(q, cu_q), ws.varlen(k, cu_k).transpose(-1, -2)) * 0.125
+        i, j = ws.positions(s)
+        s = ws.where((j <= i) & (i - j < 100), 20 * ws.tanh(s / 20), -ws.inf)
+        return ws.packed(ws.matmul(ws.softmax(s, dim=-1), ws.varlen(v, cu_k)).to(ws.bf16), cu_q)
+
+    check(compiled(softcap_window), softcap_window, varlen_inputs([260, 9, 131], [260, 9, 131], 2, 64, seed=6))
+
+
+def test_the_tile_loop_finds_its_sequence_and_stores_only_its_rows():
+    ir = compiled(make_varlen_attention(64, causal="bottom_right")).ir
+    assert ("i32 offsets, i32 batch0 = offsets - 1, i32 batch1, i32 S_packed, i32 T_packed, "
+            "i32 search_steps = bit_length(batch0)") in ir
+    assert "grid(min(num_sms, batch1 * (S_packed / 128 + batch0)))" in ir
+    search = """\
+        var seq = 0
+        var span = batch0
+        for step in serial(0, search_steps, 1) {
+          let half = span / 2
+          let mid = seq + half
+          ld.global cu_mid = cu_q[mid]
+          let go = cu_mid / 128 + mid <= v_block
+          set seq = select(go, mid, seq)
+          set span = select(go, span - half, half)
+        }
+        let b0 = seq
+        ld.global q_off0 = cu_q[b0]
+        ld.global q_off1 = cu_q[min(b0 + 1, offsets - 1)]
+        let q_start = min(max(q_off0, 0), S_packed)
+        let q_end = min(max(q_off1, q_start), S_packed)
+        let S = q_end - q_start
+"""
+    assert search in ir   # the producer's; the consumers' is the same, indented less
+    assert "let kv_tiles = select(m0 < S, min(kv_blocks, ceil_div(max(m0 + 128 + (T - S), 0), 128)), 0)" in ir
+    assert "tma.load K[s, 0] <- k_in[k_start + k * 128, kv_head * 64] bar(k_full[s])" in ir
+    assert "tile.store o[q_start + (m0 + wg * 64), head * 64] <- o_t row_limit(q_end)" in ir
+    assert "tile.store lse[q_start + (m0 + wg * 64), head] <- l_run row_limit(q_end)" in ir
+
+
+def test_offsets_are_checked_on_the_host():
+    fusion = make_varlen_attention(64)
+    q, k, v, cu_q, cu_k = varlen_inputs([10, 20], [10, 20], 1, 64)
+    kernel = compiled(fusion)
+    i32 = dict(dtype=torch.int32)
+    with pytest.raises(FusionError, match=_re("cu_q[2] = 10 is below cu_q[1] = 20: cu_seqlens must be non-decreasing "
+                                              "offsets from 0 to 30 (the rows of q)")):
+        kernel.simulate(q, k, v, torch.tensor([0, 20, 10], **i32), cu_k)
+    with pytest.raises(FusionError, match=_re("cu_k[2] = 29 (the last offset) must be 30")):
+        kernel.simulate(q, k, v, cu_q, torch.tensor([0, 10, 29], **i32))
+    kernel.simulate(q, k, v, cu_q, torch.tensor([0, 0, 30], **i32))   # an empty sequence is fine
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (dict(pack_gqa=True, tile=(64, 128, 64), consumer_warpgroups=1),
+     "pack_gqa=True does not take ws.varlen sequences (a tile's rows are one sequence's queries of one head); "
+     "use pack_gqa=False"),
+    (dict(split_kv=4), "split_kv=4 does not take ws.varlen sequences; use split_kv=1"),
+])
+def test_what_packed_sequences_do_not_take(overrides, message):
+    fusion = make_varlen_attention(64, gqa=True)
+    with pytest.raises(ScheduleError, match=r"^attention schedule for varlen_d64_lse_gqa_bf16: " + _re(message)):
+        ws.partition(fusion, ws.schedule_for(fusion, **overrides))
+
+
+def test_ws_compile_picks_no_decode_variant_for_packed_sequences():
+    k = ws.compile(make_varlen_attention(128, gqa=True), build=False)
+    assert not getattr(k, "variants", ())
+
+
+def test_outputs_of_packed_sequences_must_be_packed():
+    @ws.fusion
+    def unpacked(q: ws.Tensor[ws.bf16, "NQ", "H", 64], k: ws.Tensor[ws.bf16, "NK", "H", 64],
+                 v: ws.Tensor[ws.bf16, "NK", "H", 64], cu_q: ws.Tensor[ws.i32, "B1"], cu_k: ws.Tensor[ws.i32, "B1"]):
+        s = ws.matmul(ws.varlen(q, cu_q), ws.varlen(k, cu_k).transpose(-1, -2))
+        return ws.matmul(ws.softmax(s, dim=-1), ws.varlen(v, cu_k)).to(ws.bf16)
+
+    with pytest.raises(ScheduleError, match=_re(
+            "with ws.varlen sequences the outputs are packed rows: return ws.packed(x, cu_q) (O [NQ, heads, D], "
+            "LSE [NQ, heads]) (n7 = cast(...) at test_attention_varlen.py:")):
+        ws.partition(unpacked, ws.schedule_for(unpacked))
+
+
+def test_k_and_v_of_two_offsets_are_refused():
+    @ws.fusion
+    def two(q: ws.Tensor[ws.bf16, "NQ", "H", 64], k: ws.Tensor[ws.bf16, "NK", "H", 64],
+            v: ws.Tensor[ws.bf16, "NK", "H", 64], cu_q: ws.Tensor[ws.i32, "B1"], cu_k: ws.Tensor[ws.i32, "B1"]):
+        s = ws.matmul(ws.varlen(q, cu_q), ws.varlen(k, cu_k).transpose(-1, -2))
+        return ws.packed(ws.matmul(ws.softmax(s, dim=-1), ws.varlen(v, cu_q)).to(ws.bf16), cu_q)
+
+    with pytest.raises(ScheduleError, match=_re("K and V must be ws.varlen(..., cu_seqlens) of one cu_seqlens")):
+        ws.partition(two, ws.schedule_for(two))
+
+
+@pytest.mark.nvcc
+@pytest.mark.parametrize("head_dim, causal, gqa", [(64, False, False), (128, "bottom_right", True), (256, True, False)])
+def test_varlen_kernels_build_without_spills(head_dim, causal, gqa):
+    """The producer's search and offsets fit its 24 registers; the consumers' beside the tile."""
+    from test_attention_variants import build_resources
+
+    fusion = make_varlen_attention(head_dim, causal=causal, gqa=gqa)
+    resources = build_resources(ws.lower(fusion, ws.schedule_for(fusion)))
+    assert resources.spill_stores == 0 and resources.spill_loads == 0
+
+
+def _re(text: str) -> str:
+    import re
+
+    return re.escape(text)
