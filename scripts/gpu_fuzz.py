@@ -18,6 +18,9 @@ Kernels, one family after another (`--families`):
                64, 256, shuffled; empty, one-key and ragged sequences), schedules drawn the same way
     variant    score functions and masks (causal, window, softcap, ALiBi, document, sinks; head
                dims 64/96/128/192), schedules drawn the same way
+    varlen     packed sequences (ws.varlen / ws.packed: head dims 64/96/128/256, causal top-left /
+               bottom-right, GQA, LSE): empty, one-token, block-boundary and ragged sequences,
+               queries and keys of their own lengths, schedules drawn the same way
 
 They are built first, in parallel (nvcc processes), into the build cache. Cases: shapes drawn
 per kernel — odd sizes, K (keys T) long enough to reuse every stage and shorter than one tile,
@@ -57,7 +60,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 NOMINAL_SMS = 132              # H100 / H200; shapes aim at both sides of it
 MAX_SCORES = 64_000_000        # B*H*S*T bound: the fp32 reference materialises the scores
 MATMUL_FUSIONS = ("matmul", "matmul_f16", "mlp", "linear_relu_residual", "scaled_silu_f32", "gated")
-FAMILIES = ("matmul", "attention", "paged", "variant")
+FAMILIES = ("matmul", "attention", "paged", "variant", "varlen")
 # (rel L2, max |error| / max |ref|) a correct kernel stays under, by output element type: one
 # bf16 rounding of the output (2^-8) and of P in attention, accumulation-order noise in fp32.
 TOLERANCE = {"bfloat16": (1e-2, 6e-2), "float16": (1e-2, 6e-2), "float32": (1e-3, 1e-2)}
@@ -77,13 +80,15 @@ def fusion_of(spec: dict):
         import fusions
 
         return getattr(fusions, spec["name"])
-    from attention_fusions import make_attention, make_paged_attention, make_variant
+    from attention_fusions import make_attention, make_paged_attention, make_variant, make_varlen_attention
 
     if spec["family"] == "paged":
         return make_paged_attention(spec["head_dim"], spec["page_size"], causal=spec["causal"],
                                     lengths=spec["lengths"], lse=spec["lse"])
     if spec["family"] == "variant":
         return make_variant(spec["head_dim"], spec["variant"], gqa=spec["gqa"], lse=spec["lse"])
+    if spec["family"] == "varlen":
+        return make_varlen_attention(spec["head_dim"], causal=spec["causal"], lse=spec["lse"], gqa=spec["gqa"])
     return make_attention(spec["head_dim"], causal=spec["causal"], lse=spec["lse"], gqa=spec["gqa"])
 
 
@@ -154,6 +159,12 @@ def variant_specs() -> list[dict]:
             for d in (64, 96, 128, 192) for variant in VARIANTS for gqa in (False, True)]
 
 
+def varlen_specs() -> list[dict]:
+    return [{"family": "varlen", "head_dim": d, "causal": causal, "lse": lse, "gqa": gqa}
+            for d in (64, 96, 128, 256) for causal in (False, True, "bottom_right")
+            for lse in (False, True) for gqa in (False, True)]
+
+
 def plan_kernels(count: int, rng: random.Random, families: tuple[str, ...] = FAMILIES) -> list[dict]:
     """`count` distinct (fusion, schedule) pairs: the families in turn, each fusion and head dim
     in turn within its family; matmul schedules drawn from the workload's space, attention ones
@@ -167,7 +178,8 @@ def plan_kernels(count: int, rng: random.Random, families: tuple[str, ...] = FAM
         return [group[i % len(group)] for i in range(max(map(len, by_dim))) for group in by_dim]
 
     specs = {"matmul": [{"family": "matmul", "name": n} for n in MATMUL_FUSIONS],
-             "attention": dealt(attention_specs()), "paged": dealt(paged_specs()), "variant": dealt(variant_specs())}
+             "attention": dealt(attention_specs()), "paged": dealt(paged_specs()), "variant": dealt(variant_specs()),
+             "varlen": dealt(varlen_specs())}
     spaces: dict[str, list] = {}
     kernels, seen = [], set()
     for slot in range(count * 4):
@@ -290,6 +302,41 @@ def paged_shape(kernel: dict, regime: str, rng: random.Random) -> dict:
     return {"B": B, "HK": HK, "G": G, "S": S, "lens": lens}
 
 
+def varlen_shape(kernel: dict, regime: str, rng: random.Random) -> dict:
+    """B packed sequences, each with its own query and key counts (some empty, of one token, or at
+    a block boundary), H query heads (G a KV head with GQA)."""
+    bm, bn, stages = _attention_tile(kernel)
+    if regime == "few_tiles":
+        B, H, q_top, k_top = rng.randint(1, 2), rng.randint(1, 4), 3 * bm, 4096
+    elif regime == "many_tiles":
+        B, H, q_top, k_top = rng.randint(8, 40), rng.randint(2, 8), 1500, 1500
+    elif regime == "short_k":
+        B, H, q_top, k_top = rng.randint(1, 16), rng.randint(1, 8), 600, 2 * bn
+    else:   # "skinny": a few queries against many keys, or many queries against few keys
+        B, H = rng.randint(1, 16), rng.randint(1, 8)
+        q_top, k_top = (16, 6000) if rng.random() < 0.5 else (2000, 300)
+
+    def length(top: int, block: int) -> int:
+        pick = rng.random()
+        return (0 if pick < 0.08 else 1 if pick < 0.16 else
+                rng.randint(1, max(1, top // block)) * block if pick < 0.3 else rng.randint(1, top))
+
+    q_lens = [length(q_top, bm) for _ in range(B)]
+    k_lens = ([q if rng.random() < 0.5 else length(k_top, bn) for q in q_lens] if q_top > 16
+              else [length(k_top, bn) for _ in range(B)])
+    # a batch holds a query and a key (no rows at all is refused: "S_packed is 0")
+    q_lens[0], k_lens[0] = (max(x[0], 1 if sum(x) == 0 else 0) for x in (q_lens, k_lens))
+    G = rng.choice((2, 4, 8)) if kernel["fusion"]["gqa"] else None
+    if G:
+        H = max(1, H // G) * G
+    while B * H * max(sum(q_lens), 1) * max(sum(k_lens), 1) > MAX_SCORES:   # the reference pads each
+        if B > 1:
+            B, q_lens, k_lens = B - 1, q_lens[:-1], k_lens[:-1]
+        else:
+            q_lens, k_lens = [max(1, q_lens[0] // 2)], [max(1, k_lens[0] // 2)]
+    return {"H": H, "G": G, "q_lens": q_lens, "k_lens": k_lens}
+
+
 REGIMES = ("few_tiles", "many_tiles", "short_k", "skinny")
 
 
@@ -303,7 +350,8 @@ def plan_cases(kernels: list[dict], count: int, rng: random.Random, seed: int) -
             if len(cases) == count:
                 break
             regime = REGIMES[(round_ + kernel["kernel"]) % len(REGIMES)]
-            shape_of = {"matmul": matmul_shape, "paged": paged_shape}.get(kernel["fusion"]["family"], attention_shape)
+            shape_of = {"matmul": matmul_shape, "paged": paged_shape,
+                        "varlen": varlen_shape}.get(kernel["fusion"]["family"], attention_shape)
             cases.append({"id": len(cases), "kernel": kernel["kernel"], "fusion": kernel["fusion"],
                           "schedule": kernel["schedule"], "regime": regime,
                           "shape": shape_of(kernel, regime, rng), "seed": seed * 1_000_000 + len(cases)})
@@ -318,6 +366,8 @@ def tiles_of(case: dict) -> int:
     bm, _, _ = _attention_tile(case)
     if case["fusion"]["family"] == "paged":
         return s["B"] * s["HK"] * math.ceil(s["G"] * s["S"] / bm)
+    if case["fusion"]["family"] == "varlen":   # virtual blocks: rows / bm + sequences, per head
+        return s["H"] * (sum(s["q_lens"]) // bm + len(s["q_lens"]))
     return s["B"] * s["H"] * math.ceil(s["S"] / bm)
 
 
@@ -386,6 +436,12 @@ def make_inputs(case: dict, fusion, device):
         inputs = paged_inputs(shape["lens"], case["fusion"]["page_size"], case["fusion"]["head_dim"], hk=shape["HK"],
                               g=shape["G"], s=shape["S"], seed=case["seed"], device=device)
         return inputs if case["fusion"]["lengths"] else inputs[:4]
+    if case["fusion"]["family"] == "varlen":
+        from attention_fusions import varlen_inputs
+
+        kv_heads = shape["H"] // shape["G"] if shape["G"] else None
+        return varlen_inputs(shape["q_lens"], shape["k_lens"], shape["H"], case["fusion"]["head_dim"],
+                             kv_heads=kv_heads, seed=case["seed"] % 2**31, device=device)
     if case["fusion"]["family"] == "variant":
         from attention_fusions import variant_inputs
 
