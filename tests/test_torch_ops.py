@@ -12,7 +12,7 @@ import wsched as ws
 from wsched import torch_ops
 from wsched.kernel import NoGPUError
 
-from attention_fusions import attention_inputs, make_attention
+from attention_fusions import attention_inputs, make_attention, make_varlen_attention, varlen_inputs
 from fusions import inputs_for, matmul, mlp
 
 
@@ -29,6 +29,7 @@ def linear_residual(h: ws.Tensor[ws.bf16, "M", "F"], w: ws.Tensor[ws.bf16, "F", 
 
 
 attention_lse = make_attention(128, causal=True, lse=True)
+varlen = make_varlen_attention(64, causal="bottom_right")
 _kernels: dict = {}
 
 
@@ -84,7 +85,9 @@ def test_two_schedules_of_one_fusion_are_two_ops_and_registering_again_reuses_th
     (two_outputs, [(200, 72), (72, 136), (136,)], [((200, 136), torch.bfloat16), ((200, 136), torch.float32)]),
     (attention_lse, [(2, 3, 130, 128), (2, 3, 70, 128), (2, 3, 70, 128)],
      [((2, 3, 130, 128), torch.bfloat16), ((2, 3, 130), torch.float32)]),
-], ids=["matmul", "two_outputs", "attention_lse"])
+    (varlen, [(300, 2, 64), (250, 2, 64), (250, 2, 64), (4,), (4,)],   # packed rows of 3 sequences
+     [((300, 2, 64), torch.bfloat16), ((300, 2), torch.float32)]),
+], ids=["matmul", "two_outputs", "attention_lse", "varlen"])
 def test_fake_implementation_gives_the_outputs_shapes_and_dtypes(fusion, shapes, expected):
     k = kernel(fusion)
     with FakeTensorMode():
@@ -122,7 +125,8 @@ def test_an_eager_call_on_cpu_tensors_still_says_there_is_no_gpu():
     (matmul, lambda: inputs_for(matmul, 200, 136, 72)),
     (two_outputs, lambda: inputs_for(two_outputs, 200, 136, 72)),
     (attention_lse, lambda: attention_inputs(1, 2, 130, 130, 128)),
-], ids=["matmul", "two_outputs", "attention_lse"])
+    (varlen, lambda: varlen_inputs([130, 0, 70], [100, 5, 70], 2, 64)),
+], ids=["matmul", "two_outputs", "attention_lse", "varlen"])
 def test_opcheck(fusion, args):
     result = torch.library.opcheck(kernel(fusion).op, tuple(args()))
     assert set(result.values()) == {"SUCCESS"}, result
