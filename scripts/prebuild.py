@@ -9,7 +9,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
 
 import wsched as ws  # noqa: E402
-from attention_fusions import make_attention, make_paged_attention, make_varlen_attention  # noqa: E402
+from attention_fusions import (make_attention, make_paged_attention, make_varlen_attention,  # noqa: E402
+                               make_varlen_paged_attention)
 from fusions import gated, linear_relu_residual, matmul, matmul_f16, mlp, scaled_silu_f32  # noqa: E402
 
 VARIANTS = [(matmul, {}), (matmul_f16, {}), (mlp, {}), (linear_relu_residual, {}), (scaled_silu_f32, {}), (gated, {}),
@@ -31,7 +32,8 @@ ATTENTION = ([(make_attention(d, causal=c, lse=True), {}) for d in (64, 128, 256
              + [(make_varlen_attention(128, causal="bottom_right", gqa=True), {})]
              + [(make_varlen_attention(d, causal=c, lse=False, gqa=g), {})
                 for d, c, g in ((128, "bottom_right", False), (128, False, False), (128, "bottom_right", True),
-                                (64, "bottom_right", False))])
+                                (64, "bottom_right", False))]
+             + [(make_varlen_paged_attention(128, p), {}) for p in (16, 256, None)])
 
 
 def build(item):

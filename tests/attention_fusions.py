@@ -254,3 +254,53 @@ def varlen_inputs(q_lens, k_lens, heads: int, head_dim: int, kv_heads: int | Non
     k = torch.randn(nk, *kv, head_dim, generator=g)
     v = torch.randn(nk, *kv, dv, generator=g)
     return tuple(x.to(device=device, dtype=dtype) for x in (q, k, v)) + (cu_q.to(device), cu_k.to(device))
+
+
+def make_varlen_paged_attention(head_dim: int, page_size: int | None, causal: bool = True, lse: bool = True,
+                                dtype=ws.bf16):
+    """Packed queries against a KV cache (a serving engine's mixed batch: chunks of new tokens
+    per sequence, FlashAttention's varlen with a block table and seqused_k): Q [NQ, HK, G, D]
+    with i32 offsets cu_q [B+1], K / V paged ([pages, page_size, HK, D] through a [B, max_pages]
+    table; contiguous [B, HK, 1, T, D] where page_size is None) holding seq_lens[b] keys of
+    sequence b, bottom-right causal per sequence; O and LSE packed like Q."""
+    scale = 1.0 / math.sqrt(head_dim)
+    name = (f"varlen_{'paged' + str(page_size) if page_size else 'cache'}_d{head_dim}{'_causal' if causal else ''}"
+            f"{'_lse' if lse else ''}_{dtype.name}")
+
+    def body(q, k, v, cu_q, seq_lens):
+        s = ws.key_lengths(ws.matmul(ws.varlen(q, cu_q), k.transpose(-1, -2)) * scale, seq_lens)
+        s = ws.causal_mask(s, align="bottom_right") if causal else s
+        o = ws.packed(ws.matmul(ws.softmax(s, dim=-1), v).to(dtype), cu_q)
+        return (o, ws.packed(ws.logsumexp(s, dim=-1), cu_q)) if lse else o
+
+    if page_size:
+        def attention(q: ws.Tensor[dtype, "NQ", "HK", "G", head_dim],
+                      k_cache: ws.Tensor[dtype, "P", page_size, "HK", head_dim],
+                      v_cache: ws.Tensor[dtype, "P", page_size, "HK", head_dim],
+                      block_table: ws.Tensor[ws.i32, "B", "MP"], cu_q: ws.Tensor[ws.i32, "B+1"],
+                      seq_lens: ws.Tensor[ws.i32, "B"]):
+            return body(q, ws.paged(k_cache, block_table), ws.paged(v_cache, block_table), cu_q, seq_lens)
+    else:
+        def attention(q: ws.Tensor[dtype, "NQ", "HK", "G", head_dim], k: ws.Tensor[dtype, "B", "HK", 1, "T", head_dim],
+                      v: ws.Tensor[dtype, "B", "HK", 1, "T", head_dim], cu_q: ws.Tensor[ws.i32, "B+1"],
+                      seq_lens: ws.Tensor[ws.i32, "B"]):
+            return body(q, k, v, cu_q, seq_lens)
+    attention.__name__ = name
+    return ws.fusion(attention)
+
+
+def varlen_paged_inputs(q_lens, k_lens, page_size, head_dim, hk=2, g=2, seed=0, device="cpu", dtype=torch.bfloat16):
+    """Inputs of `make_varlen_paged_attention`: packed Q [sum(q_lens), hk, g, D], the caches
+    (paged as `paged_inputs` makes them, or contiguous [B, hk, 1, max(k_lens), D] where page_size
+    is None), the table, cu_q and the key lengths."""
+    gen = torch.Generator().manual_seed(seed)
+    cu_q = torch.tensor([0] + list(itertools.accumulate(q_lens)), dtype=torch.int32)
+    q = torch.randn((int(cu_q[-1]), hk, g, head_dim), generator=gen).to(dtype).to(device)
+    lens = torch.tensor(k_lens, dtype=torch.int32, device=device)
+    if page_size is None:
+        t = max(max(k_lens), 1)
+        k, v = (torch.randn((len(k_lens), hk, 1, t, head_dim), generator=gen).to(dtype).to(device) for _ in range(2))
+        return [q, k, v, cu_q.to(device), lens]
+    _, k_cache, v_cache, table, _ = paged_inputs(k_lens, page_size, head_dim, hk=hk, g=g, seed=seed, device=device,
+                                                 dtype=dtype)
+    return [q, k_cache, v_cache, table, cu_q.to(device), lens]

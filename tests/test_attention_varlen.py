@@ -11,7 +11,7 @@ import wsched as ws
 from wsched.errors import FusionError
 from wsched.schedule import ScheduleError
 
-from attention_fusions import make_varlen_attention, varlen_inputs
+from attention_fusions import make_varlen_attention, make_varlen_paged_attention, varlen_inputs, varlen_paged_inputs
 
 
 def compiled(fusion, **overrides):
@@ -87,8 +87,8 @@ def test_a_score_function_sees_positions_within_each_sequence():
 
 def test_the_tile_loop_finds_its_sequence_and_stores_only_its_rows():
     ir = compiled(make_varlen_attention(64, causal="bottom_right")).ir
-    assert ("i32 offsets, i32 batch0 = offsets - 1, i32 batch1, i32 S_packed, i32 T_packed, "
-            "i32 search_steps = bit_length(batch0)") in ir
+    assert ("i32 offsets, i32 batch0 = offsets - 1, i32 batch1, i32 S_packed, i32 search_steps = bit_length(batch0), "
+            "i32 T_packed") in ir
     assert "grid(min(num_sms, batch1 * (S_packed / 128 + batch0)))" in ir
     search = """\
         var seq = 0
@@ -167,6 +167,48 @@ def test_k_and_v_of_two_offsets_are_refused():
 
     with pytest.raises(ScheduleError, match=_re("K and V must be ws.varlen(..., cu_seqlens) of one cu_seqlens")):
         ws.partition(two, ws.schedule_for(two))
+
+
+@pytest.mark.parametrize("page_size", [16, 256, None])
+def test_packed_queries_against_a_paged_or_contiguous_cache(page_size):
+    # a serving engine's mixed batch: chunks of new tokens per sequence (one token, none, a few
+    # blocks) against each sequence's cache of seq_lens[b] keys, bottom-right causal per sequence;
+    # a sequence with queries and no key gives O = 0, LSE = -inf
+    fusion = make_varlen_paged_attention(64, page_size)
+    inputs = varlen_paged_inputs([1, 130, 0, 7, 300], [1, 500, 9, 0, 300], page_size, 64, seed=2)
+    kernel = compiled(fusion)
+    assert "global cu_q: i32[offsets]" in kernel.ir and "i32 batch0, " in kernel.ir   # B from the cache
+    check(kernel, fusion, inputs)
+
+
+def test_offsets_of_b_plus_1_entries_must_match_the_caches_b():
+    fusion = make_varlen_paged_attention(64, 16)
+    q, k, v, table, cu_q, lens = varlen_paged_inputs([3, 4], [10, 20], 16, 64)
+    with pytest.raises(FusionError, match=_re(
+            "symbol B is bound to two sizes: 2 (block_table dim 0) and 3 (cu_q dim 0 is B+1)")):
+        fusion.bind(q, k, v, table, torch.tensor([0, 3, 7, 7], dtype=torch.int32), lens)
+
+
+def test_packed_keys_need_packed_queries():
+    @ws.fusion
+    def keys_only(q: ws.Tensor[ws.bf16, "B", "H", "S", 64], k: ws.Tensor[ws.bf16, "NK", "H", 64],
+                  v: ws.Tensor[ws.bf16, "NK", "H", 64], cu_k: ws.Tensor[ws.i32, "B+1"]):
+        s = ws.matmul(q, ws.varlen(k, cu_k).transpose(-1, -2))
+        return ws.matmul(ws.softmax(s, dim=-1), ws.varlen(v, cu_k)).to(ws.bf16)
+
+    with pytest.raises(ScheduleError, match=_re(
+            "packed keys (ws.varlen K and V) need packed queries: Q must be ws.varlen(packed, cu_seqlens) too")):
+        ws.partition(keys_only, ws.schedule_for(keys_only))
+
+
+@pytest.mark.nvcc
+@pytest.mark.parametrize("page_size", [16, None])
+def test_packed_queries_against_a_cache_build_without_spills(page_size):
+    from test_attention_variants import build_resources
+
+    fusion = make_varlen_paged_attention(128, page_size)
+    resources = build_resources(ws.lower(fusion, ws.schedule_for(fusion)))
+    assert resources.spill_stores == 0 and resources.spill_loads == 0
 
 
 @pytest.mark.nvcc

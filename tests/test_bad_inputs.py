@@ -261,7 +261,7 @@ case("missing-annotation", missing_annotation, FusionError, r"bare: parameter a 
 case("returns-a-number", returns_a_number, FusionError, r"number: must return a ws tensor or a tuple of them")
 for params, message in [((), r"needs a ws dtype \(ws\.bf16, ws\.f16, ws\.f32, ws\.i32\) and the dims"),
                         (("bf16", "M"), r"the first argument must be a ws dtype"),
-                        ((ws.bf16, 0), r"dims must be symbol names \(str\) or positive ints, got 0"),
+                        ((ws.bf16, 0), r"dims must be symbol names \(str\), a symbol plus one \(\"B\+1\", offsets of B sequences\) or positive ints, got 0"),
                         ((ws.bf16, 1.5), r"got 1\.5"), ((ws.bf16, None), r"got None"), ((ws.bf16, "1M"), r"got '1M'")]:
     case(f"Tensor[{params!r}]", lambda p=params: ws.Tensor[p], FusionError, r"^Tensor\[\.\.\.\]: .*" + message)
 case("Fusion(nodes=42)", lambda: ws.Fusion("x", 42, ["n0"]), FusionError, r"x: nodes must be a list, got int")

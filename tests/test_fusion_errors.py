@@ -242,7 +242,8 @@ def test_bad_tensor_annotations():
     with raises("Tensor[...]: the first argument must be a ws dtype (ws.bf16, ws.f16, ws.f32, "
                 "ws.i32), got 'M'", "annotation-dtype"):
         ws.Tensor["M", "N"]  # annotation-dtype
-    with raises("Tensor[...]: dims must be symbol names (str) or positive ints, got 'M N'",
+    with raises("Tensor[...]: dims must be symbol names (str), a symbol plus one (\"B+1\", offsets of B sequences) "
+                "or positive ints, got 'M N'",
                 "annotation-dim"):
         ws.Tensor[ws.f32, "M N"]  # annotation-dim
 

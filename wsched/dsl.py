@@ -36,7 +36,9 @@ def format_type(dtype: DType, shape: Sequence[Dim]) -> str:
 
 
 def _is_dim(dim: object) -> bool:
-    return (isinstance(dim, str) and dim.isidentifier()) or (
+    """A symbol ("B"), a symbol plus one ("B+1": the offsets of B packed sequences, ws.varlen)
+    or a positive size."""
+    return (isinstance(dim, str) and (dim.isidentifier() or (dim.endswith("+1") and dim[:-2].isidentifier()))) or (
         isinstance(dim, int) and not isinstance(dim, bool) and dim >= 1)
 
 
@@ -80,8 +82,8 @@ class Tensor:
                               f"({_DTYPE_CHOICES}), got {dtype!r}")
         for dim in dims:
             if not _is_dim(dim):
-                raise FusionError("Tensor[...]", "dims must be symbol names (str) or positive "
-                                  f"ints, got {dim!r}")
+                raise FusionError("Tensor[...]", "dims must be symbol names (str), a symbol plus one "
+                                  f"(\"B+1\", offsets of B sequences) or positive ints, got {dim!r}")
         return TensorSpec(dtype, tuple(dims))
 
     id = property(lambda self: self.node.id)
@@ -567,10 +569,12 @@ def varlen(x: Tensor, cu_seqlens: Tensor) -> Tensor:
     """The sequences packed in x as one zero-padded batch: x is a fusion input [N, *heads, D]
     (FlashAttention's varlen layout: the rows of every sequence one after another) and
     `cu_seqlens` an i32 input [B1] of offsets, sequence b holding rows cu_seqlens[b] ..
-    cu_seqlens[b + 1] - 1. The result is [B1-1, *heads, N, D]: row t of sequence b is
-    x[cu_seqlens[b] + t], and 0 past its length. Over scores of a varlen Q and K, softmax and
-    logsumexp see each sequence's own keys only, and a bottom-right `causal_mask` aligns to each
-    sequence's query and key lengths; `ws.packed` turns a result back into packed rows."""
+    cu_seqlens[b + 1] - 1. The result is [B1-1, *heads, N, D] (declare the offsets [B+1] and it
+    is [B, *heads, N, D], B matching other [B, ...] inputs such as a paged cache's block table):
+    row t of sequence b is x[cu_seqlens[b] + t], and 0 past its length. Over scores of a varlen
+    Q and K, softmax and logsumexp see each sequence's own keys only, and a bottom-right
+    `causal_mask` aligns to each sequence's query and key counts (with varlen Q against a cache,
+    to its queries and its key lengths); `ws.packed` turns a result back into packed rows."""
     x, offsets = _operands("varlen", (x, cu_seqlens), allow_scalars=False)
     if x.ndim not in (3, 4) or x.node.op != "input":
         raise FusionError("varlen", f"x must be a fusion input [rows, heads, head_dim] or [rows, kv_heads, "
@@ -584,7 +588,12 @@ def varlen(x: Tensor, cu_seqlens: Tensor) -> Tensor:
         raise FusionError("varlen", f"{offsets.id} is declared with 1 offset; cu_seqlens must hold at least 2 "
                           f"offsets (one sequence)")
     # bound from cu_seqlens (Fusion.bind)
-    sequences: Dim = count - 1 if isinstance(count, int) else f"{count}-1"
+    if isinstance(count, int):
+        sequences: Dim = count - 1
+    elif count.endswith("+1") and count[:-2].isidentifier():   # declared [B+1]: B sequences
+        sequences = count[:-2]
+    else:
+        sequences = f"{count}-1"
     rows, *heads, dim = x.shape
     return x._trace.add("varlen", (x, offsets), x.dtype, (sequences, *heads, rows, dim))
 

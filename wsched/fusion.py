@@ -232,6 +232,14 @@ class Fusion:
                 elif sizes[dim] != size:
                     raise FusionError(op, f"symbol {dim} is bound to two sizes: {sizes[dim]} "
                                       f"({bound_at[dim]}) and {size} ({here})")
+        for dim in [d for d in sizes if d.endswith("+1")]:   # "B+1" declares B as one fewer
+            base, size = dim[:-2], sizes[dim] - 1
+            if size < 1:
+                raise FusionError(op, f"{bound_at[dim]} has size {sizes[dim]}, declared {dim}: {base} must be at "
+                                  f"least 1")
+            if sizes.setdefault(base, size) != size:
+                raise FusionError(op, f"symbol {base} is bound to two sizes: {sizes[base]} ({bound_at[base]}) and "
+                                  f"{size} ({bound_at[dim]} is {dim})")
         for node in self.nodes():   # a paged cache's keys: max_pages x page_size (dsl.paged)
             keys = node.shape[-2] if node.op == "paged" else None
             if isinstance(keys, str):
@@ -243,6 +251,10 @@ class Fusion:
                 if count < 2:
                     raise FusionError(op, f"{offsets.id} holds {count} offset{'s' * (count != 1)}: cu_seqlens "
                                       f"must hold at least 2 offsets (one sequence)")
+                known = sizes.get(node.shape[0])
+                if known is not None and known != count - 1:   # [B+1] offsets beside a [B] input
+                    raise FusionError(op, f"symbol {node.shape[0]} is bound to two sizes: {known} and {count - 1} "
+                                      f"({offsets.id} holds {count} offsets, one more than the sequences)")
                 sizes[node.shape[0]] = count - 1
         return sizes
 

@@ -117,9 +117,9 @@ def _packed_sequences(fusion: Fusion, inputs: Sequence[torch.Tensor]) -> _Sequen
     return sequences
 
 
-def _varlen_scores(fusion: Fusion, scores: str) -> tuple[Node | None, Node] | None:
-    """(the varlen view of Q or None, that of K) of the matmul Q @ K^T that `scores` is computed
-    from, found back through everything but other matmuls; None if K is not a varlen view."""
+def _varlen_scores(fusion: Fusion, scores: str) -> tuple[Node | None, Node | None] | None:
+    """(the varlen view of Q or None, that of K or None) of the matmul Q @ K^T that `scores` is
+    computed from, found back through everything but other matmuls; None if neither is one."""
     stack, seen = [scores], set()
     while stack:
         node = fusion.node(stack.pop())
@@ -130,8 +130,13 @@ def _varlen_scores(fusion: Fusion, scores: str) -> tuple[Node | None, Node] | No
             stack.extend(node.inputs)
             continue
         query, key = (_varlen_view(fusion, operand) for operand in node.inputs)
-        if key is not None and _is_transpose(fusion, node.inputs[1]) and (
-                fusion.node(node.inputs[1]).shape[-1] == key.shape[-2]):
+        if not _is_transpose(fusion, node.inputs[1]):
+            continue
+        if key is not None and fusion.node(node.inputs[1]).shape[-1] != key.shape[-2]:
+            key = None
+        if query is not None and fusion.node(node.inputs[0]).shape[-2] != query.shape[-2]:
+            query = None
+        if query is not None or key is not None:
             return query, key
     return None
 
@@ -211,13 +216,12 @@ def _evaluate_node(node: Node, args: list[torch.Tensor], sizes: dict[str, int],
         key = torch.arange(keys, device=device)[None, :]
         if node.attr("align") == "top_left":
             offset = 0
-        elif key_lengths is not None:   # packed sequences: each aligns to its own query and key lengths
-            offset = _per_sequence(key_lengths, args[0]) - (
-                queries if query_lengths is None else _per_sequence(query_lengths, args[0]))
-        elif len(args) == 2:
-            offset = _per_sequence(args[1], args[0]) - queries
-        else:
-            offset = keys - queries
+        else:   # each sequence aligns to its own key count (packed keys, key lengths) and queries
+            if key_lengths is not None:
+                keys = _per_sequence(key_lengths, args[0])
+            elif len(args) == 2:
+                keys = _per_sequence(args[1], args[0])
+            offset = keys - (queries if query_lengths is None else _per_sequence(query_lengths, args[0]))
         return args[0].masked_fill(key > query + offset, float("-inf"))
     if op == "key_lengths":
         keys, lengths = args[0].shape[-1], args[1]

@@ -70,13 +70,17 @@ def build_loops(kernel: None, ctx: LoweringContext) -> ir.Kernel:
 
     vl = a.varlen
     params: list[ir.Param] = [ir.ScalarParam(f"batch{i}", "i32") for i in range(nb)]
-    if vl:   # the sequences: one fewer than the offsets
+    if vl and vl.k:   # the sequences: one fewer than the offsets
         params = [ir.ScalarParam(OFFSETS, "i32"), ir.HostParam("batch0", "i32", ir.sub(OFFSETS, 1))] + params[1:]
+    elif vl:          # the sequences: the cache's batch, the offsets one more
+        params = [ir.ScalarParam(OFFSETS, "i32")] + params
     params += [ir.ScalarParam("G", "i32")] if a.packed else []
     params.append(ir.ScalarParam(a.queries, "i32"))
     pc = a.paged
-    if vl:
-        params += [ir.ScalarParam(a.keys, "i32"), ir.HostParam(SEARCH_STEPS, "i32", ir.bit_length("batch0"))]
+    if vl:   # the steps of the search for a tile's sequence (varlen_lets)
+        params.append(ir.HostParam(SEARCH_STEPS, "i32", ir.bit_length("batch0")))
+    if vl and vl.k:
+        params.append(ir.ScalarParam(a.keys, "i32"))
     elif pc:   # the cache's pages, the table's pages per sequence, and the keys they hold
         params += [ir.ScalarParam("P", "i32"), ir.ScalarParam("MP", "i32"),
                    ir.HostParam(a.keys, "i32", ir.mul("MP", pc.page_size))]
@@ -93,7 +97,7 @@ def build_loops(kernel: None, ctx: LoweringContext) -> ir.Kernel:
     else:
         params.append(ir.TensorMapParam(q_name, dt, tuple(batch) + (rows, C(d)), ones + (64, qk_width), 0))
     for name, dim, width in ((k_name, d, qk_width), (v_name, dv, v_width)):
-        if vl:
+        if vl and vl.k:
             params.append(ir.TensorMapParam(name, dt, (V(a.keys), ir.mul(_heads(nb, 1, k_batch), dim)), (bn, width), 0))
         elif pc:   # [P, page_size, HK, D]: a box of rows_per_load keys of one page and head
             params.append(ir.TensorMapParam(name, dt, (V("P"), C(pc.page_size), V("batch1"), C(dim)),
@@ -117,7 +121,8 @@ def build_loops(kernel: None, ctx: LoweringContext) -> ir.Kernel:
     if pc:
         params.append(ir.GlobalParam(pc.table_param, "i32", (V("batch0"), V("MP"))))
     if vl:
-        params += [ir.GlobalParam(cu, "i32", (V(OFFSETS),)) for cu in dict.fromkeys((vl.cu_q_param, vl.cu_k_param))]
+        params += [ir.GlobalParam(cu, "i32", (V(OFFSETS),)) for cu in dict.fromkeys((vl.cu_q_param, vl.cu_k_param))
+                   if cu is not None]
     if s.splits_kv:   # per split: O (unnormalised), row max and row sum of each tile; a ticket per warpgroup
         # Only the rows a query can fill are kept: a decode tile of 64 rows holds G x S of them
         # (4 for one token of 4 heads), and the merge reads every split's rows. The stores drop,
@@ -138,7 +143,7 @@ def build_loops(kernel: None, ctx: LoweringContext) -> ir.Kernel:
         ir.Let("heads", _heads(nb, 1 if vl else 0)),
         ir.Let("m_blocks", m_blocks_of(a, bm)),
         ir.Let("num_tiles", ir.mul("heads", "m_blocks")),
-    ) + ((ir.Let("kv_blocks", ir.ceil_div("T", bn)),) if sf.lengths is None and not vl else ()) \
+    ) + ((ir.Let("kv_blocks", ir.ceil_div("T", bn)),) if sf.lengths is None and not (vl and vl.k) else ()) \
       + ((ir.Let("num_units", ir.mul("num_tiles", SPLITS)),) if s.splits_kv else ())
 
     q_full, k_full, v_full = (ir.BarRef(c.full, C(0)) for c in part.channels)
@@ -154,7 +159,7 @@ def build_loops(kernel: None, ctx: LoweringContext) -> ir.Kernel:
                         for w in range(nwg) for c in range(chunks))
     # The kv block's first key: k counts this tile's blocks from its first visible one.
     row = ir.mul(ir.add(K_VAR, K_FIRST), bn) if _lower_bounds(sf) or s.splits_kv else ir.mul(K_VAR, bn)
-    if vl:
+    if vl and vl.k:
         kv_loads = tuple(ir.TmaLoad(ir.SmemRef(buf, (C(0), C(c))), name,
                                     (ir.add("k_start", row), _plus_mul("kv_head", dim, c * width)), bar)
                          for buf, name, bar, count, width, dim in (("K", k_name, k_full, chunks, qk_width, d),
@@ -460,16 +465,17 @@ def varlen_lets(a, bm: int, bn: int) -> list[ir.Stmt]:
         ir.Let("b0", V("seq")),
     ]
     last = ir.emin(ir.add("b0", 1), ir.sub(OFFSETS, 1))
-    for side, cu, rows, count in (("q", vl.cu_q_param, a.queries, "S"), ("k", vl.cu_k_param, a.keys, "T")):
+    sides = [("q", vl.cu_q_param, a.queries, "S")] + ([("k", vl.cu_k_param, a.keys, "T")] if vl.k else [])
+    for side, cu, rows, count in sides:
         lets += [ir.LoadGlobal(f"{side}_off0", cu, (V("b0"),)), ir.LoadGlobal(f"{side}_off1", cu, (last,)),
                  ir.Let(f"{side}_start", ir.emin(ir.emax(f"{side}_off0", 0), rows)),
                  ir.Let(f"{side}_end", ir.emin(ir.emax(f"{side}_off1", f"{side}_start"), rows)),
                  ir.Let(count, ir.sub(f"{side}_end", f"{side}_start"))]
     k_ext = [C(1) if a.k_broadcast[i] else V(f"batch{i}") for i in range(nb)]
-    lets += [ir.Let("kv_blocks", ir.ceil_div("T", bn)),
-             ir.Let("m_block", ir.emax(ir.sub("v_block", ir.add(ir.div("q_start", bm), "b0")), 0)),
-             ir.Let("head", _flat_index(nb, [V(f"batch{i}") for i in range(nb)], [False] * nb)),
-             ir.Let("kv_head", _flat_index(nb, k_ext, a.k_broadcast))]
+    lets += [ir.Let("kv_blocks", ir.ceil_div("T", bn))] if vl.k else []
+    lets += [ir.Let("m_block", ir.emax(ir.sub("v_block", ir.add(ir.div("q_start", bm), "b0")), 0)),
+             ir.Let("head", _flat_index(nb, [V(f"batch{i}") for i in range(nb)], [False] * nb))]
+    lets += [ir.Let("kv_head", _flat_index(nb, k_ext, a.k_broadcast))] if vl.k else []
     return lets
 
 

@@ -50,25 +50,26 @@ class PagedCache:
 
 @dataclass(frozen=True)
 class VarlenBatch:
-    """Q, K and V as `ws.varlen(packed, cu_seqlens)`: packed inputs [NQ, *heads, D] and
+    """Q (and K and V) as `ws.varlen(packed, cu_seqlens)`: packed inputs [NQ, *heads, D] and
     [NK, *kv_heads, D], sequence b holding query rows cu_q[b] .. cu_q[b+1] - 1 and key rows
     cu_k[b] .. cu_k[b+1] - 1 (i32 [B + 1] inputs; one input where they are the same). The tiles
-    walk each sequence's own m-blocks (`loops.varlen_lets`), each tile's S and T are its
-    sequence's lengths, and O and LSE are stored packed (`ws.packed`)."""
+    walk each sequence's own m-blocks (`loops.varlen_lets`), each tile's S (and T) are its
+    sequence's counts, and O and LSE are stored packed (`ws.packed`). K and V may instead be a
+    cache, [B, HK, 1, T, D] or paged, with key lengths or not (k, v, cu_k None)."""
 
     q: object
-    k: object
-    v: object
+    k: object | None
+    v: object | None
     cu_q: object
-    cu_k: object
+    cu_k: object | None
 
     @property
     def cu_q_param(self) -> str:
         return param_name(self.cu_q.id)
 
     @property
-    def cu_k_param(self) -> str:
-        return param_name(self.cu_k.id)
+    def cu_k_param(self) -> str | None:
+        return None if self.cu_k is None else param_name(self.cu_k.id)
 
 
 @dataclass(frozen=True)
@@ -93,7 +94,7 @@ class AttentionPayload:
         """The kernel's name for the keys K and V hold: T, or the cache's T_cache where each
         sequence has its own length (the tile loop's `T` is then min(lengths[b], T_cache)), or
         T_packed, the rows of packed K and V (the tile loop's `T` is its sequence's keys)."""
-        if self.varlen is not None:
+        if self.varlen is not None and self.varlen.k is not None:
             return "T_packed"
         return "T" if self.score.lengths is None else "T_cache"
 
@@ -200,7 +201,8 @@ def check_cache_values(part: Partition, tensors: dict) -> None:
 
         vl = a.varlen
         for cu, rows in ((vl.cu_q, vl.q), (vl.cu_k, vl.k)):
-            check_cu_seqlens(cu.id, tensors[param_name(cu.id)], tensors[param_name(rows.id)].shape[0], rows.id)
+            if cu is not None:
+                check_cu_seqlens(cu.id, tensors[param_name(cu.id)], tensors[param_name(rows.id)].shape[0], rows.id)
     if pc is None and lengths is None:
         return
     name = part.fusion.name
@@ -343,8 +345,8 @@ def partition_attention(workload, fusion, schedule: AttentionSchedule) -> Partit
     k, v = nodes[kt.inputs[0]], nodes[pv.inputs[1]]
     paged = _paged_cache(nodes, q, k, v, schedule, fail)
     varlen = _varlen_batch(nodes, q, k, v, fail)
-    loaded = ((q, paged.k_cache, paged.v_cache) if paged else
-              (varlen.q, varlen.k, varlen.v) if varlen else (q, k, v))
+    loaded = ((varlen.q if varlen else q, paged.k_cache, paged.v_cache) if paged else
+              (varlen.q, varlen.k or k, varlen.v or v) if varlen else (q, k, v))
     for name, node in zip(("Q", "K", "V"), loaded):
         if node.op != "input":
             fail(f"{name} must be a fusion input (it is loaded by TMA)", node)
@@ -434,16 +436,20 @@ def partition_attention(workload, fusion, schedule: AttentionSchedule) -> Partit
     dims["S"] = (q.id, batch)
     if paged:   # the keys: max_pages x page_size (a host param)
         dims.update({"P": (paged.k_cache.id, 0), "MP": (paged.table.id, 1)})
-    elif varlen:   # packed [N, *heads, D]: the sequences from cu_seqlens (batch0 is a host param)
-        dims = {f"batch{i}": (varlen.q.id, i) for i in range(1, batch)}
-        dims.update({OFFSETS: (varlen.cu_q.id, 0), payload.queries: (varlen.q.id, 0),
-                     payload.keys: (varlen.k.id, 0)})
-    else:
+    elif not varlen or not varlen.k:
         dims[payload.keys] = (k.id, batch)
+    if varlen:   # packed [N, *heads, D]: the sequences from cu_seqlens (batch0 is a host param)
+        keys = {name: dims[name] for name in ("P", "MP", payload.keys) if name in dims}
+        dims = {f"batch{i}": (varlen.q.id, i) for i in range(1, batch)}
+        dims.update({OFFSETS: (varlen.cu_q.id, 0), payload.queries: (varlen.q.id, 0), **keys})
+        if varlen.k:
+            dims[payload.keys] = (varlen.k.id, 0)
+        else:   # the cache's sequences: [B, ...] beside offsets [B+1] (Fusion.bind checks the two agree)
+            dims["batch0"] = (paged.table.id, 0) if paged else (k.id, 0)
     outputs = (out,) + ((lse,) if lse is not None else ())
     names = ("o",) + (("lse",) if lse is not None else ())
     return Partition(workload, fusion, schedule, channels, dag_of_loads(channels), compute_dag, outputs,
-                     names, dims, ("MP",) if paged else (payload.queries, payload.keys) if varlen else (payload.keys,),
+                     names, dims, ((payload.queries,) if varlen else ()) + (("MP",) if paged else (payload.keys,)),
                      payload)
 
 
@@ -452,9 +458,14 @@ def _varlen_batch(nodes, q, k, v, fail) -> VarlenBatch | None:
     cu_seqlens), or None."""
     if not any(x.op == "varlen" for x in (q, k, v)):
         return None
-    if not all(x.op == "varlen" for x in (q, k, v)):
-        fail("Q, K and V must all be ws.varlen(packed, cu_seqlens) of packed sequences, or none",
-             next(x for x in (q, k, v) if x.op == "varlen"))
+    if q.op != "varlen":
+        fail("packed keys (ws.varlen K and V) need packed queries: Q must be ws.varlen(packed, cu_seqlens) too",
+             next(x for x in (k, v) if x.op == "varlen"))
+    if (k.op == "varlen") != (v.op == "varlen"):
+        fail("K and V must both be ws.varlen(...) of one cu_seqlens, or neither (a cache)",
+             next(x for x in (k, v) if x.op == "varlen"))
+    if k.op != "varlen":   # packed queries against a cache: [B, HK, 1, T, D] or paged
+        return VarlenBatch(nodes[q.inputs[0]], None, None, nodes[q.inputs[1]], None)
     if k.inputs[1] != v.inputs[1]:
         fail("K and V must be ws.varlen(..., cu_seqlens) of one cu_seqlens (a sequence's keys and values are "
              "the same rows)", v)
@@ -468,7 +479,7 @@ def _check_varlen(fail, schedule, function, varlen: VarlenBatch) -> None:
              "head); use pack_gqa=False")
     if schedule.splits_kv:
         fail(f"split_kv={schedule.split_kv} does not take ws.varlen sequences; use split_kv=1")
-    if function.lengths is not None:
+    if function.lengths is not None and varlen.k is not None:
         fail(f"ws.key_lengths beside ws.varlen: a packed sequence's keys are its rows of "
              f"{varlen.k.id} (cu_seqlens {varlen.cu_k.id}); drop ws.key_lengths", function.lengths.node)
 
