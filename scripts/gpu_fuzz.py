@@ -21,6 +21,8 @@ Kernels, one family after another (`--families`):
     varlen     packed sequences (ws.varlen / ws.packed: head dims 64/96/128/256, causal top-left /
                bottom-right, GQA, LSE): empty, one-token, block-boundary and ragged sequences,
                queries and keys of their own lengths, schedules drawn the same way
+    mixed      packed chunks of new tokens (ws.varlen Q) against paged (16/32/64/256) or contiguous
+               caches with key lengths: empty chunks, one-token chunks, caches without keys
 
 They are built first, in parallel (nvcc processes), into the build cache. Cases: shapes drawn
 per kernel — odd sizes, K (keys T) long enough to reuse every stage and shorter than one tile,
@@ -60,7 +62,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 NOMINAL_SMS = 132              # H100 / H200; shapes aim at both sides of it
 MAX_SCORES = 64_000_000        # B*H*S*T bound: the fp32 reference materialises the scores
 MATMUL_FUSIONS = ("matmul", "matmul_f16", "mlp", "linear_relu_residual", "scaled_silu_f32", "gated")
-FAMILIES = ("matmul", "attention", "paged", "variant", "varlen")
+FAMILIES = ("matmul", "attention", "paged", "variant", "varlen", "mixed")
 # (rel L2, max |error| / max |ref|) a correct kernel stays under, by output element type: one
 # bf16 rounding of the output (2^-8) and of P in attention, accumulation-order noise in fp32.
 TOLERANCE = {"bfloat16": (1e-2, 6e-2), "float16": (1e-2, 6e-2), "float32": (1e-3, 1e-2)}
@@ -89,6 +91,10 @@ def fusion_of(spec: dict):
         return make_variant(spec["head_dim"], spec["variant"], gqa=spec["gqa"], lse=spec["lse"])
     if spec["family"] == "varlen":
         return make_varlen_attention(spec["head_dim"], causal=spec["causal"], lse=spec["lse"], gqa=spec["gqa"])
+    if spec["family"] == "mixed":
+        from attention_fusions import make_varlen_paged_attention
+
+        return make_varlen_paged_attention(spec["head_dim"], spec["page_size"], causal=spec["causal"], lse=spec["lse"])
     return make_attention(spec["head_dim"], causal=spec["causal"], lse=spec["lse"], gqa=spec["gqa"])
 
 
@@ -165,6 +171,12 @@ def varlen_specs() -> list[dict]:
             for lse in (False, True) for gqa in (False, True)]
 
 
+def mixed_specs() -> list[dict]:
+    return [{"family": "mixed", "head_dim": d, "page_size": page, "causal": causal, "lse": lse}
+            for d in (64, 128, 256) for page in (16, 32, 64, 256, None) for causal in (False, True)
+            for lse in (False, True)]
+
+
 def plan_kernels(count: int, rng: random.Random, families: tuple[str, ...] = FAMILIES) -> list[dict]:
     """`count` distinct (fusion, schedule) pairs: the families in turn, each fusion and head dim
     in turn within its family; matmul schedules drawn from the workload's space, attention ones
@@ -179,7 +191,7 @@ def plan_kernels(count: int, rng: random.Random, families: tuple[str, ...] = FAM
 
     specs = {"matmul": [{"family": "matmul", "name": n} for n in MATMUL_FUSIONS],
              "attention": dealt(attention_specs()), "paged": dealt(paged_specs()), "variant": dealt(variant_specs()),
-             "varlen": dealt(varlen_specs())}
+             "varlen": dealt(varlen_specs()), "mixed": dealt(mixed_specs())}
     spaces: dict[str, list] = {}
     kernels, seen = [], set()
     for slot in range(count * 4):
@@ -337,6 +349,30 @@ def varlen_shape(kernel: dict, regime: str, rng: random.Random) -> dict:
     return {"H": H, "G": G, "q_lens": q_lens, "k_lens": k_lens}
 
 
+def mixed_shape(kernel: dict, regime: str, rng: random.Random) -> dict:
+    """B sequences, each a chunk of new tokens (some empty or of one token) at the end of its
+    cache of keys (some without keys), HK KV heads of G query heads."""
+    _, bn, _ = _attention_tile(kernel)
+    B = {"few_tiles": rng.randint(1, 2), "many_tiles": rng.randint(8, 40)}.get(regime, rng.randint(1, 16))
+    chunk_top, cache_top = {"few_tiles": (300, 6000), "many_tiles": (64, 3000), "short_k": (600, 2 * bn)}.get(
+        regime, (16, 8000))
+    HK, G = rng.randint(1, 4), rng.choice((1, 2, 4, 8))
+    q_lens, k_lens = [], []
+    for _ in range(B):
+        pick = rng.random()
+        q = 0 if pick < 0.08 else 1 if pick < 0.3 else rng.randint(1, chunk_top)
+        k = 0 if rng.random() < 0.08 else q + rng.randint(0, cache_top)
+        q_lens.append(q)
+        k_lens.append(k)
+    q_lens[0] = max(q_lens[0], 1 if sum(q_lens) == 0 else 0)
+    while B * HK * G * max(sum(q_lens), 1) * max(max(k_lens), 1) > MAX_SCORES:   # the reference pads each
+        if B > 1:
+            B, q_lens, k_lens = B - 1, q_lens[:-1], k_lens[:-1]
+        else:
+            q_lens, k_lens = [max(1, q_lens[0] // 2)], [k_lens[0] // 2]
+    return {"HK": HK, "G": G, "q_lens": q_lens, "k_lens": k_lens}
+
+
 REGIMES = ("few_tiles", "many_tiles", "short_k", "skinny")
 
 
@@ -350,8 +386,8 @@ def plan_cases(kernels: list[dict], count: int, rng: random.Random, seed: int) -
             if len(cases) == count:
                 break
             regime = REGIMES[(round_ + kernel["kernel"]) % len(REGIMES)]
-            shape_of = {"matmul": matmul_shape, "paged": paged_shape,
-                        "varlen": varlen_shape}.get(kernel["fusion"]["family"], attention_shape)
+            shape_of = {"matmul": matmul_shape, "paged": paged_shape, "varlen": varlen_shape,
+                        "mixed": mixed_shape}.get(kernel["fusion"]["family"], attention_shape)
             cases.append({"id": len(cases), "kernel": kernel["kernel"], "fusion": kernel["fusion"],
                           "schedule": kernel["schedule"], "regime": regime,
                           "shape": shape_of(kernel, regime, rng), "seed": seed * 1_000_000 + len(cases)})
@@ -368,6 +404,8 @@ def tiles_of(case: dict) -> int:
         return s["B"] * s["HK"] * math.ceil(s["G"] * s["S"] / bm)
     if case["fusion"]["family"] == "varlen":   # virtual blocks: rows / bm + sequences, per head
         return s["H"] * (sum(s["q_lens"]) // bm + len(s["q_lens"]))
+    if case["fusion"]["family"] == "mixed":
+        return s["HK"] * s["G"] * (sum(s["q_lens"]) // bm + len(s["q_lens"]))
     return s["B"] * s["H"] * math.ceil(s["S"] / bm)
 
 
@@ -442,6 +480,12 @@ def make_inputs(case: dict, fusion, device):
         kv_heads = shape["H"] // shape["G"] if shape["G"] else None
         return varlen_inputs(shape["q_lens"], shape["k_lens"], shape["H"], case["fusion"]["head_dim"],
                              kv_heads=kv_heads, seed=case["seed"] % 2**31, device=device)
+    if case["fusion"]["family"] == "mixed":
+        from attention_fusions import varlen_paged_inputs
+
+        return varlen_paged_inputs(shape["q_lens"], shape["k_lens"], case["fusion"]["page_size"],
+                                   case["fusion"]["head_dim"], hk=shape["HK"], g=shape["G"], seed=case["seed"] % 2**31,
+                                   device=device)
     if case["fusion"]["family"] == "variant":
         from attention_fusions import variant_inputs
 

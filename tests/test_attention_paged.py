@@ -4,6 +4,8 @@ against the torch reference (outputs poisoned with NaN first), the IR the produc
 errors for what a cache cannot be."""
 
 
+import re
+
 import pytest
 import torch
 
@@ -268,3 +270,16 @@ def test_every_eighth_schedule_of_the_search_space_runs_a_paged_cache_in_the_sim
         kernel = ws.CompiledKernel(fusion, schedule, ws.partition(fusion, schedule), ws.lower(fusion, schedule),
                                    cuda_source="")
         check(kernel, fusion, inputs, num_sms=6)
+
+
+def test_a_paged_producer_leaves_the_consumers_too_few_registers_for_192_overlapped_keys():
+    """Beside a 40-register paged producer the consumers have 232 registers: 192 keys a block
+    with the softmax overlapped spilled 32 bytes (nvcc; the GPU fuzzer drew it); 128 builds."""
+    fusion = make_paged_attention(128, 32, causal=True)
+    with pytest.raises(ScheduleError, match=re.escape(
+            "BN=192 keys per block with head dim 128 and the softmax overlapped (mma_inflight=1) needs more than the "
+            "232 registers a consumer thread has beside a 40-register producer: ptxas spills; use BN <= 128 or "
+            "mma_inflight=0")):
+        ws.schedule_for(fusion, tile=(128, 192, 128))
+    ws.schedule_for(fusion, tile=(128, 192, 128), mma_inflight=0)
+    assert all(s.bn <= 128 for s in ws.workload_for(fusion).schedule_space(fusion) if s.mma_inflight)

@@ -93,11 +93,20 @@ SPLIT_KV_SPILLS = {(2, 256, 1), (1, 256, 1)}
 # GQA-packed: the decode variant takes 32 keys a block there, AttentionWorkload.variants)
 
 
+OVERLAPPED_KEYS_WITH_FEWER_REGISTERS = 128
+
+
 def max_keys_per_block(schedule: "AttentionSchedule", kinds: tuple[str, ...] = ()) -> int:
     """The widest BN whose kernel does not spill, for a score function that keeps registers
     live in the given `kinds` (SCORE_FUNCTION_KEYS_PER_BLOCK; none: plain attention)."""
     key = (schedule.consumer_warpgroups, schedule.value_dim, schedule.mma_inflight)
     widest = MAX_KEYS_PER_BLOCK.get(key, 256)
+    if schedule.mma_inflight and is_int(schedule.consumer_registers) and is_int(schedule.producer_registers) and \
+            schedule.consumer_registers < default_consumer_registers(schedule.consumer_warpgroups, 24):
+        # the table's consumers have all the registers a 24-register producer leaves; beside a
+        # paged producer (32 or 40: 232) BN=192 with the softmax overlapped spilled 32 bytes at
+        # head dim 128 (nvcc, 2026-11-23; the GPU fuzzer drew it), 128 builds
+        widest = min(widest, OVERLAPPED_KEYS_WITH_FEWER_REGISTERS)
     return min([widest] + [SCORE_FUNCTION_KEYS_PER_BLOCK[kind].get(key, widest) for kind in kinds])
 
 
@@ -183,6 +192,11 @@ class AttentionSchedule(Schedule):
             p.append(f"BN={bn} keys per block with head dim {d}, mma_inflight={self.mma_inflight} and "
                      f"{self.consumer_warpgroups} consumer warpgroup(s) needs more registers than a consumer "
                      f"thread has ({launch_registers(self.threads)}): ptxas spills; use BN <= {widest}")
+        elif widest is not None and is_int(bn) and bn > max_keys_per_block(self):
+            p.append(f"BN={bn} keys per block with head dim {d} and the softmax overlapped (mma_inflight=1) needs "
+                     f"more than the {self.consumer_registers} registers a consumer thread has beside a "
+                     f"{self.producer_registers}-register producer: ptxas spills; use BN <= {max_keys_per_block(self)} "
+                     f"or mma_inflight=0")
         return p
 
 
