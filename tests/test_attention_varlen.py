@@ -12,27 +12,7 @@ from wsched.errors import FusionError
 from wsched.schedule import ScheduleError
 
 from attention_fusions import make_varlen_attention, make_varlen_paged_attention, varlen_inputs, varlen_paged_inputs
-
-
-def compiled(fusion, **overrides):
-    schedule = ws.schedule_for(fusion, **overrides)
-    return ws.CompiledKernel(fusion, schedule, ws.partition(fusion, schedule), ws.lower(fusion, schedule),
-                             cuda_source="")
-
-
-def check(kernel, fusion, inputs, num_sms=4, seed=0):
-    got = kernel.simulate(*inputs, num_sms=num_sms, seed=seed)
-    want = fusion.reference(*inputs)
-    got, want = (got, want) if isinstance(got, tuple) else ((got,), (want,))
-    for g, w in zip(got, want):
-        assert g.shape == w.shape
-        assert not torch.isnan(g.float()).any(), "packed rows never written (poisoned with NaN)"
-        # a query that sees no key: the reference's softmax is 0 / 0 (NaN), the kernel's O is 0; LSE -inf
-        assert (g[torch.isnan(w)] == 0).all(), "O of a row that sees no key is not 0"
-        assert torch.equal(torch.isneginf(w), torch.isneginf(g)), "LSE of rows that see no key differ"
-        finite = torch.isfinite(w)
-        err = float((g.float()[finite] - w.float()[finite]).norm() / w.float()[finite].norm().clamp_min(1e-30))
-        assert err < 1e-2, err
+from test_attention_paged import check, compiled   # simulated against the reference, outputs poisoned
 
 
 @pytest.mark.parametrize("causal", [False, True, "bottom_right"])
