@@ -206,3 +206,54 @@ def _re(text: str) -> str:
     import re
 
     return re.escape(text)
+
+
+def test_packed_asks_for_dim_where_heads_and_rows_have_one_size():
+    # 8 one-token sequences of 8 heads: O [8, 8, 8, 64] has the rows' size twice
+    @ws.fusion
+    def square(q: ws.Tensor[ws.bf16, 8, 8, 64], k: ws.Tensor[ws.bf16, 8, 8, 64], v: ws.Tensor[ws.bf16, 8, 8, 64],
+               cu: ws.Tensor[ws.i32, 9]):
+        s = ws.matmul(ws.varlen(q, cu), ws.varlen(k, cu).transpose(-1, -2))
+        o = ws.matmul(ws.softmax(s, dim=-1), ws.varlen(v, cu)).to(ws.bf16)
+        with pytest.raises(FusionError, match=_re("packed: n7 is bf16[8, 8, 8, 64]: dims 1 and 2 both have the size "
+                                                  "of the rows of ws.varlen(..., cu); pass dim= (the queries: -2 of O, "
+                                                  "-1 of the LSE)")):
+            ws.packed(o, cu)
+        return ws.packed(o, cu, dim=1)   # the heads: refused by the partition
+
+    with pytest.raises(ScheduleError, match=_re("ws.packed must pack the queries (dim -2 of O), not dim -3; pass dim=-2")):
+        ws.partition(square, ws.schedule_for(square))
+
+
+def test_a_cache_broadcast_over_packed_sequences_is_refused():
+    @ws.fusion
+    def shared(q: ws.Tensor[ws.bf16, "NQ", "H", 64], k: ws.Tensor[ws.bf16, 1, "H", "T", 64],
+               v: ws.Tensor[ws.bf16, 1, "H", "T", 64], cu: ws.Tensor[ws.i32, "B+1"]):
+        s = ws.matmul(ws.varlen(q, cu), k.transpose(-1, -2))
+        return ws.packed(ws.matmul(ws.softmax(s, dim=-1), v).to(ws.bf16), cu)
+
+    with pytest.raises(ScheduleError, match=_re("packed queries (B sequences) need a cache row per sequence: K [1, ...] "
+                                                "is broadcast over them")):
+        ws.partition(shared, ws.schedule_for(shared))
+
+
+def test_offsets_of_queries_and_keys_must_count_the_same_sequences():
+    @ws.fusion
+    def one_key_sequence(q: ws.Tensor[ws.bf16, "NQ", "H", 64], k: ws.Tensor[ws.bf16, "NK", "H", 64],
+                         v: ws.Tensor[ws.bf16, "NK", "H", 64], cu_q: ws.Tensor[ws.i32, "B1"],
+                         cu_k: ws.Tensor[ws.i32, 2]):
+        s = ws.matmul(ws.varlen(q, cu_q), ws.varlen(k, cu_k).transpose(-1, -2))
+        return ws.packed(ws.matmul(ws.softmax(s, dim=-1), ws.varlen(v, cu_k)).to(ws.bf16), cu_q)
+
+    with pytest.raises(ScheduleError, match=_re("cu_k and cu_q must hold as many offsets (one per sequence, plus one): "
+                                                "1 and B1-1 sequences")):
+        ws.partition(one_key_sequence, ws.schedule_for(one_key_sequence))
+
+
+def test_random_inputs_draw_valid_offsets():
+    from wsched.inputs import random_inputs
+
+    fusion = make_varlen_paged_attention(64, 16)
+    assert fusion.symbols == ("NQ", "HK", "G", "P", "B", "MP")   # B, not B+1
+    q, k, v, table, cu_q, lens = random_inputs(fusion, dict(NQ=100, HK=2, G=2, P=40, B=3, MP=8), seed=1)
+    assert cu_q.shape == (4,) and cu_q[0] == 0 and cu_q[-1] == 100 and bool((cu_q[1:] >= cu_q[:-1]).all())

@@ -130,7 +130,9 @@ def parse_overrides(items: list[str]) -> dict[str, object]:
 # ---------------------------------------------------------------------------------------------
 
 def _resolve(shape, sizes: dict[str, int]) -> list[int]:
-    return [sizes[d] if isinstance(d, str) else d for d in shape]
+    from .inputs import _resolve as resolve
+
+    return resolve(shape, sizes)
 
 
 def report_errors(kernel, outputs, reference, tol: float) -> bool:

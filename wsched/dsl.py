@@ -35,10 +35,17 @@ def format_type(dtype: DType, shape: Sequence[Dim]) -> str:
     return f"{dtype.name}[{', '.join(str(dim) for dim in shape)}]"
 
 
+def plus_one_base(dim: object) -> str | None:
+    """"B" for a dim declared "B+1" (the offsets of B packed sequences, ws.varlen), else None."""
+    if isinstance(dim, str) and dim.endswith("+1") and dim[:-2].isidentifier():
+        return dim[:-2]
+    return None
+
+
 def _is_dim(dim: object) -> bool:
     """A symbol ("B"), a symbol plus one ("B+1": the offsets of B packed sequences, ws.varlen)
     or a positive size."""
-    return (isinstance(dim, str) and (dim.isidentifier() or (dim.endswith("+1") and dim[:-2].isidentifier()))) or (
+    return (isinstance(dim, str) and (dim.isidentifier() or plus_one_base(dim) is not None)) or (
         isinstance(dim, int) and not isinstance(dim, bool) and dim >= 1)
 
 
@@ -590,19 +597,20 @@ def varlen(x: Tensor, cu_seqlens: Tensor) -> Tensor:
     # bound from cu_seqlens (Fusion.bind)
     if isinstance(count, int):
         sequences: Dim = count - 1
-    elif count.endswith("+1") and count[:-2].isidentifier():   # declared [B+1]: B sequences
-        sequences = count[:-2]
+    elif plus_one_base(count) is not None:   # declared [B+1]: B sequences
+        sequences = plus_one_base(count)
     else:
         sequences = f"{count}-1"
     rows, *heads, dim = x.shape
     return x._trace.add("varlen", (x, offsets), x.dtype, (sequences, *heads, rows, dim))
 
 
-def packed(x: Tensor, cu_seqlens: Tensor) -> Tensor:
+def packed(x: Tensor, cu_seqlens: Tensor, dim: int | None = None) -> Tensor:
     """The inverse of `ws.varlen`, for outputs: x [B1-1, *mid, N, *rest] computed from
     `ws.varlen(..., cu_seqlens)` views as packed rows [N, *mid, *rest], row cu_seqlens[b] + t
-    holding x[b, ..., t, ...]. The sequence dim is the first dim after dim 0 that is the rows
-    N of such a view: O [B1-1, H, NQ, D] -> [NQ, H, D], the LSE [B1-1, H, NQ] -> [NQ, H]."""
+    holding x[b, ..., t, ...]. The sequence dim is `dim`, or the dim after dim 0 that is the
+    rows N of such a view: O [B1-1, H, NQ, D] -> [NQ, H, D], the LSE [B1-1, H, NQ] -> [NQ, H]
+    (where another dim has the same size, e.g. as many heads as rows, pass `dim`)."""
     x, offsets = _operands("packed", (x, cu_seqlens), allow_scalars=False)
     if offsets.ndim != 1 or offsets.dtype != i32 or offsets.node.op != "input":
         raise FusionError("packed", f"cu_seqlens must be an i32 fusion input [B1] (the offsets given to "
@@ -616,11 +624,23 @@ def packed(x: Tensor, cu_seqlens: Tensor) -> Tensor:
         raise FusionError("packed", f"dim 0 must be the sequences of {offsets.id} ({sequences}), but "
                           f"{_describe(x)}")
     rows = [view.shape[-2] for view in views]
-    dim = next((axis for axis in range(1, x.ndim) if x.shape[axis] in rows), None)
-    if dim is None:
+    found = [axis for axis in range(1, x.ndim) if x.shape[axis] in rows]
+    if dim is not None:
+        if not isinstance(dim, int) or isinstance(dim, bool) or not -x.ndim < dim < x.ndim or dim % x.ndim == 0:
+            raise FusionError("packed", f"dim must be an int naming a dim of {_describe(x)} after dim 0, got {dim!r}")
+        dim %= x.ndim
+        if dim not in found:
+            raise FusionError("packed", f"dim {dim} of {_describe(x)} is not the rows "
+                              f"{' or '.join(map(str, dict.fromkeys(rows)))} of ws.varlen(..., {offsets.id})")
+    elif not found:
         raise FusionError("packed", f"needs a sequence dim after dim 0: "
                           f"{' or '.join(map(str, dict.fromkeys(rows)))} (the rows of ws.varlen(..., {offsets.id})), "
                           f"but {_describe(x)}")
+    elif len(found) > 1:
+        raise FusionError("packed", f"{_describe(x)}: dims {' and '.join(map(str, found))} both have the size of the "
+                          f"rows of ws.varlen(..., {offsets.id}); pass dim= (the queries: -2 of O, -1 of the LSE)")
+    else:
+        dim = found[0]
     shape = (x.shape[dim], *x.shape[1:dim], *x.shape[dim + 1:])
     return x._trace.add("packed", (x, offsets), x.dtype, shape, [("dim", dim - x.ndim)])
 

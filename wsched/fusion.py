@@ -36,7 +36,7 @@ from typing import Callable, Iterable, Sequence
 import networkx as nx
 import torch
 
-from .dsl import Dim, Shape, Tensor, TensorSpec, format_type
+from .dsl import Dim, Shape, Tensor, TensorSpec, format_type, plus_one_base
 from .dtypes import DType
 from .errors import FusionError, type_name, user_location
 from .reference import evaluate
@@ -199,8 +199,8 @@ class Fusion:
 
     @property
     def symbols(self) -> tuple[str, ...]:
-        """The symbolic dims of the inputs, in order of first appearance."""
-        found = dict.fromkeys(d for node in self.inputs for d in node.shape if isinstance(d, str))
+        """The symbolic dims of the inputs, in order of first appearance ("B" for a "B+1")."""
+        found = dict.fromkeys(plus_one_base(d) or d for node in self.inputs for d in node.shape if isinstance(d, str))
         return tuple(found)
 
     def bind(self, *tensors: torch.Tensor | Sequence[int]) -> dict[str, int]:
@@ -232,8 +232,8 @@ class Fusion:
                 elif sizes[dim] != size:
                     raise FusionError(op, f"symbol {dim} is bound to two sizes: {sizes[dim]} "
                                       f"({bound_at[dim]}) and {size} ({here})")
-        for dim in [d for d in sizes if d.endswith("+1")]:   # "B+1" declares B as one fewer
-            base, size = dim[:-2], sizes[dim] - 1
+        for dim in [d for d in sizes if plus_one_base(d) is not None]:   # "B+1" declares B as one fewer
+            base, size = plus_one_base(dim), sizes[dim] - 1
             if size < 1:
                 raise FusionError(op, f"{bound_at[dim]} has size {sizes[dim]}, declared {dim}: {base} must be at "
                                   f"least 1")

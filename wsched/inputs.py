@@ -13,7 +13,18 @@ _SCORE_OPS = ("softmax", "logsumexp")
 
 
 def _resolve(shape, sizes: Mapping[str, int]) -> list[int]:
-    return [sizes[d] if isinstance(d, str) else d for d in shape]
+    """A shape's sizes from the symbols' (`fusion.symbols`): numbers, symbols, and the dims
+    derived from them: "B+1" (declared offsets), "B1-1" (ws.varlen's sequences), "MP*16"
+    (ws.paged's keys)."""
+    def size(d) -> int:
+        if not isinstance(d, str) or d in sizes:
+            return d if not isinstance(d, str) else sizes[d]
+        for sep, combine in (("+", lambda a, b: a + b), ("-", lambda a, b: a - b), ("*", lambda a, b: a * b)):
+            if sep in d:
+                a, b = d.split(sep, 1)
+                return combine(size(int(a) if a.isdigit() else a), size(int(b) if b.isdigit() else b))
+        return sizes[d]
+    return [size(d) for d in shape]
 
 
 def _operand_source(fusion, node_id: str) -> str:
@@ -48,16 +59,22 @@ def random_inputs(fusion, sizes: Mapping[str, int], device="cpu", seed: int = 0)
     (drawn on the CPU, so a seed gives the same values on every device)."""
     import torch
 
-    missing = sorted({d for node in fusion.inputs for d in node.shape if isinstance(d, str)} - set(sizes))
+    missing = sorted(set(fusion.symbols) - set(sizes))
     if missing:
         raise ValueError(f"{fusion.name}: sizes needs a value for {', '.join(missing)}")
     generator = torch.Generator(device="cpu").manual_seed(seed)
     scales = input_scales(fusion, sizes)
+    # offsets of packed sequences (ws.varlen): sorted cuts of the packed rows, from 0 to all of them
+    offsets_of = {n.inputs[1]: fusion.node(n.inputs[0]) for n in fusion.nodes() if n.op == "varlen"}
     tensors = []
     for node in fusion.inputs:
         shape, dtype = _resolve(node.shape, sizes), node.dtype.torch_dtype
         if dtype.is_floating_point:
             t = torch.randn(shape, generator=generator) * scales.get(node.id, 1.0)
+        elif node.id in offsets_of:
+            rows = _resolve(offsets_of[node.id].shape, sizes)[0]
+            cuts = torch.randint(0, rows + 1, (shape[0] - 2,), generator=generator).sort().values
+            t = torch.cat([torch.zeros(1, dtype=cuts.dtype), cuts, torch.full((1,), rows, dtype=cuts.dtype)])
         else:
             t = torch.randint(0, 8, shape, generator=generator)
         tensors.append(t.to(dtype).to(device))

@@ -465,7 +465,13 @@ def _varlen_batch(nodes, q, k, v, fail) -> VarlenBatch | None:
         fail("K and V must both be ws.varlen(...) of one cu_seqlens, or neither (a cache)",
              next(x for x in (k, v) if x.op == "varlen"))
     if k.op != "varlen":   # packed queries against a cache: [B, HK, 1, T, D] or paged
+        if k.shape[0] != q.shape[0]:
+            fail(f"packed queries ({q.shape[0]} sequences) need a cache row per sequence: K [{k.shape[0]}, ...] is "
+                 f"broadcast over them; declare the offsets [B+1] and the cache [B, ...]", k)
         return VarlenBatch(nodes[q.inputs[0]], None, None, nodes[q.inputs[1]], None)
+    if k.shape[0] != q.shape[0]:
+        fail(f"{nodes[k.inputs[1]].id} and {nodes[q.inputs[1]].id} must hold as many offsets (one per sequence, "
+             f"plus one): {k.shape[0]} and {q.shape[0]} sequences", k)
     if k.inputs[1] != v.inputs[1]:
         fail("K and V must be ws.varlen(..., cu_seqlens) of one cu_seqlens (a sequence's keys and values are "
              "the same rows)", v)
@@ -496,6 +502,10 @@ def _unpacked(nodes, stored: list, varlen: VarlenBatch | None, fail) -> list:
         if o.op != "packed" or o.inputs[1] != varlen.cu_q.id:
             fail(f"with ws.varlen sequences the outputs are packed rows: return ws.packed(x, {varlen.cu_q.id}) "
                  f"(O [NQ, heads, D], LSE [NQ, heads])", o)
+        rows = -2 if nodes[o.inputs[0]].op in ("matmul", "cast") else -1   # O's queries, or the LSE's
+        if o.attr("dim") != rows:
+            fail(f"ws.packed must pack the queries (dim {rows} of {'O' if rows == -2 else 'the LSE'}), not dim "
+                 f"{o.attr('dim')}; pass dim={rows}", o)
     return [nodes[o.inputs[0]] for o in stored]
 
 
