@@ -257,3 +257,16 @@ def test_random_inputs_draw_valid_offsets():
     assert fusion.symbols == ("NQ", "HK", "G", "P", "B", "MP")   # B, not B+1
     q, k, v, table, cu_q, lens = random_inputs(fusion, dict(NQ=100, HK=2, G=2, P=40, B=3, MP=8), seed=1)
     assert cu_q.shape == (4,) and cu_q[0] == 0 and cu_q[-1] == 100 and bool((cu_q[1:] >= cu_q[:-1]).all())
+
+
+def test_errors_name_what_the_user_declared():
+    fusion = make_varlen_attention(64)
+    q, k, v, cu_q, cu_k = varlen_inputs([3], [0], 1, 64)
+    with pytest.raises(FusionError, match=_re("T_packed is 0 (k dim 0); the kernel needs at least one element there")):
+        compiled(fusion).simulate(q, k, v, cu_q, cu_k)
+    with pytest.raises(FusionError, match=_re("(B1-1 vs B); declare the offsets of ws.varlen [B+1] to give its view the "
+                                              "batch B of the other operand")):
+        @ws.fusion
+        def against_a_cache(q: ws.Tensor[ws.bf16, "NQ", "H", 64], k: ws.Tensor[ws.bf16, "B", "H", "T", 64],
+                            v: ws.Tensor[ws.bf16, "B", "H", "T", 64], cu: ws.Tensor[ws.i32, "B1"]):
+            return ws.matmul(ws.varlen(q, cu), k.transpose(-1, -2))

@@ -290,7 +290,7 @@ SIMULATE = [
     ("f16-tensor", (A.half(), B), {}, FusionError, r"a is declared bf16\[M, K\] but got a torch\.float16 tensor"),
     ("rank-3", (A[None], B), {}, FusionError, r"a is declared bf16\[M, K\] but got shape \(1, 128, 64\)"),
     ("inner-mismatch", (A, B.t()), {}, FusionError, r"symbol K is bound to two sizes: 64 \(a dim 1\) and 128"),
-    ("K-zero", (A[:, :0], B[:0]), {}, FusionError, r"K is 0; the kernel needs at least one element there"),
+    ("K-zero", (A[:, :0], B[:0]), {}, FusionError, r"K is 0 \(a dim 1\); the kernel needs at least one element there"),
     ("num_sms-0", (A, B), dict(num_sms=0), SimulationError, r"num_sms must be >= 1, got 0"),
     ("num_sms-float", (A, B), dict(num_sms=1.5), ArgumentError, r"num_sms=1\.5 \(float\): expected a positive int"),
     ("num_sms-str", (A, B), dict(num_sms="4"), ArgumentError, r"num_sms='4' \(str\)"),

@@ -277,8 +277,11 @@ def matmul(a: Tensor, b: Tensor) -> Tensor:
                           f"({a.shape[-1]} vs {b.shape[-2]})")
     batch, conflict = _broadcast_dims(a.shape[:-2], b.shape[:-2])
     if conflict:
+        hint = ""
+        if any(isinstance(d, str) and d.endswith("-1") for d in conflict):   # ws.varlen's B1-1 beside a cache's B
+            hint = "; declare the offsets of ws.varlen [B+1] to give its view the batch B of the other operand"
         raise FusionError("matmul", f"batch dimensions do not broadcast: {_describe(a)}, "
-                          f"{_describe(b)} ({conflict[0]} vs {conflict[1]})")
+                          f"{_describe(b)} ({conflict[0]} vs {conflict[1]}){hint}")
     return a._trace.add("matmul", (a, b), f32, (*batch, a.shape[-2], b.shape[-1]))
 
 

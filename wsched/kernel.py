@@ -86,7 +86,9 @@ class CompiledKernel:
         inputs = {param_name(i): t for i, t in by_id.items()}
         empty = [dim for dim in self.partition.nonempty if scalars.get(dim, 1) < 1]
         if empty:
-            raise FusionError(self.fusion.name, f"{empty[0]} is 0; the kernel needs at least one element there")
+            name, axis = self.partition.dims[empty[0]]
+            where = "" if name == empty[0] else f" ({name} dim {axis})"
+            raise FusionError(self.fusion.name, f"{empty[0]} is 0{where}; the kernel needs at least one element there")
         return inputs, scalars, sizes
 
     def _outputs(self, sizes, device) -> dict[str, torch.Tensor]:
