@@ -81,6 +81,26 @@ def our_call(k, inputs):
     return (lambda: k(*inputs)), (lambda: k(*inputs))
 
 
+def documents_as_varlen(label, doc, q, k, v, ref, flops, t_flex, iters) -> list:
+    """The document mask's attention written as packed sequences (`ws.varlen`: each document of
+    each batch row one sequence), timed on the same values; its output checked against Flex's
+    document mask. The row is ours as varlen next to Flex's document mask."""
+    from attention_fusions import make_varlen_attention
+
+    B, H, S, D = q.shape
+    lengths = torch.cat([torch.bincount(doc.reshape(B, S)[b]) for b in range(B)])
+    cu = torch.cat([torch.zeros(1, dtype=torch.int64, device=doc.device), lengths[lengths > 0].cumsum(0)]).int()
+    packed = [x.transpose(1, 2).reshape(B * S, H, D).contiguous() for x in (q, k, v)]   # not timed
+    kernel = ws.compile(make_varlen_attention(D, lse=False))
+    run, outputs = our_call(kernel, (*packed, cu, cu))
+    o = outputs().reshape(B, S, H, D).transpose(1, 2)
+    t_ours = median_ms(run, iters=iters)
+    err = rel_error(o, ref) if ref is not None else float("nan")
+    print(f"{label} as ws.varlen ({len(cu) - 1} sequences)  wsched {flops / t_ours / 1e9:6.1f} TFLOP/s  "
+          f"rel.err vs flex's document mask {err:.1e}", flush=True)
+    return [f"{label} as ws.varlen", flops / t_ours / 1e9, flops / t_flex / 1e9, float("nan"), err, (D, S)]
+
+
 def benchmark_fusion(variant, D):
     return make_variant(D, variant, lse=False, window=WINDOW, softcap=SOFTCAP) if variant != "causal" \
         else make_attention(D, causal=True)
@@ -168,6 +188,8 @@ def main(argv=None):
         if variant == "causal":
             ours_causal[D, S] = row[1]
         rows.append(row)
+        if variant == "document":   # the same attention over the documents as packed sequences
+            rows.append(documents_as_varlen(label, extra[0], q, kk, v, ref, flops, t_flex, args.iters))
         print(f"{label:>10} B{B} H{H} S{S} D{D}  wsched {row[1]:6.1f}  flex {row[2]:6.1f}  cuDNN {row[3]:6.1f} "
               f"TFLOP/s  vs flex {row[1] / row[2]:.2f}  vs our causal {row[1] / ours_causal.get((D, S), row[1]):.2f}  "
               f"rel.err vs flex {err:.1e}", flush=True)
