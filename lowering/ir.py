@@ -60,6 +60,8 @@ BINARY_PRECEDENCE: dict[str, int] = {
     "*": 9, "/": 9, "%": 9,
 }
 CALLS = {"min": 2, "max": 2, "ceil_div": 2, "bit_length": 1, "select": 3}
+# Operators and calls defined on integers only (evaluate.py; the emitter has no float spelling)
+INTEGER_ONLY = frozenset({"%", "&", "|", "^", "<<", ">>", "ceil_div", "bit_length"})
 
 
 @dataclass(frozen=True)

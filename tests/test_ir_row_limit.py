@@ -125,6 +125,16 @@ def test_a_row_limit_reading_an_undeclared_name_is_reported():
         "(cta_id, num_ctas, wg inside a role), loop variables and the lets/vars of enclosing blocks"]
 
 
+def test_floats_where_the_ir_takes_integers_are_reported():
+    assert [d.message for d in verify_all(varlen_kernel("q_end + 0.5"), contract=False)] == [
+        "IR line 8 (role worker > tile.store): row_limit(q_end + 0.5) is a row, an integer expression; it holds a "
+        "float constant"]
+    assert [d.message for d in verify_all(varlen_kernel("bit_length(0.5)"), contract=False)] == [
+        "IR line 8 (role worker > tile.store): `bit_length` takes integers, not the float 0.5",
+        "IR line 8 (role worker > tile.store): row_limit(bit_length(0.5)) is a row, an integer expression; it holds "
+        "a float constant"]
+
+
 # --- simulator -----------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("seed", range(2))

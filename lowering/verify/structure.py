@@ -49,6 +49,12 @@ def _operator_problem(node, report) -> None:
             report(f"{node.func}() takes {ir.CALLS[node.func]} arguments, not {len(node.args)}")
         else:
             report(f"`{node.func}` is not a function of the IR; use one of {', '.join(ir.CALLS)}")
+    name = node.op if isinstance(node, ir.BinOp) else node.func if isinstance(node, ir.Call) else None
+    if name in ir.INTEGER_ONLY:
+        args = (node.lhs, node.rhs) if isinstance(node, ir.BinOp) else node.args
+        for arg in args:
+            if isinstance(arg, ir.FloatConst):
+                report(f"`{name}` takes integers, not the float {arg.value!r}")
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ from .. import ir
 from ..printer import expr_text
 from ..spelling import keyword
 from ..evaluate import evaluate
-from .lines import array_text, constant, plural, ref_text, volume
+from .lines import array_text, constant, expr_nodes, plural, ref_text, volume
 
 SWIZZLE_CHOICES = ", ".join(map(str, TMA_SWIZZLES[:-1])) + f" or {TMA_SWIZZLES[-1]}"   # "0, 32, 64 or 128"
 _N_STEP = WGMMA_N[1] - WGMMA_N[0]
@@ -348,6 +348,9 @@ class TileChecks:
         if s.row_limit is None:
             return
         self._expr(s.row_limit, path, scope, ctx)
+        if any(isinstance(node, ir.FloatConst) for node in expr_nodes(s.row_limit)):
+            self.r.at(path, f"row_limit({expr_text(s.row_limit)}) is a row, an integer expression; it holds a "
+                            f"float constant")
         b = scope.get(s.tensor)   # _global_tile reported a name that is not a global param
         param = b.decl if b is not None and b.what == "global param" else None
         if param is not None and len(param.shape) < 2:
