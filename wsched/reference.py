@@ -88,11 +88,11 @@ def check_cu_seqlens(name: str, cu: torch.Tensor, rows: int, rows_of: str, *, op
 class _Sequences:
     """What the varlen rules need, computed once per call from the cu_seqlens inputs: the
     offsets [B + 1] by input id (int64), and for each softmax, logsumexp and causal_mask over
-    scores of a varlen K, the sequences' (query lengths, or None where Q is not varlen, key
-    lengths), each [B]."""
+    scores of a varlen Q or K, the sequences' (query lengths, key lengths), each [B], or None
+    for the side that is not varlen (a cache: its key lengths are ws.key_lengths')."""
 
     offsets: dict[str, torch.Tensor] = field(default_factory=dict)
-    lengths: dict[str, tuple[torch.Tensor | None, torch.Tensor]] = field(default_factory=dict)
+    lengths: dict[str, tuple[torch.Tensor | None, torch.Tensor | None]] = field(default_factory=dict)
 
 
 def _packed_sequences(fusion: Fusion, inputs: Sequence[torch.Tensor]) -> _Sequences:

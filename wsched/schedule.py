@@ -65,6 +65,11 @@ def choices_text(values) -> str:
     return ", ".join(repr(v) for v in values)
 
 
+# What the producer warp keeps after setmaxnreg.dec: enough for TMA coordinates and the loop
+# state; a producer that holds more (a paged cache's page indices) asks for more.
+PRODUCER_REGISTERS = 24
+
+
 @dataclass(frozen=True)
 class Schedule:
     """Tile shape, pipeline depth and warp roles of a warp-specialized kernel.
@@ -96,7 +101,7 @@ class Schedule:
     stages: int = 3
     consumer_warpgroups: int = 2
     mode: str = "cooperative"
-    producer_registers: int = 24
+    producer_registers: int = PRODUCER_REGISTERS
     consumer_registers: int = 240
     raster: str = "row"
     swizzle_group: int = 8

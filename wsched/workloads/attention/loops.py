@@ -65,7 +65,7 @@ def build_loops(kernel: None, ctx: LoweringContext) -> ir.Kernel:
     chunks, v_chunks = d // qk_width, dv // v_width
     nb = a.kernel_batch
     batch = [V(f"batch{i}") for i in range(nb)]
-    k_batch = [C(1) if a.k_broadcast[i] else batch[i] for i in range(nb)]
+    k_batch = _k_extents(a)
     rows = query_rows(a)
 
     vl = a.varlen
@@ -442,14 +442,7 @@ def varlen_lets(a, bm: int, bn: int) -> list[ir.Stmt]:
     tensors (offsets clamped into the tensors: bad offsets never read or write outside them).
     A block past the sequence's queries has m0 >= S: no kv block, no row stored."""
     vl, nb = a.varlen, a.kernel_batch
-    lets: list[ir.Stmt] = []
-    rest = "rest"
-    for i in reversed(range(1, nb)):   # b<nb-1> fastest, as batch_index_lets
-        if i == 1:
-            lets.append(ir.Let("b1", V(rest)))
-        else:
-            lets += [ir.Let(f"b{i}", ir.mod(rest, f"batch{i}")), ir.Let(f"rest{i}", ir.div(rest, f"batch{i}"))]
-            rest = f"rest{i}"
+    lets: list[ir.Stmt] = list(batch_index_lets(nb, first=1))   # the heads; b0 is the search's
     go = ir.BinOp("<=", ir.add(ir.div("cu_mid", bm), "mid"), V("v_block"))
     lets += [
         ir.Let("seq", C(0), mutable=True),
@@ -471,12 +464,16 @@ def varlen_lets(a, bm: int, bn: int) -> list[ir.Stmt]:
                  ir.Let(f"{side}_start", ir.emin(ir.emax(f"{side}_off0", 0), rows)),
                  ir.Let(f"{side}_end", ir.emin(ir.emax(f"{side}_off1", f"{side}_start"), rows)),
                  ir.Let(count, ir.sub(f"{side}_end", f"{side}_start"))]
-    k_ext = [C(1) if a.k_broadcast[i] else V(f"batch{i}") for i in range(nb)]
     lets += [ir.Let("kv_blocks", ir.ceil_div("T", bn))] if vl.k else []
     lets += [ir.Let("m_block", ir.emax(ir.sub("v_block", ir.add(ir.div("q_start", bm), "b0")), 0)),
              ir.Let("head", _flat_index(nb, [V(f"batch{i}") for i in range(nb)], [False] * nb))]
-    lets += [ir.Let("kv_head", _flat_index(nb, k_ext, a.k_broadcast))] if vl.k else []
+    lets += [ir.Let("kv_head", _flat_index(nb, _k_extents(a), a.k_broadcast))] if vl.k else []
     return lets
+
+
+def _k_extents(a) -> list[ir.Expr]:
+    """K's and V's batch dims: the batch params, 1 where they broadcast (GQA, MQA)."""
+    return [C(1) if a.k_broadcast[i] else V(f"batch{i}") for i in range(a.kernel_batch)]
 
 
 def _flat_index(nb: int, extents: list, broadcast) -> ir.Expr:

@@ -15,8 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Iterator
 
-from wsched.schedule import (Schedule, ScheduleError, check_overrides, default_consumer_registers, is_int,
-                             max_stages)
+from wsched.schedule import (PRODUCER_REGISTERS, Schedule, ScheduleError, check_overrides, default_consumer_registers,
+                             is_int, max_stages)
 from wsched.target import SETMAXNREG_STEP, SMEM_ALIGN, SWIZZLE_ROW_BYTES, WGMMA_K, launch_registers
 
 # The head dims of Q and K the kernels implement, and the head dim of V and O beside each.
@@ -102,7 +102,7 @@ def max_keys_per_block(schedule: "AttentionSchedule", kinds: tuple[str, ...] = (
     key = (schedule.consumer_warpgroups, schedule.value_dim, schedule.mma_inflight)
     widest = MAX_KEYS_PER_BLOCK.get(key, 256)
     if schedule.mma_inflight and is_int(schedule.consumer_registers) and is_int(schedule.producer_registers) and \
-            schedule.consumer_registers < default_consumer_registers(schedule.consumer_warpgroups, 24):
+            schedule.consumer_registers < default_consumer_registers(schedule.consumer_warpgroups, PRODUCER_REGISTERS):
         # the table's consumers have all the registers a 24-register producer leaves; beside a
         # paged producer (32 or 40: 232) BN=192 with the softmax overlapped spilled 32 bytes at
         # head dim 128 (nvcc, 2026-11-23; the GPU fuzzer drew it), 128 builds
@@ -208,9 +208,9 @@ def paged_producer_registers(bn: int, page_size: int, split: bool = False) -> in
     build at 32; 2 at 24, or 32 with split-KV (head dim 256, 32 keys a block)."""
     slices = bn // min(page_size, bn)
     if slices == 1:
-        return 24
+        return PRODUCER_REGISTERS
     need = 16 + 3 * slices + (8 if split else 0)
-    return max(24, -(-need // SETMAXNREG_STEP) * SETMAXNREG_STEP)
+    return max(PRODUCER_REGISTERS, -(-need // SETMAXNREG_STEP) * SETMAXNREG_STEP)
 
 
 # (consumer warpgroups, head dim of V and O) whose split-KV kernel spills where a kv block is
@@ -231,7 +231,7 @@ def default_schedule(head_dim: int, page_size: int | None = None, **overrides) -
     tile = (rows, 64 if VALUE_DIMS.get(head_dim) == 256 else 128, head_dim)
     given = overrides.get("tile", tile)
     bn = given[1] if isinstance(given, tuple) and len(given) == 3 else None   # else the schedule's error
-    producer = 24
+    producer = PRODUCER_REGISTERS
     if page_size and is_int(bn) and bn > 0:
         producer = paged_producer_registers(bn, page_size, overrides.get("split_kv", 1) != 1)
     producer = overrides.get("producer_registers", producer)

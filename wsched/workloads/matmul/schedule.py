@@ -10,8 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Iterator
 
-from wsched.schedule import (Schedule, ScheduleError, check_overrides, default_consumer_registers, is_int,
-                             max_stages)
+from wsched.schedule import (PRODUCER_REGISTERS, Schedule, ScheduleError, check_overrides, default_consumer_registers,
+                             is_int, max_stages)
 from wsched.target import SMEM_ALIGN, SWIZZLE_ROW_BYTES, WGMMA_K, WGMMA_M
 
 # Output columns per tile: whole 64-column chunks. Narrower tiles have no 128-byte swizzled B
@@ -105,7 +105,7 @@ def default_schedule(**overrides) -> MatmulSchedule:
     consumers = overrides.get("consumer_warpgroups", 2)
     rows = WGMMA_M * consumers if is_int(consumers) and consumers >= 1 else 128
     base = dict(tile=(rows, 256, 64), consumer_warpgroups=2, stages=2,
-                consumer_registers=default_consumer_registers(consumers, overrides.get("producer_registers", 24)))
+                consumer_registers=default_consumer_registers(consumers, overrides.get("producer_registers", PRODUCER_REGISTERS)))
     base.update({k: v for k, v in overrides.items() if k not in ("stages", "mma_inflight")})
     try:
         probe = MatmulSchedule(**base)
