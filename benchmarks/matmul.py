@@ -7,6 +7,9 @@
 linear layer [B, M, K] @ w.T with w [N, K] shared by every batch next to torch.matmul).
 
 Prints TFLOP/s of both and our ratio to cuBLAS; every result is checked against torch first.
+--schedule adds kernels of other schedules (e.g. 'mode=pingpong'); per shape, cuBLAS and every
+kernel are timed back to back, --rounds times, so that clock drift over the run does not decide a
+comparison.
 """
 
 from __future__ import annotations
@@ -102,6 +105,8 @@ def main(argv=None):
     ap.add_argument("--layouts", default="kn,nk", help="kn: b is [K, N]; nk: b is [N, K] (a linear layer)")
     ap.add_argument("--schedule", action="append", default=[],
                     help="schedule overrides to compare, e.g. 'stages=4,epilogue=direct' (repeatable)")
+    ap.add_argument("--rounds", type=int, default=3, help="timings of each kernel per shape, interleaved (median)")
+    ap.add_argument("--call-overhead", action="store_true", help="also time the whole Python call of the default")
     ap.add_argument("--batched", action="store_true", help="time batched matmuls (bmm, batched linear) instead")
     ap.add_argument("--batched-shapes", default="",
                     help="with --batched: kind:BxMxNxK,... (kind bmm or linear), e.g. bmm:8x512x512x512")
@@ -113,35 +118,48 @@ def main(argv=None):
     print(f"# {torch.cuda.get_device_name()}  torch {torch.__version__}  bf16, median of {args.iters}")
     rows = []
     variants = [{}] + [parse_overrides(text) for text in args.schedule]
-    for layout, overrides in [(lay, ov) for lay in args.layouts.split(",") for ov in variants]:
+    for layout in args.layouts.split(","):
         fusion = matmul if layout == "kn" else linear
-        k = ws.compile(fusion, **overrides)
-        res = k.resources
-        if overrides:
-            layout = f"{layout} {','.join(f'{a}={b}' for a, b in overrides.items())}"
-        print(f"# {layout}: {k.schedule.short()}  registers {res.registers}  smem {k.kernel.smem_bytes}  "
-              f"spills {res.spill_stores}/{res.spill_loads}")
+        kernels = []
+        for overrides in variants:
+            k = ws.compile(fusion, **overrides)
+            res = k.resources
+            name = f"{layout} {','.join(f'{a}={b}' for a, b in overrides.items())}" if overrides else layout
+            kernels.append((name, k))
+            print(f"# {name}: {k.schedule.short()}  registers {res.registers}  smem {k.kernel.smem_bytes}  "
+                  f"spills {res.spill_stores}/{res.spill_loads}")
         for M, N, K in shapes:
             a = torch.randn(M, K, device="cuda", dtype=torch.bfloat16) / K ** 0.25
             kn = fusion is matmul
             b = torch.randn((K, N) if kn else (N, K), device="cuda", dtype=torch.bfloat16) / K ** 0.25
             ref_fn = (lambda: torch.matmul(a, b)) if kn else (lambda: torch.matmul(a, b.t()))
-            out = torch.full((M, N), float("nan"), device="cuda", dtype=torch.bfloat16)
-            ours_fn = k.bind(a, b, out={"out": out})   # pre-bound arguments: time the kernel
-            ours_fn()
-            torch.cuda.synchronize()
-            err = rel_error(out, ref_fn())
-            t_ref = median_ms(ref_fn, iters=args.iters)
-            t_ours = median_ms(ours_fn, iters=args.iters)
-            # The whole Python call (bind, checks, cached maps, launch) once per shape: the
-            # host overhead a user pays on top of the kernel.
-            t_call = median_ms(lambda: k(a, b, out={"out": out}), iters=args.iters)
             flops = 2 * M * N * K
-            row = (layout, f"{M}x{N}x{K}", flops / t_ours / 1e9, flops / t_ref / 1e9, t_ref / t_ours, err,
-                   (t_call - t_ours) * 1e3)
-            rows.append(row)
-            print(f"{row[0]:>3} {row[1]:>16}  wsched {row[2]:7.1f} TFLOP/s  cuBLAS {row[3]:7.1f} TFLOP/s  "
-                  f"ratio {row[4]:.3f}  rel.err {row[5]:.1e}  call overhead {row[6]:.0f} us", flush=True)
+            # cuBLAS and every schedule of this shape back to back, `--rounds` times (the median
+            # of each): clocks drift over a run, and a ratio compares timings taken together.
+            fns, errs = [ref_fn], []
+            for name, k in kernels:
+                out = torch.full((M, N), float("nan"), device="cuda", dtype=torch.bfloat16)
+                ours_fn = k.bind(a, b, out={"out": out})   # pre-bound arguments: time the kernel
+                ours_fn()
+                torch.cuda.synchronize()
+                errs.append(rel_error(out, ref_fn()))
+                fns.append(ours_fn)
+            times = [[] for _ in fns]
+            for _ in range(args.rounds):
+                for i, fn in enumerate(fns):
+                    times[i].append(median_ms(fn, iters=args.iters))
+            t_ref, *t_ours = (sorted(t)[len(t) // 2] for t in times)
+            for (name, k), t, err in zip(kernels, t_ours, errs):
+                row = (name, f"{M}x{N}x{K}", flops / t / 1e9, flops / t_ref / 1e9, t_ref / t, err)
+                rows.append(row)
+                print(f"{row[0]:>3} {row[1]:>16}  wsched {row[2]:7.1f} TFLOP/s  cuBLAS {row[3]:7.1f} TFLOP/s  "
+                      f"ratio {row[4]:.3f}  rel.err {row[5]:.1e}", flush=True)
+            if args.call_overhead:
+                # The whole Python call (bind, checks, cached maps, launch): the host overhead a
+                # user pays on top of the kernel.
+                name, k = kernels[0]
+                t_call = median_ms(lambda: k(a, b, out={"out": out}), iters=args.iters)
+                print(f"    {name} call overhead {(t_call - t_ours[0]) * 1e3:.0f} us", flush=True)
     print("\n| layout | M×N×K | wsched TFLOP/s | cuBLAS TFLOP/s | ratio |\n|---|---|---|---|---|")
     for r in rows:
         print(f"| {r[0]} | {r[1]} | {r[2]:.0f} | {r[3]:.0f} | {r[4]:.2f} |")

@@ -11,12 +11,13 @@ Every workload takes the same route; the steps marked [workload] are the workloa
     lower_mma                wgmma fence/commit/wait; the release moves behind its wait
     <extra passes> [workload] reorderings of the complete wgmma protocol
     epilogue [workload]      after the k loop is final: normalisation, fused ops, stores
+    <late passes> [workload] rewrites of a tile's whole work (which warpgroup runs it)
     reg_realloc              last: it must see every role's final body (register budget)
 
 The routes, step by step (`route(workload, schedule)`; a test keeps this list true):
 
     matmul:    build_loops, circular_buffer, insert_barriers, lower_tma, lower_mma, epilogue,
-               reg_realloc
+               pingpong (if mode="pingpong"), reg_realloc
     attention: build_loops, circular_buffer, insert_barriers, lower_tma, lower_mma,
                overlap_softmax (if mma_inflight=1), pingpong (if mode="pingpong"), epilogue,
                reg_realloc
@@ -58,6 +59,7 @@ def route(workload, schedule=None) -> tuple[Step, ...]:
         LOWER_MMA,
         *workload.extra_passes,
         Step("epilogue", workload.epilogue, True),
+        *workload.late_passes,
         REG_REALLOC,
     )
     return steps if schedule is None else tuple(s for s in steps if s.when(schedule))

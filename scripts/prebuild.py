@@ -16,7 +16,12 @@ from fusions import gated, linear_relu_residual, matmul, matmul_f16, mlp, scaled
 VARIANTS = [(matmul, {}), (matmul_f16, {}), (mlp, {}), (linear_relu_residual, {}), (scaled_silu_f32, {}), (gated, {}),
             (matmul, dict(split_k=16)), (gated, dict(split_k=16)),
             (mlp, dict(stages=1)), (mlp, dict(stages=2)), (mlp, dict(stages=4, epilogue="direct")),
-            (linear_relu_residual, dict(epilogue="direct"))]
+            (linear_relu_residual, dict(epilogue="direct")),
+            (matmul, dict(mode="pingpong")), (matmul, dict(mode="pingpong", tile=(64, 256, 64))),
+            (matmul, dict(tile=(256, 128, 64))), (gated, dict(tile=(256, 128, 64))),
+            (scaled_silu_f32, dict(tile=(256, 128, 64))),
+            (matmul, dict(mode="pingpong", mma_inflight=0)), (gated, dict(mode="pingpong")),
+            (linear_relu_residual, dict(mode="pingpong", epilogue="direct"))]
 ATTENTION = ([(make_attention(d, causal=c, lse=True), {}) for d in (64, 128, 256) for c in (False, True)]
              + [(make_attention(d, causal=c), {}) for d, c in ((128, False), (128, True), (64, False), (256, False))]
              + [(make_attention(128, causal=True, gqa=True), {}), (make_attention(64, causal=True, dtype=ws.f16), {}),

@@ -102,7 +102,20 @@ VALUES = [
     (dict(swizzle_group=2**31), "swizzle_group is 2147483648; it must be in [1, 32]"),
     (dict(mma_inflight=2), "mma_inflight is 2; it must be 0 or 1"),
     (dict(stages=1, mma_inflight=1), "mma_inflight=1 keeps one stage in use"),
-    (dict(mode="pingpong"), "mode 'pingpong' is not implemented for matmul yet"),
+    (dict(mode="pingpong"), "a consumer warpgroup's accumulators [128, 256] hold 256 fp32 registers per thread, more "
+                            "than the 128 that leave room for the epilogue: use BN <= 128 with 128 rows per warpgroup"),
+    (dict(mode="pingpong", tile=(128, 128, 64), consumer_warpgroups=1, consumer_registers=256),
+     "mode 'pingpong' alternates two consumer warpgroups on tiles of their own: it needs consumer_warpgroups=2 (not 1)"),
+    (dict(mode="pingpong", tile=(128, 128, 64), split_k=4),
+     "split_k=4 with mode 'pingpong': a split unit's ticket is per tile, not per warpgroup's tile; use mode "
+     "'cooperative' for split-K"),
+    (dict(tile=(256, 128, 64), split_k=2), "split_k=2 with 128 rows per consumer warpgroup: split-K takes 64 rows per "
+                                          "warpgroup (BM = 64 x consumer_warpgroups)"),
+    (dict(tile=(384, 128, 64), stages=2), "each consumer warpgroup must own 64 or 128 rows (BM / consumer_warpgroups = "
+                                          "192); use BM = 128 or 256"),
+    (dict(mode="pingpong", tile=(192, 128, 64), stages=2),
+     "each consumer warpgroup must own 64 or 128 rows (BM = 192: in mode 'pingpong' each consumer warpgroup takes "
+     "whole tiles of its own); use BM = 64 or 128"),
     (dict(cluster=(2, 1, 1)), "cluster (2, 1, 1) is not supported yet; use (1, 1, 1)"),
     (dict(operand_bytes=4, tile=(128, 256, 32)), "operand_bytes=4 is not supported"),
     (dict(operand_bytes=1, tile=(128, 256, 128)), "operand_bytes=1 is not supported"),

@@ -22,12 +22,15 @@ def k():
 
 def test_default_matmul_has_narrow_split_k_variants(k):
     assert isinstance(k, ShapeDispatchKernel)
-    small, narrow = k.variants
+    small, pingpong, narrow = k.variants
     assert small.schedule == ws.schedule_for(matmul, tile=(64, 128, 64), consumer_warpgroups=1, split_k=MAX_SPLIT_K)
+    assert pingpong.schedule == ws.schedule_for(matmul, tile=(128, 128, 64), mode="pingpong", stages=5)
     assert narrow.schedule == ws.schedule_for(matmul, tile=(128, 128, 64), split_k=MAX_SPLIT_K)
     assert k.describe() == (
         "matmul: 128x256x64 stages=3 consumers=2 regs=24/240 epilogue=tma_store (default)\n"
         f"  {small.schedule.short()} when M <= 64 (split-K: the host splits when the tiles fill at most half the SMs)\n"
+        f"  {pingpong.schedule.short()} when 128x128 tiles fill their last wave better than 128x256 ones and more "
+        "than half the SMs: ping-pong\n"
         f"  {narrow.schedule.short()} when 128x128 tiles fill their last wave better than 128x256 ones (split-K: the "
         "host splits when the tiles fill at most half the SMs)")
     # what a CompiledKernel has is the default schedule's
@@ -46,24 +49,24 @@ def _shape(m, n, kk):
     return torch.empty(m, kk, dtype=torch.bfloat16), torch.empty(kk, n, dtype=torch.bfloat16)
 
 
-@pytest.mark.parametrize("m, n, kk, sms, tile", [
-    (1, 4096, 4096, 132, (64, 128)),
-    (64, 57344, 8192, 132, (64, 128)),
-    (65, 4096, 4096, 132, (128, 128)),     # 16 wide tiles, 32 narrow: both < 1 wave, narrow fuller
-    (128, 28672, 4096, 132, (128, 256)),   # 112 / 132 vs 224 / 264: equal, the default
-    (512, 4096, 4096, 132, (128, 128)),    # 64 vs 128 of 132
-    (512, 6144, 4096, 132, (128, 256)),    # 96 / 132 vs 192 / 264: equal
-    (512, 10240, 8192, 132, (128, 128)),   # 160 / 264 vs 320 / 396
-    (512, 8192, 8192, 132, (128, 256)),    # 128 / 132 vs 256 / 264
-    (4096, 4096, 4096, 132, (128, 256)),
-    (8192, 8192, 8192, 132, (128, 256)),
-    (300, 520, 40, 132, (128, 128)),       # 3 x 3 vs 3 x 5 tiles
-    (16, 1024, 4096, 4, (64, 128)),
-    (1000, 1024, 4096, 4, (128, 256)),     # 32 / 32 vs 64 / 64
+@pytest.mark.parametrize("m, n, kk, sms, tile, mode", [
+    (1, 4096, 4096, 132, (64, 128), "cooperative"),
+    (64, 57344, 8192, 132, (64, 128), "cooperative"),
+    (65, 4096, 4096, 132, (128, 128), "cooperative"),  # 16 wide tiles, 32 narrow: both < 1 wave, narrow fuller
+    (128, 28672, 4096, 132, (128, 256), "cooperative"),   # 112 / 132 vs 224 / 264: equal, the default
+    (512, 4096, 4096, 132, (128, 128), "pingpong"),    # 64 vs 128 of 132: more than half the SMs
+    (512, 6144, 4096, 132, (128, 256), "cooperative"),    # 96 / 132 vs 192 / 264: equal
+    (512, 10240, 8192, 132, (128, 128), "pingpong"),   # 160 / 264 vs 320 / 396
+    (512, 8192, 8192, 132, (128, 256), "cooperative"),    # 128 / 132 vs 256 / 264
+    (4096, 4096, 4096, 132, (128, 256), "cooperative"),
+    (8192, 8192, 8192, 132, (128, 256), "cooperative"),
+    (300, 520, 40, 132, (128, 128), "cooperative"),    # 3 x 3 vs 3 x 5 tiles: 15 of 132, split-K
+    (16, 1024, 4096, 4, (64, 128), "cooperative"),
+    (1000, 1024, 4096, 4, (128, 256), "cooperative"),     # 32 / 32 vs 64 / 64
 ])
-def test_the_rule(k, m, n, kk, sms, tile):
+def test_the_rule(k, m, n, kk, sms, tile, mode):
     chosen = k.choose(_shape(m, n, kk), sms)
-    assert chosen.schedule.tile[:2] == tile
+    assert (chosen.schedule.tile[:2], chosen.schedule.mode) == (tile, mode)
     assert (chosen is k.primary) == (tile == (128, 256))
 
 

@@ -93,6 +93,33 @@ def test_wrong_device_and_dtype_are_named():
 
 # --- sliced epilogues and split-K ----------------------------------------------------------------
 
+PINGPONG_SHAPES = [
+    (64, 256, 64),        # one tile: warpgroup 1 of its CTA has none
+    (999, 1000, 1000),    # nothing divides the tile; CTAs with odd and even tile counts
+    (4096, 4096, 4096),   # 1024 tiles: every stage reused many times, both warpgroups busy
+    (8, 4096, 4096),      # skinny M
+    (300, 520, 40),       # K smaller than one k tile
+]
+
+
+@pytest.mark.parametrize("M,N,K", PINGPONG_SHAPES)
+@pytest.mark.parametrize("fusion,overrides", [(matmul, {}), (matmul, dict(tile=(64, 256, 64))),
+                                              (matmul, dict(mma_inflight=0)), (gated, {}),
+                                              (linear_relu_residual, dict(epilogue="direct"))],
+                         ids=["default", "bm64", "inflight0", "gated", "residual_direct"])
+def test_pingpong(fusion, overrides, M, N, K):
+    """mode="pingpong": the two consumer warpgroups take tiles in turn, each a tile of its own."""
+    run_and_check(compiled(fusion, mode="pingpong", **overrides), fusion, M, N, K, seed=M + N)
+
+
+@pytest.mark.parametrize("M,N,K", [(999, 1000, 1000), (4096, 4096, 1024), (300, 520, 40)])
+@pytest.mark.parametrize("fusion", [matmul, gated, scaled_silu_f32], ids=lambda f: f.name)
+def test_two_row_blocks_per_warpgroup(fusion, M, N, K):
+    """Cooperative 256 x 128 tiles: each consumer warpgroup issues two m64 wgmmas per k step into
+    two accumulators, and its epilogue walks both blocks of rows."""
+    run_and_check(compiled(fusion, tile=(256, 128, 64)), fusion, M, N, K, seed=M + K)
+
+
 @pytest.mark.parametrize("M", [1, 33, 4096])
 @pytest.mark.parametrize("fusion", [gated, scaled_silu_f32, linear_relu_residual], ids=lambda f: f.name)
 def test_epilogues_with_mn_inputs_and_f32_outputs(fusion, M):

@@ -119,6 +119,11 @@ FAMILIES = [
     # tiles, more than the SMs, not split (each CTA walks several tiles and reuses its staging tile)
     Family("matmul_split_k.ir", matmul, (("split_k", 4),), golden="matmul_split_k.ir",
            shapes=((100, 264, 640), (300, 520, 320)), num_sms=4),
+    # Ping-pong, 128 x 128 tiles of two row blocks a warpgroup: on 2 SMs 9 tiles (5 and 4 a CTA:
+    # the last token taken back by each warpgroup in turn) of 10 k steps over 4 stages, and one
+    # tile (warpgroup 1 idle)
+    Family("matmul_pingpong.ir", matmul, (("mode", "pingpong"),), golden="matmul_pingpong.ir",
+           shapes=((300, 264, 640), (100, 120, 200)), num_sms=2),
     # Split-KV decode, 4 query heads per KV head packed into the rows, bottom-right causal: on 4
     # SMs one tile of 16 kv blocks split in 2 and one of 33 split 9 + 9 + 9 + 6 (over 3 stages;
     # the last split to finish merges), and 8 tiles of 3 kv blocks, more than the SMs, not split
@@ -187,12 +192,7 @@ def judge(family: Family, operator: str, harmful: bool, edit: Edit) -> Verdict:
 
 # Mutants neither harmful nor benign on a GPU as far as the documents say, judged by no
 # assertion: (family, operator, statement) -> why.
-NOT_JUDGED = {
-    ("attention_pingpong", "drop_named_barrier", "bar.sync 3, 256"):
-        "the sync that takes back warpgroup 1's extra token at exit: without it barrier 3 is left "
-        "with 128 arrivals when the CTA exits (FlashAttention-3 leaves it so too); PTX does not say "
-        "whether a named barrier's count outlives its CTA",
-}
+NOT_JUDGED: dict = {}
 
 # Mutants of a harmful operator that are equivalent to their kernel, so benign controls there:
 # (family, operator, statement) -> why.

@@ -52,7 +52,7 @@ def test_unknown_field_is_rejected():
                                    "the registers a CTA of 384 threads holds (168 per thread), by 1024: "
                                    "setmaxnreg.inc would wait forever for the rest"),
     (dict(producer_registers=42, consumer_registers=232), "producer_registers=42 must be a multiple of 8 in [24, 256]"),
-    (dict(mode="pingpong"), "mode 'pingpong' is not implemented for matmul yet; use 'cooperative'"),
+    (dict(mode="pingpong"), "a consumer warpgroup's accumulators [128, 256] hold 256 fp32 registers per thread"),
     (dict(epilogue="smem"), "epilogue 'smem' is not one of 'tma_store', 'direct'"),
     (dict(stages=1, mma_inflight=1), "mma_inflight=1 keeps one stage in use while the next is loaded"),
 ])

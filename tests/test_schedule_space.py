@@ -85,8 +85,11 @@ def typed_fields(draw, workload: str):
     start = 248 if consumers == 1 else 168
     consumer = draw(st.integers(start // 8, (512 - producer) // consumers // 8).map(lambda r: min(256, 8 * r)))
     split = dict(split_k=draw(st.sampled_from([1, 2, 16]))) if workload == "matmul" else {}
-    return dict(**split, tile=(64 * consumers, bn, bk), consumer_warpgroups=consumers, stages=draw(st.integers(1, 5)),
-                mode=draw(st.sampled_from(["cooperative", "pingpong"] if workload == "attention" else ["cooperative"])),
+    mode = draw(st.sampled_from(["cooperative", "pingpong"]))
+    rows = 64 * (draw(st.sampled_from([1, 2])) if workload == "matmul" else 1)     # per warpgroup
+    bm = rows * (1 if workload == "matmul" and mode == "pingpong" else consumers)
+    return dict(**split, tile=(bm, bn, bk), consumer_warpgroups=consumers, stages=draw(st.integers(1, 5)),
+                mode=mode,
                 producer_registers=producer, consumer_registers=consumer,
                 raster=draw(st.sampled_from(["row", "column"])), swizzle_group=draw(st.integers(1, 32)),
                 epilogue=draw(st.sampled_from(["direct"] if workload == "attention" else ["tma_store", "direct"])),

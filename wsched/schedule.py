@@ -157,9 +157,25 @@ class Schedule:
     def bk(self) -> int:
         return self.tile[2]
 
+    # The rows a consumer warpgroup may own: one m64 wgmma per k step (a workload that issues
+    # one per 64-row block of its rows, each into its own accumulator, allows more).
+    consumer_rows = (WGMMA_M,)
+
+    @property
+    def mma_row_blocks(self) -> int:
+        """The m64 blocks of a consumer warpgroup's rows: its wgmmas per k step, its accumulators."""
+        return self.rows_per_consumer // WGMMA_M
+
+    @property
+    def tile_warpgroups(self) -> int:
+        """Consumer warpgroups that share one tile and read each stage of the k-loop ring (the
+        empty barriers' arrivals): all of them, unless a workload gives each warpgroup tiles of
+        its own (matmul's ping-pong)."""
+        return self.consumer_warpgroups
+
     @property
     def rows_per_consumer(self) -> int:
-        return self.bm // self.consumer_warpgroups
+        return self.bm // self.tile_warpgroups
 
     @property
     def stage_bytes(self) -> int:
@@ -204,12 +220,16 @@ class Schedule:
             p.append(f"consumer_warpgroups={n} is not supported: use 1 or 2 (with {n}, a thread starts with "
                      f"{launch_registers(self.threads)} registers, too few for a 64 x BN fp32 accumulator "
                      f"and the epilogue: ptxas spills)")
-        elif bm % (WGMMA_M * n):
+        elif self.tile_warpgroups == n and bm % (WGMMA_M * n):
             p.append(f"BM={bm} must be a multiple of {WGMMA_M} x consumer_warpgroups="
                      f"{WGMMA_M * n} (each consumer warpgroup issues m64 wgmmas)")
-        elif self.rows_per_consumer != WGMMA_M:
-            p.append(f"each consumer warpgroup must own exactly {WGMMA_M} rows (BM / consumer_warpgroups"
-                     f" = {self.rows_per_consumer}); use BM = {WGMMA_M * n}")
+        elif self.rows_per_consumer not in self.consumer_rows:
+            shared = (f"BM / consumer_warpgroups = {self.rows_per_consumer}" if self.tile_warpgroups == n else
+                      f"BM = {bm}: in mode {self.mode!r} each consumer warpgroup takes whole tiles of its own")
+            owns = " or ".join(map(str, self.consumer_rows))
+            p.append(f"each consumer warpgroup must own {'exactly ' if len(self.consumer_rows) == 1 else ''}"
+                     f"{owns} rows ({shared}); use BM = "
+                     + " or ".join(str(r * self.tile_warpgroups) for r in self.consumer_rows))
         if bn not in WGMMA_N:
             p.append(f"BN={bn} must be a multiple of {WGMMA_N[0]} in [{WGMMA_N[0]}, {WGMMA_N[-1]}] "
                      f"(the wgmma n extent)")

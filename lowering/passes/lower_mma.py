@@ -6,10 +6,11 @@ released only when no wgmma reading it is pending. With `mma_inflight = 1` one g
 flight across iterations, so iteration k releases the stage of iteration k - 1 and the tile's
 last stage is released after the loop's final `wgmma.wait 0`.
 
-Which of the two applies is read from the k loop. One wgmma per k step, accumulating into an
-accumulator zero-filled just before the loop, depends on nothing else in its iteration: its group
-may stay in flight (`mma_inflight`), and the first k step overwrites the accumulator
-(accumulate(k > 0)) so the zero fill goes. Several wgmmas per k step feed each other through
+Which of the two applies is read from the k loop. The wgmmas of a k step that read only shared
+memory, issued back to back, each accumulating into an accumulator of its own zero-filled just
+before the loop (matmul: one per 64-row block of a warpgroup's rows), depend on nothing else in
+their iteration: they are one group, which may stay in flight (`mma_inflight`), and the first k
+step overwrites the accumulators (accumulate(k > 0)) so the zero fills go. Several wgmmas per k step feed each other through
 registers (attention: S = Q K^T, softmax, O += P V): each is waited for at once and keeps its
 accumulate flag; overlapping them is a reordering a workload pass makes afterwards.
 
@@ -49,24 +50,31 @@ def run(kernel: ir.Kernel, ctx: LoweringContext) -> ir.Kernel:
     consumer_role = next(r for r in kernel.roles() if r.name == CONSUMER)
     k_loop = next(s for s in ir.walk(consumer_role.body) if isinstance(s, ir.For) and s.var == K_VAR)
     mmas = [s for s in k_loop.body if isinstance(s, ir.Wgmma)]
-    single = len(mmas) == 1
+    at = [i for i, s in enumerate(k_loop.body) if isinstance(s, ir.Wgmma)]
+    # One group: the k step's wgmmas read only shared memory, each into an accumulator of its own,
+    # issued back to back (matmul: one per 64-row block of the warpgroup's rows).
+    single = (all(isinstance(m.a, ir.SmemRef) for m in mmas) and len({m.acc for m in mmas}) == len(mmas)
+              and at == list(range(at[0], at[0] + len(at))))
     inflight = ctx.schedule.mma_inflight if single else 0
-    acc = empty = it_base = None
+    accs: set[str] = set()
+    empty = it_base = None
     if single:
-        (mma,) = mmas
-        reads = {mma.b.buffer} | ({mma.a.buffer} if isinstance(mma.a, ir.SmemRef) else set())
-        acc = mma.acc
-        # The k-level channel the wgmma reads: its stage is the one released one step late.
+        reads = {m.b.buffer for m in mmas} | {m.a.buffer for m in mmas}
+        accs = {m.acc for m in mmas}
+        # The k-level channel the wgmmas read: its stage is the one released one step late.
         empty = next(c.empty for c in ctx.channels("k") if reads & set(c.buffers))
         # The ring counter's value before the tile's first k step (circular_buffer's `it`).
         it_base = next(s.value.lhs for s in k_loop.body if isinstance(s, ir.Let) and s.name == "it")
 
     def k_body(loop: ir.For) -> ir.For:
         out: list[ir.Stmt] = []
-        for s in loop.body:
-            if isinstance(s, ir.Wgmma):
-                mma = replace(s, accumulate=ir.BinOp(">", V(K_VAR), C(0))) if single else s
-                out += [ir.WgmmaFence(), mma, ir.WgmmaCommit(), ir.WgmmaWait(inflight)]
+        for i, s in enumerate(loop.body):
+            if isinstance(s, ir.Wgmma) and single:
+                first, last = i == at[0], i == at[-1]
+                out += ([ir.WgmmaFence()] if first else []) + [replace(s, accumulate=ir.BinOp(">", V(K_VAR), C(0)))]
+                out += [ir.WgmmaCommit(), ir.WgmmaWait(inflight)] if last else []
+            elif isinstance(s, ir.Wgmma):
+                out += [ir.WgmmaFence(), s, ir.WgmmaCommit(), ir.WgmmaWait(inflight)]
             elif isinstance(s, ir.MbarrierArrive) and s.bar.barrier == empty and inflight:
                 prev = ir.Let("prev_s", ir.mod(ir.sub("it", 1), stages))
                 out.append(ir.If(ir.BinOp(">", V(K_VAR), C(0)),
@@ -78,7 +86,7 @@ def run(kernel: ir.Kernel, ctx: LoweringContext) -> ir.Kernel:
     def tile_body(loop: ir.For) -> ir.For:
         out: list[ir.Stmt] = []
         for s in loop.body:
-            if isinstance(s, ir.TileFill) and s.dst == acc:
+            if isinstance(s, ir.TileFill) and s.dst in accs:
                 continue
             out.append(s)
             if isinstance(s, ir.For) and s.var == K_VAR and inflight:

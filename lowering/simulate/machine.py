@@ -182,6 +182,11 @@ class Machine(KernelPreparation, BarrierHandlers, AsyncHandlers, TileHandlers, G
             if cta.loads_inflight:
                 raise ProtocolError(f"CTA {cta.cta_id} exited with {cta.loads_inflight} TMA load(s) still in "
                                     f"flight into its shared memory")
+            for bid, gen in sorted(cta.named.items()):
+                raise ProtocolError(f"CTA {cta.cta_id} exited with named barrier {bid} part way through a round: "
+                                    f"{gen.count} of its {gen.threads} threads arrived (first {gen.arrivals[0][2]}) "
+                                    f"and nobody completes it; every bar.arrive needs its bar.sync (a token handed "
+                                    f"between warpgroups is taken back before the end)")
             self.resident.remove(cta)
             if self.waiting:
                 self.resident.append(self._launch(self.waiting.popleft()))

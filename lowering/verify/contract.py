@@ -514,24 +514,29 @@ class _TraceCheck:
 
     def run(self) -> None:
         for ch in self.channels:
-            fills = self._producer(ch)
-            if fills is None:
+            produced = self._producer(ch)
+            if produced is None:
                 continue
+            fills, points = produced
+            assigned: dict[tuple, list[int]] = {}      # trace key -> the fill each of its waits is for
             for key, (role, events) in self.traces.items():
                 waits = [e for e in events if e.op == "wait" and e.bar == ch.full]
                 if (waits and key[0] not in ch.mismatched_roles
                         and not any(e.op == "expect_tx" and e.bar == ch.full for e in events)):
-                    self._consumer(ch, fills, role, key[1], waits)
+                    assigned[key] = self._assign(fills, points, waits)
+                    self._consumer(ch, fills, role, key[1], waits, assigned[key])
                     self._converged_releases(ch, role, key[1], events)
+            self._covered(ch, fills, points, assigned)
             if ch.empty is not None:
-                self._releases(ch, fills)
+                self._releases(ch, fills, assigned)
         for key, (role, events) in self.traces.items():
             self._wgmma_groups(role, key[1], events)
             self._generic_writes(role, key[1], events)
 
-    def _producer(self, ch: _Channel) -> "list[int] | None":
-        """The stages the producer fills, in order, with its acquire of each; checks the parity of
-        every acquire (the j-th use of a stage waits with parity (j & 1) ^ 1)."""
+    def _producer(self, ch: _Channel) -> "tuple[list[int], list[tuple]] | None":
+        """The stages the producer fills, in order, and the loop point of each fill (its loop
+        counters' values); checks its acquire of each and the parity of every acquire (the j-th
+        use of a stage waits with parity (j & 1) ^ 1)."""
         producers = [(key, role, events) for key, (role, events) in self.traces.items()
                      if any(e.op == "expect_tx" and e.bar == ch.full for e in events)]
         if not producers:
@@ -544,6 +549,7 @@ class _TraceCheck:
                         f"warpgroup")
         (_, wg), role, events = producers[0]
         fills: list[int] = []
+        points: list[tuple] = []
         uses: dict[int, int] = {}
         acquire = None
         for i, e in enumerate(events):
@@ -553,6 +559,7 @@ class _TraceCheck:
                 j = uses.get(e.slot, 0)
                 uses[e.slot] = j + 1
                 fills.append(e.slot)
+                points.append(tuple(v for _, v in e.point))
                 if ch.empty is None:
                     continue
                 if acquire is None:
@@ -576,13 +583,37 @@ class _TraceCheck:
                                 f"XOR 1 (the first pass through a stage is free, each later one waits for "
                                 f"the previous release)")
                 acquire = None
-        return fills
+        return fills, points
 
-    def _consumer(self, ch, fills, role, wg, waits) -> None:
-        """The consumer's i-th wait on `full` is for the producer's i-th fill: same stage, and the
-        parity of that fill's phase."""
+    @staticmethod
+    def _assign(fills: list[int], points: list[tuple], waits: list[_Event]) -> list[int]:
+        """The fill each of a consumer warpgroup's waits is for. A warpgroup that waits as often
+        as the producer fills takes every fill in order (the i-th wait, the i-th fill). One that
+        waits less often takes the tiles given to it (matmul's ping-pong: every other tile per
+        warpgroup): each wait is for the fill at its own loop point (both nests run the same
+        loops, checked statically), and a wait at a point the producer never fills at takes the
+        next fill in order."""
+        if len(waits) >= len(fills):
+            return list(range(len(waits)))
+        at = {}
+        for i, p in enumerate(points):
+            at.setdefault(p, i)
+        out, last = [], -1
+        for w in waits:
+            i = at.get(tuple(v for _, v in w.point))
+            last = i if i is not None and i > last else last + 1
+            out.append(last)
+        return out
+
+    def _consumer(self, ch, fills, role, wg, waits, assigned) -> None:
+        """Each of the consumer's waits on `full` is for the fill `_assign` gives it (in order, the
+        i-th wait for the i-th fill): same stage, and the parity of that fill's phase."""
+        use_of = []                          # the j-th use of its stage, per fill
         uses: dict[int, int] = {}
-        for i, w in enumerate(waits):
+        for slot in fills:
+            use_of.append(uses.get(slot, 0))
+            uses[slot] = use_of[-1] + 1
+        for w, i in zip(waits, assigned):
             if i >= len(fills):
                 self.c.once("sequence", w.path,
                             f"at {self.where(role, wg, w)} the consumer waits on {ch.full} for a fill the "
@@ -595,19 +626,36 @@ class _TraceCheck:
                             f"but the producer's {ordinal(i + 1)} fill went to stage {slot}; both sides "
                             f"must compute the stage from the same counter (stage = it % S)")
                 return
-            j = uses.get(slot, 0)
-            uses[slot] = j + 1
+            j = use_of[i]
             if w.value != j & 1:
                 self.c.once("parity", w.path,
                             f"at {self.where(role, wg, w)} the consumer waits on {ch.full} stage {slot} with "
                             f"phase({w.value}), the {ordinal(j + 1)} use of the stage, which completes "
                             f"phase {j}; the parity must be {j & 1} (phase = (it / S) & 1)")
                 return
-        if len(waits) < len(fills):
+
+    def _covered(self, ch, fills, points, assigned) -> None:
+        """Every fill is waited for by some consumer warpgroup: otherwise the producer blocks on
+        a stage nobody releases."""
+        if not assigned:
+            return
+        taken = {i for found in assigned.values() for i in found}
+        missed = next((i for i in range(len(fills)) if i not in taken), None)
+        if missed is None:
+            return
+        key, found = max(assigned.items(), key=lambda kv: len(kv[1]))
+        waits = [e for e in self.traces[key][1] if e.op == "wait" and e.bar == ch.full]
+        if len({tuple(f) for f in assigned.values()}) == 1:     # every warpgroup takes the same fills
             self.c.once("sequence", waits[0].path,
-                        f"the consumer waits on {ch.full} {len(waits)} times ({self.sample.text}) but the "
+                        f"the consumer waits on {ch.full} {len(found)} times ({self.sample.text}) but the "
                         f"producer fills {len(fills)} stages; the producer blocks on a stage nobody "
                         f"releases: {_SAME_ORDER}")
+            return
+        point = ", ".join(f"{v}={x}" for v, x in zip((v for v, _ in waits[0].point), points[missed]))
+        self.c.once("sequence", waits[0].path,
+                    f"no consumer warpgroup waits on {ch.full} for the producer's {ordinal(missed + 1)} fill "
+                    f"(stage {fills[missed]}, at {point}; {self.sample.text}): the producer blocks on a stage "
+                    f"nobody releases; every tile's stages need a warpgroup that takes them")
 
     def _converged_releases(self, ch: _Channel, role: ir.Role, wg: int, events) -> None:
         """One thread releases a stage, so every warp of its warpgroup must have passed the wait
@@ -632,19 +680,21 @@ class _TraceCheck:
                                 f"and a late warp waits a phase behind for ever; put the warpgroup's "
                                 f"`bar.sync 1 + wg, 128` before the release")
 
-    def _releases(self, ch: _Channel, fills) -> None:
+    def _releases(self, ch: _Channel, fills, assigned) -> None:
         """Each use of a stage that the producer fills again later is released the same number of
-        times by every consumer warpgroup; the empty barrier's arrivals are the sum of those."""
+        times by every consumer warpgroup; the empty barrier's arrivals are the sum of those over
+        the warpgroups that take the fill."""
         later: set[int] = set()
         reused = []                      # whether the producer fills each use's stage again later
         for slot in reversed(fills):
             reused.append(slot in later)
             later.add(slot)
         reused.reverse()
-        per_role: dict[tuple[int, ...], tuple[ir.Role, list[int]]] = {}
+        takers: dict[int, list[tuple[tuple[int, ...], ir.Role, int]]] = {}   # fill -> (role path, role, releases)
         for (rpath, wg), (role, events) in self.traces.items():
-            if rpath in ch.mismatched_roles or not any(e.op == "wait" and e.bar == ch.full for e in events):
+            if rpath in ch.mismatched_roles or (rpath, wg) not in assigned:
                 continue
+            fill_of = assigned[(rpath, wg)]
             uses: list[_Use] = []
             current: dict[int, int] = {}
             for e in events:
@@ -660,8 +710,8 @@ class _TraceCheck:
                                     f"{e.slot} before it ever waited on {ch.full} for it; release a stage "
                                     f"only after using it")
             counts = set()
-            for i, use in enumerate(uses[:len(fills)]):
-                if not reused[i]:
+            for i, use in enumerate(uses[:len(fill_of)]):
+                if fill_of[i] >= len(fills) or not reused[fill_of[i]]:
                     continue
                 if use.releases == 0:
                     self.c.once("release", use.wait.path,
@@ -677,12 +727,20 @@ class _TraceCheck:
                             f"per use ({self.sample.text}); release every use exactly the same number of "
                             f"times")
             elif counts:
-                per_role.setdefault(rpath, (role, []))[1].append(counts.pop())
+                count = counts.pop()
+                for i in fill_of:
+                    if i < len(fills) and reused[i]:
+                        takers.setdefault(i, []).append((rpath, role, count))
         init = self.c.inits.get(ch.empty)
-        if init is None or not per_role:
+        if init is None or not takers:
             return
-        total = sum(sum(counts) for _, counts in per_role.values())
-        if init.stmt.arrivals != total:
+        for i, found in sorted(takers.items()):
+            total = sum(count for _, _, count in found)
+            if init.stmt.arrivals == total:
+                continue
+            per_role: dict[tuple[int, ...], tuple[ir.Role, list[int]]] = {}
+            for rpath, role, count in found:
+                per_role.setdefault(rpath, (role, []))[1].append(count)
             parts = ", ".join(
                 f"role {role.name}: " + (f"{plural(len(counts), 'warpgroup')} × {plural(counts[0], 'arrive')}"
                                          if len(set(counts)) == 1 else f"{' + '.join(map(str, counts))} arrives")
@@ -690,6 +748,7 @@ class _TraceCheck:
             self.c.once("arrivals", init.path,
                         f"{ch.empty} is initialised with arrivals({init.stmt.arrivals}) but {total} consumer "
                         f"arrivals release each stage ({parts}); use arrivals({total})")
+            return
 
     def _wgmma_groups(self, role: ir.Role, wg: int, events) -> None:
         """Release only what no pending wgmma group reads; read only stages this warpgroup holds."""

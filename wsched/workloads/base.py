@@ -13,6 +13,8 @@ full/empty barriers, TMA issue, the wgmma protocol, register reallocation); the 
   single-buffered and unsynchronised;
 - `extra_passes`: its own steps, run after the shared wgmma protocol is in place;
 - `epilogue(kernel, ctx)`: what the consumers do after the k loop (the stores);
+- `late_passes`: its own steps on the whole tile's work, run after the epilogue (matmul's
+  ping-pong hands each tile to one warpgroup);
 - `variants(fusion, schedule)`: other default schedules a call switches to by shape and SM count
   (`wsched/dispatch.py`), each with its rule; none by default.
 
@@ -37,6 +39,7 @@ class Workload(ABC):
     name: str
     schedule_type: type[Schedule]
     extra_passes: tuple[Step, ...] = ()
+    late_passes: tuple[Step, ...] = ()
     # The workload's own functions, set by each subclass as `staticmethod`s:
     split: Callable[["Workload", object, Schedule], Partition]      # (workload, fusion, schedule)
     describe: Callable[[Partition], str]

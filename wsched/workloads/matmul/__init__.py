@@ -11,10 +11,15 @@ from __future__ import annotations
 
 from wsched.workloads.base import Workload
 
-from . import epilogue, loops, partition, schedule
+from . import epilogue, loops, partition, pingpong, schedule
+from wsched.lowering.context import Step
 from wsched.schedule import ScheduleError
 
-from .schedule import MAX_SPLIT_K, MatmulSchedule, fills_waves_better
+from .schedule import MAX_SPLIT_K, MatmulSchedule, fills_waves_better, output_tiles
+
+# Ping-pong's variant keeps five stages of its 128 x 128 tiles (32 KB each) where they fit beside
+# the staged outputs: measured 1-4% above four on an H100 (docs/benchmarks.md).
+PINGPONG_STAGES = 5
 
 
 class MatmulWorkload(Workload):
@@ -24,6 +29,9 @@ class MatmulWorkload(Workload):
     describe = staticmethod(partition.describe)
     build_loops = staticmethod(loops.build_loops)
     epilogue = staticmethod(epilogue.epilogue)
+    late_passes = (
+        Step("pingpong", pingpong.run, True, lambda s: s.mode == "pingpong", 'mode="pingpong"'),
+    )
 
     def matches(self, fusion) -> bool:
         return sum(n.op == "matmul" for n in fusion.nodes()) == 1
@@ -43,9 +51,11 @@ class MatmulWorkload(Workload):
 
         - M <= 64: 64x128 tiles (one consumer warpgroup: a 128-row tile would be at least half
           empty rows) with split-K; the host splits K when the tiles fill at most half the SMs.
-        - otherwise 128x128 tiles with split-K when their last wave is fuller than the default's
-          (`wave_fill`: tiles / (waves x SMs)); the host splits K when they fill at most half
-          the SMs.
+        - otherwise, where 128x128 tiles fill their last wave better than the default's
+          (`wave_fill`: tiles / (waves x SMs)): ping-pong 128x128 tiles where they fill more
+          than half the SMs (nothing to split; each warpgroup's epilogue hides under the other's
+          mainloop), else cooperative 128x128 tiles with split-K (the host splits K when they
+          fill at most half the SMs).
 
         A variant this fusion cannot take (its staged outputs do not fit beside two stages) is
         left out. A batched matmul has none: its rules count one batch's tiles, and split-K
@@ -55,16 +65,26 @@ class MatmulWorkload(Workload):
         if schedule.tile != (128, 256, 64) or schedule.split_k != 1 or _batched(fusion):
             return ()
         found = []
-        for tile, consumers, applies, rule in (
-                ((64, 128, 64), 1, lambda v, tile: v["M"] <= 64, "M <= 64"),
-                ((128, 128, 64), 2, lambda v, tile: fills_waves_better(v["M"], v["N"], v["num_sms"], tile, schedule.tile),
-                 "128x128 tiles fill their last wave better than 128x256 ones")):
+        better = lambda v, tile: fills_waves_better(v["M"], v["N"], v["num_sms"], tile, schedule.tile)  # noqa: E731
+        split = " (split-K: the host splits when the tiles fill at most half the SMs)"
+        for fields, applies, rule in (
+                (dict(tile=(64, 128, 64), consumer_warpgroups=1, split_k=MAX_SPLIT_K), lambda v, tile: v["M"] <= 64,
+                 "M <= 64" + split),
+                (dict(tile=(128, 128, 64), mode="pingpong", stages=PINGPONG_STAGES),
+                 lambda v, tile: better(v, tile) and 2 * output_tiles(v["M"], v["N"], tile) > v["num_sms"],
+                 "128x128 tiles fill their last wave better than 128x256 ones and more than half the SMs: ping-pong"),
+                (dict(tile=(128, 128, 64), consumer_warpgroups=2, split_k=MAX_SPLIT_K), better,
+                 "128x128 tiles fill their last wave better than 128x256 ones" + split)):
             try:
-                variant = self.default_schedule(fusion, tile=tile, consumer_warpgroups=consumers, split_k=MAX_SPLIT_K)
+                variant = self.default_schedule(fusion, **fields)
             except ScheduleError:
-                continue
-            found.append(Variant(variant, lambda v, f=applies, t=tile: f(v, t), rule + f" (split-K: the host splits when the tiles fill at most "
-                                                          f"half the SMs)"))
+                if "stages" not in fields:
+                    continue
+                try:     # fewer stages beside larger staged outputs
+                    variant = self.default_schedule(fusion, **{k: v for k, v in fields.items() if k != "stages"})
+                except ScheduleError:
+                    continue
+            found.append(Variant(variant, lambda v, f=applies, t=fields["tile"]: f(v, t), rule))
         return tuple(found)
 
     def lighter(self, fusion, schedule: MatmulSchedule):

@@ -74,11 +74,11 @@ from wsched.lowering.rewrite import map_loop, map_role
 from wsched.names import (ACC, CONSUMER, EPILOGUE_SLICE, PARTIALS, SPLITS, TICKET_SLOT, TILE_VAR,
                           WARPGROUP_BARRIER)
 from wsched.partition import param_name
-from wsched.target import DTYPE_BYTES, SWIZZLE_ROW_BYTES, UNARY_OPS, WARPGROUP_THREADS
+from wsched.target import DTYPE_BYTES, SWIZZLE_ROW_BYTES, UNARY_OPS, WARPGROUP_THREADS, WGMMA_M
 
 from wsched.workloads.ticket import take_ticket
 
-from .loops import batch_coords, output_shape
+from .loops import accumulator, batch_coords, output_shape, row_block
 
 V = ir.Var
 C = ir.IntConst
@@ -90,11 +90,21 @@ SLICE = "slice_t"         # the epilogue's tile: a slice of acc copied, or (spli
 
 def epilogue(kernel: ir.Kernel, ctx: LoweringContext) -> ir.Kernel:
     part, s = ctx.partition, ctx.schedule
-    rows, bn = s.rows_per_consumer, s.bn
+    rows, bn, blocks = WGMMA_M, s.bn, s.mma_row_blocks    # the epilogue walks each 64-row block
     width = min(bn, EPILOGUE_COLUMNS)
     slices = bn // width
     j = V(EPILOGUE_SLICE) if slices > 1 else C(0)
-    row0 = ir.add("m0", ir.mul("wg", rows))
+
+    def row_of(h: int) -> ir.Expr:
+        """The first output row of the warpgroup's h-th block of rows."""
+        block = row_block(s, h)
+        return V("m0") if block == C(0) else ir.add("m0", ir.mul(block, rows))
+
+    def staged_at(h: int, jj) -> ir.Expr:
+        """The staging slot of block h's slice jj."""
+        return ir.add(h * slices, jj) if h else jj
+
+    row0 = row_of(0)
     col0 = ir.add("n0", ir.mul(j, width)) if slices > 1 else V("n0")
     split = s.split_k > 1
     mm = part.payload
@@ -114,7 +124,7 @@ def epilogue(kernel: ir.Kernel, ctx: LoweringContext) -> ir.Kernel:
         chunk = min(width, SWIZZLE_ROW_BYTES // DTYPE_BYTES[dtype])   # one 128-byte swizzled row
         swizzle = SWIZZLE_ROW_BYTES if chunk * DTYPE_BYTES[dtype] == SWIZZLE_ROW_BYTES else 0
         chunks = width // chunk
-        shape = (s.consumer_warpgroups, slices) + ((chunks,) if chunks > 1 else ()) + (rows, chunk)
+        shape = (s.consumer_warpgroups, blocks * slices) + ((chunks,) if chunks > 1 else ()) + (rows, chunk)
         decl = store_to[name] = ir.SmemDecl(buf, dtype, shape, swizzle)
         extra_smem.append(decl)
         staged.append((name, decl, chunk))
@@ -123,14 +133,16 @@ def epilogue(kernel: ir.Kernel, ctx: LoweringContext) -> ir.Kernel:
 
     decls: dict[str, ir.RegDecl] = {}
 
-    def fused(source: str) -> tuple[ir.Stmt, ...]:
-        """The fused ops and the stores of one slice whose matmul result is in tile `source`."""
+    def fused(source: str, h: int = 0) -> tuple[ir.Stmt, ...]:
+        """The fused ops and the stores of one slice of block h whose matmul result is in tile
+        `source`."""
         body: list[ir.Stmt] = []
-        tile_of = _elementwise(part, (rows, width), row0, col0, source, decls, body)
+        row = row_of(h)
+        tile_of = _elementwise(part, (rows, width), row, col0, source, decls, body)
         for out, name in zip(part.outputs, part.output_names):
             decl = store_to[name]
-            body.append(ir.TileStoreGlobal(name, at + (row0, col0), tile_of[out.id]) if decl is None else
-                        ir.TileStoreSmem(ir.SmemRef(decl.name, (V("wg"), j)), tile_of[out.id]))
+            body.append(ir.TileStoreGlobal(name, at + (row, col0), tile_of[out.id]) if decl is None else
+                        ir.TileStoreSmem(ir.SmemRef(decl.name, (V("wg"), staged_at(h, j))), tile_of[out.id]))
         return tuple(body)
 
     # The epilogue runs on a slice tile of its own, never on the accumulator: wgmma is the only
@@ -138,30 +150,35 @@ def epilogue(kernel: ir.Kernel, ctx: LoweringContext) -> ir.Kernel:
     # for f32 outputs and in split kernels). The slice is a copy of acc's columns, or with split-K
     # the sum of the partials.
     decls[SLICE] = ir.RegDecl(SLICE, "f32", (rows, width))
-    view = (ir.TileView(ACC_SLICE, ACC, ir.mul(j, width), width),) if slices > 1 else ()
-    copy = view + (ir.TileUnary("cast", SLICE, ACC_SLICE if slices > 1 else ACC),)
-    if not split:
-        slice_body = copy + fused(SLICE)
-    else:       # the epilogue in both branches: joined before it, ptxas spilled
-        summed = _sum_of_partials(row0, col0, rows, width, decls)
-        slice_body = (ir.If(ir.BinOp(">", V(SPLITS), C(1)), summed + fused(SLICE), copy + fused(SLICE)),)
+
+    def copy(h: int) -> tuple[ir.Stmt, ...]:
+        acc = accumulator(h)
+        view = (ir.TileView(ACC_SLICE, acc, ir.mul(j, width), width),) if slices > 1 else ()
+        return view + (ir.TileUnary("cast", SLICE, ACC_SLICE if slices > 1 else acc),)
 
     body: list[ir.Stmt] = []
     sync = ir.NamedBarrierSync(ir.add(WARPGROUP_BARRIER, "wg"), WARPGROUP_THREADS)
     if staged:
         body += [ir.ElectOne((ir.TmaWait(0, True),)), sync]
-    if slices > 1:
-        body.append(ir.For(EPILOGUE_SLICE, C(0), C(slices), C(1), "unroll", slice_body))
-    else:
-        body += slice_body
+    for h in range(blocks):
+        if not split:
+            slice_body = copy(h) + fused(SLICE, h)
+        else:       # the epilogue in both branches: joined before it, ptxas spilled (split-K: one block)
+            summed = _sum_of_partials(row0, col0, rows, width, decls)
+            slice_body = (ir.If(ir.BinOp(">", V(SPLITS), C(1)), summed + fused(SLICE), copy(h) + fused(SLICE)),)
+        if slices > 1:
+            body.append(ir.For(EPILOGUE_SLICE, C(0), C(slices), C(1), "unroll", slice_body))
+        else:
+            body += slice_body
     if staged:
         stores: list[ir.Stmt] = []
         for name, decl, chunk in staged:
-            for jj in range(slices):
-                for c in range(width // chunk):
-                    col = ir.add("n0", jj * width + c * chunk) if jj or c else V("n0")
-                    index = (V("wg"), C(jj)) + ((C(c),) if len(decl.shape) == 5 else ())
-                    stores.append(ir.TmaStore(name, at + (row0, col), ir.SmemRef(decl.name, index)))
+            for h in range(blocks):
+                for jj in range(slices):
+                    for c in range(width // chunk):
+                        col = ir.add("n0", jj * width + c * chunk) if jj or c else V("n0")
+                        index = (V("wg"), C(h * slices + jj)) + ((C(c),) if len(decl.shape) == 5 else ())
+                        stores.append(ir.TmaStore(name, at + (row_of(h), col), ir.SmemRef(decl.name, index)))
         body += [ir.FenceProxyAsync(), sync, ir.ElectOne(tuple(stores) + (ir.TmaCommit(),))]
     tail: tuple[ir.Stmt, ...] = (ir.ElectOne((ir.TmaWait(0, False),)),) if staged else ()
 

@@ -40,6 +40,7 @@ from wsched.lowering import ir
 from wsched.lowering.context import LoweringContext
 from wsched.names import ACC, CONSUMER, K_VAR, PARTIALS, PRODUCER, SPLITS, TICKETS, TILE_VAR
 from wsched.partition import param_name
+from wsched.target import WGMMA_M
 from wsched.workloads.batch import batch_index_lets
 
 from .partition import BATCH_ONE
@@ -80,8 +81,8 @@ def build_loops(kernel: None, ctx: LoweringContext) -> ir.Kernel:
         tiles = ir.mul(ir.mul(ir.ceil_div("M", bm), ir.ceil_div("N", bn)), s.consumer_warpgroups)
         params.append(ir.WorkspaceParam(TICKETS, "i32", (tiles,), zeroed=True))
 
-    nwg = s.consumer_warpgroups
-    a_buf = ir.SmemDecl("A", a_load.dtype, (1, nwg, bm // nwg, bk), 0)
+    nwg, blocks = s.consumer_warpgroups, s.mma_row_blocks
+    a_buf = ir.SmemDecl("A", a_load.dtype, (1, bm // WGMMA_M, WGMMA_M, bk), 0)     # m64 blocks of rows
     if b_load.major == "k":
         b_buf = ir.SmemDecl("B", b_load.dtype, (1, bn, bk), 0)
     else:
@@ -112,10 +113,12 @@ def build_loops(kernel: None, ctx: LoweringContext) -> ir.Kernel:
     producer = ir.Role(PRODUCER, 1, s.producer_registers, (
         tile_loop(ctx, (k_loop(tuple(loads), split),)),
     ))
-    mma = ir.Wgmma(ACC, ir.SmemRef("A", (C(0), V("wg"))), ir.SmemRef("B", (C(0),)), "k", b_load.major, C(1))
+    mmas = tuple(ir.Wgmma(accumulator(h), ir.SmemRef("A", (C(0), row_block(s, h))), ir.SmemRef("B", (C(0),)), "k",
+                          b_load.major, C(1)) for h in range(blocks))
     consumer = ir.Role(CONSUMER, nwg, s.consumer_registers, (
-        ir.RegDecl(ACC, "f32", (bm // nwg, bn)),
-        tile_loop(ctx, (ir.TileFill(ACC, ir.FloatConst(0.0)), k_loop((mma,), split))),
+        *(ir.RegDecl(accumulator(h), "f32", (WGMMA_M, bn)) for h in range(blocks)),
+        tile_loop(ctx, tuple(ir.TileFill(accumulator(h), ir.FloatConst(0.0)) for h in range(blocks))
+                  + (k_loop(mmas, split),)),
     ))
     units = ir.mul(ir.ceil_div("M", bm), ir.ceil_div("N", bn))
     if mm.batch:
@@ -123,6 +126,21 @@ def build_loops(kernel: None, ctx: LoweringContext) -> ir.Kernel:
     grid = ir.emin("num_sms", ir.mul(units, SPLITS) if split else units)
     return ir.Kernel(ctx.name, tuple(params), grid, (1, 1, 1), (a_buf, b_buf), barriers,
                      setup + (producer, consumer))
+
+
+def accumulator(h: int) -> str:
+    """The accumulator of a consumer warpgroup's h-th block of 64 rows."""
+    return ACC if h == 0 else f"{ACC}{h}"
+
+
+def row_block(s, h: int) -> ir.Expr:
+    """Which m64 block of the A tile (and of the output tile) a warpgroup's h-th block of rows is:
+    the warpgroups of a tile own consecutive blocks; a warpgroup with tiles of its own (ping-pong)
+    owns them all."""
+    if s.tile_warpgroups == 1:
+        return C(h)
+    first = ir.mul("wg", s.mma_row_blocks) if s.mma_row_blocks > 1 else V("wg")
+    return ir.add(first, h) if h else first
 
 
 def batch_shape(roles) -> tuple[ir.Expr, ...]:

@@ -167,9 +167,11 @@ def describe(part: Partition) -> str:
     for ld in ch.loads:
         lines.append(f"      tma.load {ld.tensor} -> {ld.buffer}[stage]   box {list(ld.box)} x{ld.boxes}, "
                      f"{ld.major}-major, {ld.bytes} bytes   (channel {ch.name})")
+    pingpong = s.tile_warpgroups == 1 < s.consumer_warpgroups
     lines += ["", f"compute sub-DAG  (consumers: {s.consumer_warpgroups} warpgroups x "
-              f"{s.rows_per_consumer} rows)",
-              "  for tile in persistent(same tiles, same order):",
+              f"{s.rows_per_consumer} rows" + (", each its own tiles in turn)" if pingpong else ")"),
+              "  for tile in persistent(same tiles, same order" + (", every other one per warpgroup):" if pingpong
+                                                                  else "):"),
               "    for k in range(ceil(K/" + str(bk) + ")):",
               f"      {mm.matmul.id} = matmul({', '.join(mm.matmul.inputs)})   wgmma "
               f"{ch.loads[0].buffer} x {ch.loads[1].buffer} -> acc f32[{s.rows_per_consumer}, {bn}]",
@@ -184,7 +186,7 @@ def describe(part: Partition) -> str:
         parts = " + ".join(f"{ld.buffer} {ld.bytes}" for ld in c.loads)
         lines.append(f"  {c.name}: {c.stages} stages x {c.bytes_per_stage} bytes ({parts}), "
                      f"barriers {c.full}[{c.stages}] (arrivals 1 + tx) / {c.empty}[{c.stages}] "
-                     f"(arrivals {s.consumer_warpgroups})")
+                     f"(arrivals {s.tile_warpgroups})")
     return "\n".join(lines) + "\n"
 
 

@@ -12,12 +12,16 @@ from typing import Iterator
 
 from wsched.schedule import (PRODUCER_REGISTERS, Schedule, ScheduleError, check_overrides, default_consumer_registers,
                              is_int, max_stages)
-from wsched.target import SMEM_ALIGN, SWIZZLE_ROW_BYTES, WGMMA_K, WGMMA_M
+from wsched.target import SMEM_ALIGN, SWIZZLE_ROW_BYTES, WARPGROUP_THREADS, WGMMA_K, WGMMA_M
 
 # Output columns per tile: whole 64-column chunks. Narrower tiles have no 128-byte swizzled B
 # tile (N-major) or output staging tile the emitter can address.
 TILE_N = (64, 128, 192, 256)
 
+
+# The largest accumulator a consumer warpgroup holds, in elements: [64, 256] or [128, 128] fp32,
+# 128 registers per thread.
+MAX_ACCUMULATOR = WGMMA_M * 256
 
 # The most CTAs one output tile's k range is split across (split-K).
 MAX_SPLIT_K = 16
@@ -28,6 +32,10 @@ class MatmulSchedule(Schedule):
     """A `Schedule` whose tile is (BM, BN, BK) of C = A @ B. `mma_inflight=1` keeps one wgmma
     group in flight across k iterations and releases the previous stage after `wgmma.wait 1`.
 
+    `mode="pingpong"` gives each of the two consumer warpgroups whole tiles of its own, in turn
+    (BM = 64: one warpgroup's rows): while one runs its epilogue the other issues its mainloop's
+    wgmmas, and named barriers hand the mainloop from one to the other (pingpong.py).
+
     `split_k` is the most CTAs an output tile's k range may be split across. 1 builds the plain
     persistent kernel; above 1 the kernel takes a host param `splits` that the host computes per
     call (`splits = min(split_k, k_tiles, max(1, num_sms / tiles))`: enough work units for the
@@ -37,6 +45,14 @@ class MatmulSchedule(Schedule):
 
     workload = "matmul"
     split_k: int = 1
+    # A warpgroup owns 64 or 128 rows: one or two m64 wgmmas per k step, each into an accumulator
+    # of its own (ping-pong's 128 x 128 tiles, cooperative 256 x 128).
+    consumer_rows = (WGMMA_M, 2 * WGMMA_M)
+
+    @property
+    def tile_warpgroups(self) -> int:
+        """Ping-pong: each warpgroup reads the stages of its own tiles only."""
+        return 1 if self.mode == "pingpong" else self.consumer_warpgroups
 
     @property
     def stage_bytes(self) -> int:
@@ -45,14 +61,16 @@ class MatmulSchedule(Schedule):
 
     @property
     def epilogue_bytes(self) -> int:
-        """The output staging buffer [BM, BN] of the TMA-store epilogue (none for direct stores),
-        and with split-K the smem slot each consumer warpgroup reads its ticket from (one aligned
-        buffer)."""
-        staging = self.bm * self.bn * self.output_bytes if self.epilogue == "tma_store" else 0
+        """The output staging buffer of the TMA-store epilogue, [BM, BN] of each warpgroup's
+        rows (none for direct stores), and with split-K the smem slot each consumer warpgroup reads
+        its ticket from (one aligned buffer)."""
+        rows = self.consumer_warpgroups * self.rows_per_consumer
+        staging = rows * self.bn * self.output_bytes if self.epilogue == "tma_store" else 0
         return staging + (SMEM_ALIGN if is_int(self.split_k) and self.split_k > 1 else 0)
 
     def short(self) -> str:
-        return (super().short() + (f" split_k={self.split_k}" if self.split_k != 1 else "")
+        return (super().short() + (" pingpong" if self.mode == "pingpong" else "")
+                + (f" split_k={self.split_k}" if self.split_k != 1 else "")
                 + (" mma_inflight=0" if self.mma_inflight == 0 and is_int(self.stages) and self.stages >= 2 else ""))
 
     def _workload_problems(self) -> list[str]:
@@ -61,8 +79,21 @@ class MatmulSchedule(Schedule):
         if not is_int(self.split_k) or not 1 <= self.split_k <= MAX_SPLIT_K:
             p.append(f"split_k={self.split_k!r} must be an int in [1, {MAX_SPLIT_K}] (the most CTAs one output "
                      f"tile's k range is split across; 1: no split)")
-        if self.mode == "pingpong":
-            p.append("mode 'pingpong' is not implemented for matmul yet; use 'cooperative'")
+        if self.mode == "pingpong" and self.consumer_warpgroups != 2:
+            p.append(f"mode 'pingpong' alternates two consumer warpgroups on tiles of their own: it needs "
+                     f"consumer_warpgroups=2 (not {self.consumer_warpgroups})")
+        if self.mode == "pingpong" and is_int(self.split_k) and self.split_k != 1:
+            p.append(f"split_k={self.split_k} with mode 'pingpong': a split unit's ticket is per tile, not "
+                     f"per warpgroup's tile; use mode 'cooperative' for split-K")
+        if (self.rows_per_consumer in self.consumer_rows and self.mma_row_blocks > 1
+                and self.rows_per_consumer * self.bn > MAX_ACCUMULATOR):
+            p.append(f"a consumer warpgroup's accumulators [{self.rows_per_consumer}, {self.bn}] hold "
+                     f"{self.rows_per_consumer * self.bn // WARPGROUP_THREADS} fp32 registers per thread, more than the "
+                     f"{MAX_ACCUMULATOR // WARPGROUP_THREADS} that leave room for the epilogue: use BN <= "
+                     f"{MAX_ACCUMULATOR // self.rows_per_consumer} with {self.rows_per_consumer} rows per warpgroup")
+        if self.mma_row_blocks > 1 and is_int(self.split_k) and self.split_k != 1:
+            p.append(f"split_k={self.split_k} with {self.rows_per_consumer} rows per consumer warpgroup: split-K "
+                     f"takes 64 rows per warpgroup (BM = 64 x consumer_warpgroups)")
         if self.bn not in TILE_N:
             p.append(f"BN={self.bn} is not supported for matmul: use {', '.join(map(str, TILE_N))} (whole "
                      f"128-byte swizzled column chunks of B and of the output tile)")
@@ -104,7 +135,10 @@ def default_schedule(**overrides) -> MatmulSchedule:
     check_overrides(MatmulSchedule, overrides)
     consumers = overrides.get("consumer_warpgroups", 2)
     rows = WGMMA_M * consumers if is_int(consumers) and consumers >= 1 else 128
-    base = dict(tile=(rows, 256, 64), consumer_warpgroups=2, stages=2,
+    width = 256
+    if overrides.get("mode") == "pingpong":
+        rows, width = 2 * WGMMA_M, 128     # each warpgroup's own tile: two m64 blocks, 128 accumulator registers
+    base = dict(tile=(rows, width, 64), consumer_warpgroups=2, stages=2,
                 consumer_registers=default_consumer_registers(consumers, overrides.get("producer_registers", PRODUCER_REGISTERS)))
     base.update({k: v for k, v in overrides.items() if k not in ("stages", "mma_inflight")})
     try:
@@ -135,7 +169,8 @@ def schedule_space(output_bytes: int = 2, operand_bytes: int = 2,
                    split_ks: tuple[int, ...] = (1, MAX_SPLIT_K)) -> Iterator[MatmulSchedule]:
     """Schedules of the space this workload implements, for a search: BM 128 (2 consumer
     warpgroups) or 64 (1), BN 64..256, both epilogues, either raster, and split-K off or up to
-    MAX_SPLIT_K (the host picks the split per call). With 2 consumers and no split every stage
+    MAX_SPLIT_K (the host picks the split per call); ping-pong 128 x 128, 64 x 256 and 128 x 64
+    and cooperative 256 x 128, unsplit. With 2 consumers and no split every stage
     count that fits, with and without a wgmma group in flight; the other families with the
     default's stages (as many as fit, at most 4) and a group in flight, which keeps the space a
     search times small. (`MatmulSchedule` also takes other register budgets, raster
@@ -155,6 +190,17 @@ def schedule_space(output_bytes: int = 2, operand_bytes: int = 2,
                             yield default_schedule(**fields)
                         except ScheduleError:
                             continue
+    # Two consumer warpgroups with tiles of their own (ping-pong), or each with two blocks of 64
+    # rows (256 x 128): no split, the default's stages.
+    for mode, tile in (("pingpong", (128, 128)), ("pingpong", (64, 256)), ("pingpong", (128, 64)),
+                       ("cooperative", (256, 128))):
+        for epilogue in ("tma_store", "direct"):
+            for raster in ("row", "column"):
+                try:
+                    yield default_schedule(tile=tile + (SWIZZLE_ROW_BYTES // operand_bytes,), mode=mode, epilogue=epilogue,
+                                           raster=raster, output_bytes=output_bytes, operand_bytes=operand_bytes)
+                except ScheduleError:
+                    continue
 
 
 def _stage_choices(fields: dict) -> Iterator[MatmulSchedule]:
