@@ -154,7 +154,7 @@ def test_batch_is_the_outermost_tile_dimension():
                  "tile.load gate_t <- gate[b0, 0, b2, m0 + wg * 64, n0 + j * 64]",
                  "tma.store out[b0, b1, b2, m0 + wg * 64, n0] <- C_bf16[wg, 0]"):
         assert line in text, line
-    assert text.count("let first_m = batch_tile / group_size * 8") == 2    # producer and consumers
+    assert text.count("let first_m = batch_tile / group_size * 16") == 2    # producer and consumers
 
 
 def test_compile_gives_one_kernel_without_split_k_variants():

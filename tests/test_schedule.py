@@ -152,3 +152,16 @@ def test_default_consumer_registers_stay_within_the_ctas_pool(consumers, produce
 
     assert default_consumer_registers(consumers, producer) == expected
     assert 128 * (producer + consumers * expected) <= register_pool(128 * (1 + consumers))
+
+
+def test_the_default_raster_group_balances_a_waves_operand_rows():
+    """g rows of BM x (wave / g) columns of BN: least rows read at g = sqrt(wave x BN / BM)."""
+    import wsched as ws
+    from fusions import matmul
+    from wsched.workloads.matmul.schedule import balanced_swizzle_group
+
+    assert [balanced_swizzle_group(t) for t in ((128, 256, 64), (128, 128, 64), (64, 128, 64), (256, 128, 64))] == [
+        16, 11, 16, 8]
+    assert ws.schedule_for(matmul).swizzle_group == 16
+    assert ws.schedule_for(matmul, tile=(128, 128, 64)).swizzle_group == 11
+    assert ws.schedule_for(matmul, swizzle_group=4).swizzle_group == 4      # an override stays

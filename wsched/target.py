@@ -134,6 +134,8 @@ def smem_round(nbytes: int) -> int:
 
 # --- kernel launch (cuLaunchKernel / cuLaunchKernelEx) ------------------------------------------------
 MAX_GRID = (2**31 - 1, 65535, 65535)     # grid extents x, y, z
+HOPPER_SMS = 132                         # SMs of an H100 / H200 SXM: a wave of a persistent grid
+                                         # (compile-time heuristics; launches use the device's count)
 MAX_PORTABLE_CLUSTER = 8                 # CTAs in a cluster without the non-portable-size opt-in
 
 # --- mbarrier (mbarrier.init / mbarrier.expect_tx) ------------------------------------------------

@@ -93,9 +93,9 @@ extern "C" __global__ void __launch_bounds__(384, 1) matmul(
     if (wsp::warp_id_in_warpgroup() == 0 && wsp::elect_one()) {  // elect_one
       for (int tile = cta_id; tile < num_tiles; tile += num_ctas) {  // persistent: this CTA's tiles
         const int tile_iter = (tile - cta_id) / num_ctas;
-        const int group_size = 8 * tiles_n;
-        const int first_m = tile / group_size * 8;
-        const int group_extent = min(tiles_m - first_m, 8);
+        const int group_size = 16 * tiles_n;
+        const int first_m = tile / group_size * 16;
+        const int group_extent = min(tiles_m - first_m, 16);
         const int tile_m = first_m + tile % group_size % group_extent;
         const int tile_n = tile % group_size / group_extent;
         const int m0 = tile_m * 128;
@@ -123,9 +123,9 @@ extern "C" __global__ void __launch_bounds__(384, 1) matmul(
     float slice_t[32];              // slice_t: f32[64, 64], wgmma fragment
     for (int tile = cta_id; tile < num_tiles; tile += num_ctas) {  // persistent: this CTA's tiles
       const int tile_iter = (tile - cta_id) / num_ctas;
-      const int group_size = 8 * tiles_n;
-      const int first_m = tile / group_size * 8;
-      const int group_extent = min(tiles_m - first_m, 8);
+      const int group_size = 16 * tiles_n;
+      const int first_m = tile / group_size * 16;
+      const int group_extent = min(tiles_m - first_m, 16);
       const int tile_m = first_m + tile % group_size % group_extent;
       const int tile_n = tile % group_size / group_extent;
       const int m0 = tile_m * 128;
