@@ -29,9 +29,9 @@ def test_default_matmul_has_narrow_split_k_variants(k):
     assert k.describe() == (
         "matmul: 128x256x64 stages=3 consumers=2 regs=24/240 epilogue=tma_store (default)\n"
         f"  {small.schedule.short()} when M <= 64 (split-K: the host splits when the tiles fill at most half the SMs)\n"
-        f"  {pingpong.schedule.short()} when 128x128 tiles fill their last wave better than 128x256 ones and more "
+        f"  {pingpong.schedule.short()} when 128x128 tiles take 10% less wave work than 128x256 ones and fill more "
         "than half the SMs: ping-pong\n"
-        f"  {narrow.schedule.short()} when 128x128 tiles fill their last wave better than 128x256 ones (split-K: the "
+        f"  {narrow.schedule.short()} when 128x128 tiles take 10% less wave work than 128x256 ones (split-K: the "
         "host splits when the tiles fill at most half the SMs)")
     # what a CompiledKernel has is the default schedule's
     assert k.schedule == ws.schedule_for(matmul) and k.ir == k.primary.ir and k.cuda_source == k.primary.cuda_source
@@ -63,6 +63,8 @@ def _shape(m, n, kk):
     (300, 520, 40, 132, (128, 128), "cooperative"),    # 3 x 3 vs 3 x 5 tiles: 15 of 132, split-K
     (16, 1024, 4096, 4, (64, 128), "cooperative"),
     (1000, 1024, 4096, 4, (128, 256), "cooperative"),     # 32 / 32 vs 64 / 64
+    (8192, 28672, 4096, 132, (128, 256), "cooperative"),  # 55 waves of wide tiles, 109 of narrow: 1% less
+    (2048, 57344, 8192, 132, (128, 256), "cooperative"),  # 28 waves vs 55: 2% less
 ])
 def test_the_rule(k, m, n, kk, sms, tile, mode):
     chosen = k.choose(_shape(m, n, kk), sms)

@@ -15,7 +15,7 @@ from . import epilogue, loops, partition, pingpong, schedule
 from wsched.lowering.context import Step
 from wsched.schedule import ScheduleError
 
-from .schedule import MAX_SPLIT_K, MatmulSchedule, fills_waves_better, output_tiles
+from .schedule import MAX_SPLIT_K, MatmulSchedule, output_tiles, saves_waves
 
 # Ping-pong's variant keeps five stages of its 128 x 128 tiles (32 KB each) where they fit beside
 # the staged outputs: measured 1-4% above four on an H100 (docs/benchmarks.md).
@@ -51,9 +51,9 @@ class MatmulWorkload(Workload):
 
         - M <= 64: 64x128 tiles (one consumer warpgroup: a 128-row tile would be at least half
           empty rows) with split-K; the host splits K when the tiles fill at most half the SMs.
-        - otherwise, where 128x128 tiles fill their last wave better than the default's
-          (`wave_fill`: tiles / (waves x SMs)): ping-pong 128x128 tiles where they fill more
-          than half the SMs (nothing to split; each warpgroup's epilogue hides under the other's
+        - otherwise, where 128x128 tiles take at least 10% less wave work than the default's
+          (`saves_waves`: waves x tile area): ping-pong 128x128 tiles where they fill more than
+          half the SMs (nothing to split; each warpgroup's epilogue hides under the other's
           mainloop), else cooperative 128x128 tiles with split-K (the host splits K when they
           fill at most half the SMs).
 
@@ -65,16 +65,17 @@ class MatmulWorkload(Workload):
         if schedule.tile != (128, 256, 64) or schedule.split_k != 1 or _batched(fusion):
             return ()
         found = []
-        better = lambda v, tile: fills_waves_better(v["M"], v["N"], v["num_sms"], tile, schedule.tile)  # noqa: E731
+        better = lambda v, tile: saves_waves(v["M"], v["N"], v["num_sms"], tile, schedule.tile)  # noqa: E731
         split = " (split-K: the host splits when the tiles fill at most half the SMs)"
         for fields, applies, rule in (
                 (dict(tile=(64, 128, 64), consumer_warpgroups=1, split_k=MAX_SPLIT_K), lambda v, tile: v["M"] <= 64,
                  "M <= 64" + split),
                 (dict(tile=(128, 128, 64), mode="pingpong", stages=PINGPONG_STAGES),
                  lambda v, tile: better(v, tile) and 2 * output_tiles(v["M"], v["N"], tile) > v["num_sms"],
-                 "128x128 tiles fill their last wave better than 128x256 ones and more than half the SMs: ping-pong"),
+                 "128x128 tiles take 10% less wave work than 128x256 ones and fill more than half the SMs: "
+                 "ping-pong"),
                 (dict(tile=(128, 128, 64), consumer_warpgroups=2, split_k=MAX_SPLIT_K), better,
-                 "128x128 tiles fill their last wave better than 128x256 ones" + split)):
+                 "128x128 tiles take 10% less wave work than 128x256 ones" + split)):
             try:
                 variant = self.default_schedule(fusion, **fields)
             except ScheduleError:
