@@ -167,9 +167,9 @@ def balanced_swizzle_group(default_tile, tile=None) -> int:
     """The grouped raster's group: g rows of BM x (wave / g) columns of BN tiles run at once, and
     their operand slices are read from memory once per wave: g x BM + (wave / g) x BN rows, least
     at g = sqrt(wave x BN / BM) (16 for 128 x 256 tiles on 132 SMs, 11 for 128 x 128). Measured on an
-    H100 (Llama-3 rows at M 2048 and 8192, both layouts, docs/benchmarks.md): 16 rather than 8 for
-    128 x 256 tiles raised the geomean over cuBLAS from 1.015 to 1.030 and the lowest row from
-    0.77 to 0.92 (8192 x 28672 x 4096, where 8 rows of tiles span 16.5 columns of 256)."""
+    H100, 128 x 256 tiles timed interleaved at 7 large shapes in both layouts (docs/benchmarks.md):
+    16 against 8 within 1% at 10 of 14 rows, 5% faster at two (8192 x 28672 x 4096 and
+    8192 x 10240 x 8192, B [N, K]), 1-2% slower at none beyond the noise."""
     bm, bn = (tile if isinstance(tile, tuple) and len(tile) == 3 and all(is_int(t) and t > 0 for t in tile)
               else default_tile)[:2]
     return max(1, min(SWIZZLE_GROUP_MAX, round(math.sqrt(HOPPER_SMS * bn / bm))))
