@@ -153,3 +153,59 @@ def test_builds_without_spills(fusion, name, tmp_path_factory):
     res = result.resources[emitted.name]
     assert (res.spill_stores, res.spill_loads, res.stack_bytes) == (0, 0, 0)
     assert not [w for w in result.warnings if "C7514" in w or "C7510" in w]    # wgmmas not serialised
+
+
+def _without_token(body):
+    """The body with every 256-thread named barrier (the ping-pong token) removed."""
+    out = []
+    for s in body:
+        if isinstance(s, (ir.NamedBarrierSync, ir.NamedBarrierArrive)) and s.threads == 256:
+            continue
+        if isinstance(s, ir.If):
+            then, orelse = _without_token(s.then), _without_token(s.orelse)
+            if not then and not orelse:
+                continue
+            s = replace(s, then=then, orelse=orelse)
+        elif isinstance(s, (ir.For, ir.ElectOne)):
+            s = replace(s, body=_without_token(s.body))
+        out.append(s)
+    return tuple(out)
+
+
+def test_the_verifier_wants_the_mainloop_handed_over():
+    """Without the token, warpgroup 1's first wait (stage 1 of 2, its parity also an older
+    phase's) may pass before warpgroup 0 has used and released the stage: a race the simulator
+    finds only on some shapes; the verifier names it on every one."""
+    kernel = ws.lower(matmul, mode="pingpong", stages=2)
+    with pytest.raises(VerifyError, match=r"IR line \d+ \(role consumer > for tile > if > for k > mbarrier.wait\): at "
+                                          r"wg=1, tile=2, k=0 \(M=256, N=384, K=320, cta_id=0, num_ctas=2\) the "
+                                          r"consumer waits on full stage 1 for the producer's 6th fill, but fills "
+                                          r"1\.\.5 before it are other warpgroups': nothing orders this wait after "
+                                          r"their use of the stages"):
+        verify(_consumer_edit(kernel, _without_token))
+
+
+def test_fills_released_by_different_warpgroups_are_named():
+    kernel = ws.lower(matmul)       # cooperative: warpgroup 1 takes only the even tiles
+
+    def even_for_wg1(body):
+        def fix(s):
+            if isinstance(s, ir.For) and s.var == "tile":
+                own = ir.BinOp("||", ir.eq("wg", 0), ir.eq(ir.mod("tile_iter", 2), 0))
+                return replace(s, body=(s.body[0], ir.If(own, tuple(s.body[1:]))))
+            return s
+        return tuple(fix(s) for s in body)
+
+    with pytest.raises(VerifyError, match=r"empty's stages are released by 2 consumer arrivals at the producer's 1st "
+                                          r"fill but by 1 at its 6th \(M=256, N=384, K=320, cta_id=0, num_ctas=2\): "
+                                          r"the consumer warpgroups take different fills different numbers of times"):
+        verify(_consumer_edit(kernel, even_for_wg1))
+
+
+def test_a_spilling_pingpong_falls_back_to_lighter_pingpong_schedules():
+    schedule = ws.schedule_for(matmul, mode="pingpong")
+    lighter = workload_for(matmul).lighter(matmul, schedule)
+    assert [s.short() for s in lighter] == [
+        "128x128x64 stages=4 consumers=2 regs=24/240 epilogue=tma_store pingpong mma_inflight=0",
+        "128x64x64 stages=4 consumers=2 regs=24/240 epilogue=tma_store pingpong",
+        "128x64x64 stages=4 consumers=2 regs=24/240 epilogue=tma_store pingpong mma_inflight=0"]

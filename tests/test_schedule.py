@@ -165,3 +165,4 @@ def test_the_default_raster_group_balances_a_waves_operand_rows():
     assert ws.schedule_for(matmul).swizzle_group == 16
     assert ws.schedule_for(matmul, tile=(128, 128, 64)).swizzle_group == 11
     assert ws.schedule_for(matmul, swizzle_group=4).swizzle_group == 4      # an override stays
+    assert ws.schedule_for(matmul, raster="column").swizzle_group == 8      # groups of columns: BM and BN swap

@@ -78,10 +78,11 @@ class Schedule:
                         of one stage of the mainloop GEMM (the workload's subclass says what
                         each one is for it).
     stages:             circular-buffer depth of the k-loop channels.
-    consumer_warpgroups: warpgroups that run wgmma and the epilogue; each owns BM/n rows.
+    consumer_warpgroups: warpgroups that run wgmma and the epilogue; each owns BM/n rows of a
+                        tile (BM rows of its own tiles in matmul's ping-pong).
     mode:               "cooperative" (all consumers share one tile, interleaving freely), or
-                        "pingpong" (the consumer warpgroups take turns issuing their GEMMs,
-                        where the workload supports it).
+                        "pingpong" (the consumer warpgroups take turns issuing their GEMMs:
+                        attention's warpgroups on one tile, matmul's each on tiles of its own).
     producer_registers / consumer_registers: per-thread budgets set with setmaxnreg.
     raster:             "row" (consecutive tiles walk along N) or "column".
     swizzle_group:      tiles are visited in groups of this many rows (columns) for L2 reuse.

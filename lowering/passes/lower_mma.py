@@ -53,7 +53,7 @@ def run(kernel: ir.Kernel, ctx: LoweringContext) -> ir.Kernel:
     at = [i for i, s in enumerate(k_loop.body) if isinstance(s, ir.Wgmma)]
     # One group: the k step's wgmmas read only shared memory, each into an accumulator of its own,
     # issued back to back (matmul: one per 64-row block of the warpgroup's rows).
-    single = (all(isinstance(m.a, ir.SmemRef) for m in mmas) and len({m.acc for m in mmas}) == len(mmas)
+    single = (bool(mmas) and all(isinstance(m.a, ir.SmemRef) for m in mmas) and len({m.acc for m in mmas}) == len(mmas)
               and at == list(range(at[0], at[0] + len(at))))
     inflight = ctx.schedule.mma_inflight if single else 0
     accs: set[str] = set()

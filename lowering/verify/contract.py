@@ -24,7 +24,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass, field
 
-from wsched.target import FLOAT_DTYPES
+from wsched.target import FLOAT_DTYPES, WARPGROUP_THREADS
 
 from .. import ir
 from ..evaluate import evaluate
@@ -445,6 +445,8 @@ class _Tracer:
             return _Event("smem_write", path, refs=self._refs([s.dst], env), point=point)
         if isinstance(s, ir.TmaStore):
             return _Event("tma_store", path, refs=self._refs([s.src], env), point=point)
+        if isinstance(s, ir.NamedBarrierSync):          # value: the threads it counts
+            return _Event("bar_sync", path, value=s.threads, point=point)
         op = _PLAIN_EVENTS.get(type(s))
         if op is not None:
             return _Event(op, path, value=getattr(s, "pending", 0), point=point)
@@ -460,8 +462,7 @@ def _spelled(ref: ir.SmemRef) -> str:
     return ref_text(ref)
 
 
-_PLAIN_EVENTS = {ir.WgmmaCommit: "commit", ir.WgmmaWait: "mma_wait", ir.FenceProxyAsync: "fence_proxy",
-                 ir.NamedBarrierSync: "bar_sync"}
+_PLAIN_EVENTS = {ir.WgmmaCommit: "commit", ir.WgmmaWait: "mma_wait", ir.FenceProxyAsync: "fence_proxy"}
 
 
 def _without_rewaits(events: list[_Event]) -> list[_Event]:
@@ -525,6 +526,7 @@ class _TraceCheck:
                         and not any(e.op == "expect_tx" and e.bar == ch.full for e in events)):
                     assigned[key] = self._assign(fills, points, waits)
                     self._consumer(ch, fills, role, key[1], waits, assigned[key])
+                    self._handed_over(ch, fills, role, key[1], events, assigned[key])
                     self._converged_releases(ch, role, key[1], events)
             self._covered(ch, fills, points, assigned)
             if ch.empty is not None:
@@ -634,6 +636,31 @@ class _TraceCheck:
                             f"phase {j}; the parity must be {j & 1} (phase = (it / S) & 1)")
                 return
 
+    def _handed_over(self, ch, fills, role, wg, events, assigned) -> None:
+        """A warpgroup that skips fills (the stages of other warpgroups' tiles) must be ordered
+        after the warpgroups whose fills it skips: its wait's parity is also that of an older
+        phase of the stage, so nothing but a barrier both warpgroups reach (ping-pong's token,
+        more threads than one warpgroup's) keeps it from passing early and reading a stage the
+        producer has not refilled yet."""
+        prev, handed, n = -1, False, 0
+        for e in events:
+            if e.op == "bar_sync" and e.value > WARPGROUP_THREADS:
+                handed = True
+            elif e.op == "wait" and e.bar == ch.full:
+                i = assigned[n]
+                n += 1
+                if i > prev + 1 and not handed and i < len(fills):
+                    others = f"fill {prev + 2}" if i == prev + 2 else f"fills {prev + 2}..{i}"
+                    self.c.once("handover", e.path,
+                                f"at {self.where(role, wg, e)} the consumer waits on {ch.full} stage {e.slot} for the "
+                                f"producer's {ordinal(i + 1)} fill, but {others} before it are other warpgroups': "
+                                f"nothing orders this wait after their use of the stages, and its parity is also "
+                                f"that of an older phase, so it can pass before the refill; hand the mainloop "
+                                f"over with a named barrier both warpgroups reach between their tiles (mode="
+                                f"'pingpong' syncs on `bar.sync 3 + wg, 256` before its k loop)")
+                    return
+                prev, handed = max(prev, i), False
+
     def _covered(self, ch, fills, points, assigned) -> None:
         """Every fill is waited for by some consumer warpgroup: otherwise the producer blocks on
         a stage nobody releases."""
@@ -733,6 +760,16 @@ class _TraceCheck:
                         takers.setdefault(i, []).append((rpath, role, count))
         init = self.c.inits.get(ch.empty)
         if init is None or not takers:
+            return
+        totals = {i: sum(count for _, _, count in found) for i, found in sorted(takers.items())}
+        if len(set(totals.values())) > 1:
+            (i, a), (j, b) = next(iter(totals.items())), next((x, t) for x, t in totals.items()
+                                                              if t != next(iter(totals.values())))
+            self.c.once("arrivals", init.path,
+                        f"{ch.empty}'s stages are released by {plural(a, 'consumer arrival')} at the producer's "
+                        f"{ordinal(i + 1)} fill but by {b} at its {ordinal(j + 1)} ({self.sample.text}): the "
+                        f"consumer warpgroups take different fills different numbers of times, and no one "
+                        f"arrivals({init.stmt.arrivals}) fits both; every fill needs the same warpgroups' releases")
             return
         for i, found in sorted(takers.items()):
             total = sum(count for _, _, count in found)

@@ -93,7 +93,7 @@ class MatmulWorkload(Workload):
         the tile's width (down to 64 columns: a narrower accumulator and epilogue slices), each
         kept only where the workload takes it for the fusion."""
         return self._narrower(fusion, schedule, 64, consumer_warpgroups=schedule.consumer_warpgroups,
-                              split_k=schedule.split_k, epilogue=schedule.epilogue)
+                              split_k=schedule.split_k, epilogue=schedule.epilogue, mode=schedule.mode)
 
     def schedule_space(self, fusion):
         splits = (1,) if _batched(fusion) else (1, MAX_SPLIT_K)

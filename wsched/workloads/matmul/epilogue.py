@@ -1,6 +1,7 @@
 """epilogue for matmul: the fused elementwise ops on the accumulator, then the stores of the outputs.
 
-The consumers walk their [64, BN] accumulator in slices of EPILOGUE_COLUMNS columns (`tile.view`)
+The consumers walk each [64, BN] accumulator (one per block of 64 rows a warpgroup owns: `acc`,
+and `acc1` for a second block) in slices of EPILOGUE_COLUMNS columns (`tile.view`)
 and copy each into a slice tile of its own, `slice_t`, on which the fused ops run: every tile the
 epilogue loads beside it (a bias, a gate, a residual) and every intermediate is one slice wide, so
 its registers do not grow with its inputs (a [64, 256] bf16 side tile next to the 128 accumulator

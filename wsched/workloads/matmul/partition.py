@@ -174,7 +174,8 @@ def describe(part: Partition) -> str:
                                                                   else "):"),
               "    for k in range(ceil(K/" + str(bk) + ")):",
               f"      {mm.matmul.id} = matmul({', '.join(mm.matmul.inputs)})   wgmma "
-              f"{ch.loads[0].buffer} x {ch.loads[1].buffer} -> acc f32[{s.rows_per_consumer}, {bn}]",
+              f"{ch.loads[0].buffer} x {ch.loads[1].buffer} -> acc f32[{s.rows_per_consumer}, {bn}]"
+              + (f" (in {s.mma_row_blocks} accumulators of 64 rows)" if s.mma_row_blocks > 1 else ""),
               "    epilogue:"]
     for node in mm.epilogue:
         t = mm.tiles[node.id]

@@ -34,8 +34,9 @@ class MatmulSchedule(Schedule):
     group in flight across k iterations and releases the previous stage after `wgmma.wait 1`.
 
     `mode="pingpong"` gives each of the two consumer warpgroups whole tiles of its own, in turn
-    (BM = 64: one warpgroup's rows): while one runs its epilogue the other issues its mainloop's
-    wgmmas, and named barriers hand the mainloop from one to the other (pingpong.py).
+    (BM = one warpgroup's rows, 64 or 128; the default 128x128): while one runs its epilogue the
+    other issues its mainloop's wgmmas, and named barriers hand the mainloop from one to the other
+    (pingpong.py).
 
     `split_k` is the most CTAs an output tile's k range may be split across. 1 builds the plain
     persistent kernel; above 1 the kernel takes a host param `splits` that the host computes per
@@ -139,7 +140,9 @@ def default_schedule(**overrides) -> MatmulSchedule:
     registers (the producer only issues copies; the consumers hold a 64x256 fp32 accumulator
     plus the epilogue's side tiles), and as many stages as fit beside the epilogue's staging
     buffer (at most 4). Where outputs of several dtypes stage too many bytes for two stages
-    beside them, the tile narrows (BN 128, then 64)."""
+    beside them, the tile narrows (BN 128, then 64). With mode="pingpong" the tile is 128x128 (one
+    warpgroup's two blocks of 64 rows, 128 accumulator registers). The raster group is
+    `balanced_swizzle_group`'s."""
     check_overrides(MatmulSchedule, overrides)
     consumers = overrides.get("consumer_warpgroups", 2)
     rows = WGMMA_M * consumers if is_int(consumers) and consumers >= 1 else 128
@@ -148,7 +151,8 @@ def default_schedule(**overrides) -> MatmulSchedule:
         rows, width = 2 * WGMMA_M, 128     # each warpgroup's own tile: two m64 blocks, 128 accumulator registers
     base = dict(tile=(rows, width, 64), consumer_warpgroups=2, stages=2,
                 consumer_registers=default_consumer_registers(consumers, overrides.get("producer_registers", PRODUCER_REGISTERS)))
-    base["swizzle_group"] = balanced_swizzle_group(base.get("tile", (rows, width, 64)), overrides.get("tile"))
+    base["swizzle_group"] = balanced_swizzle_group(base.get("tile", (rows, width, 64)), overrides.get("tile"),
+                                                   overrides.get("raster", "row"))
     base.update({k: v for k, v in overrides.items() if k not in ("stages", "mma_inflight")})
     try:
         probe = MatmulSchedule(**base)
@@ -163,7 +167,7 @@ def default_schedule(**overrides) -> MatmulSchedule:
     return replace(probe, stages=stages, mma_inflight=inflight)
 
 
-def balanced_swizzle_group(default_tile, tile=None) -> int:
+def balanced_swizzle_group(default_tile, tile=None, raster: str = "row") -> int:
     """The grouped raster's group: g rows of BM x (wave / g) columns of BN tiles run at once, and
     their operand slices are read from memory once per wave: g x BM + (wave / g) x BN rows, least
     at g = sqrt(wave x BN / BM) (16 for 128 x 256 tiles on 132 SMs, 11 for 128 x 128). Measured on an
@@ -172,6 +176,8 @@ def balanced_swizzle_group(default_tile, tile=None) -> int:
     8192 x 10240 x 8192, B [N, K]), 1-2% slower at none beyond the noise."""
     bm, bn = (tile if isinstance(tile, tuple) and len(tile) == 3 and all(is_int(t) and t > 0 for t in tile)
               else default_tile)[:2]
+    if raster == "column":      # groups of columns: the same balance with the roles swapped
+        bm, bn = bn, bm
     return max(1, min(SWIZZLE_GROUP_MAX, round(math.sqrt(HOPPER_SMS * bn / bm))))
 
 
@@ -181,7 +187,7 @@ def _fitting(fields: dict, widths, regroup: bool) -> list[MatmulSchedule]:
     found = []
     for bn in widths:
         tile = (fields["tile"][0], bn, fields["tile"][2])
-        group = {"swizzle_group": balanced_swizzle_group(tile)} if regroup else {}
+        group = {"swizzle_group": balanced_swizzle_group(tile, raster=fields.get("raster", "row"))} if regroup else {}
         try:
             found.append(MatmulSchedule(**{**fields, "tile": tile, **group}))
         except ScheduleError:
