@@ -170,7 +170,7 @@ case("matmul-schedule-for-attention", lambda: ws.compile(ATTENTION, MatmulSchedu
 case("head_dim-str", lambda: ws.schedule_for(ATTENTION, head_dim="x"), ScheduleError, r"head_dim='x' is not one of 64, 96, 128, 192, 256")
 case("head_dim-mismatch", lambda: ws.compile(ATTENTION, head_dim=128, build=False), ScheduleError,
      r"the schedule's head dim \(tile\[2\] = 128\) differs from Q's head dim 64")
-case("output_bytes-mismatch", lambda: ws.compile(scaled_silu_f32, MatmulSchedule(), build=False), ScheduleError,
+case("output_bytes-mismatch", lambda: ws.compile(scaled_silu_f32, MatmulSchedule(stages=4), build=False), ScheduleError,
      r"counts 2 bytes per staged output element \(output_bytes\) but the outputs of scaled_silu_f32 \(f32\) take 4")
 for value in ["no", 1, 0]:
     case(f"compile(build={value!r})", lambda v=value: ws.compile(matmul, build=v), ArgumentError,
@@ -331,7 +331,7 @@ if not torch.cuda.is_available():
 
 HEADER = "kernel k() grid(1) cluster(1, 1, 1) {"
 PARSE = [
-    ("stray-brace-after-kernel", MATMUL_IR + "}", r"line 97, column 1: unexpected `}`; expected end of input"),
+    ("stray-brace-after-kernel", MATMUL_IR + "}", r"line 94, column 1: unexpected `}`; expected end of input"),
     ("stray-brace-first", "}", r"line 1, column 1: unexpected `}`; expected `kernel`"),
     ("stray-brace-inside", MATMUL_IR.replace("tma.commit", "}", 1), r"unexpected `}`; expected end of input"),
     ("unclosed", HEADER, r"unexpected end of input; expected a statement, `barrier`, `smem` or `}`"),
@@ -417,9 +417,9 @@ FIELDS = [   # (path, field, value, what is expected)
     ((9, 4, 0), "pending", "0", "an int"), ((9, 4, 0), "read", None, "a bool"),
     ((9, 3, 9), "pending", 0.0, "an int"),
     ((9, 3, 11), "bar", None, "a BarRef"), ((9, 3, 11), "bar", "empty[s]", "a BarRef"),
-    ((9, 3, 13), "id", 1, EXPR), ((9, 3, 13), "threads", "128", "an int"),
-    ((9, 3, 14, 2), "dst", "C_bf16", "a SmemRef"), ((9, 3, 14, 2), "src", None, "a str"),
-    ((9, 3, 17, 0), "coords", None, r"a tuple of expressions"),
+    ((9, 3, 12, 1), "id", 1, EXPR), ((9, 3, 12, 1), "threads", "128", "an int"),
+    ((9, 3, 12, 4), "dst", "C_bf16", "a SmemRef"), ((9, 3, 12, 4), "src", None, "a str"),
+    ((9, 3, 12, 7, 0), "coords", None, r"a tuple of expressions"),
     ((9, 3, 8, 3), "phase", None, EXPR), ((9, 3, 8, 3), "phase", "ph", EXPR),
     ((9, 3, 8, 5), "b", None, "a SmemRef"), ((9, 3, 8, 5), "a", 3, r"a SmemRef or a str"),
     ((9, 3, 8, 5), "accumulate", True, EXPR),
@@ -433,7 +433,7 @@ for path, name, value, expected in FIELDS:
          lambda p=path, n=name, v=value: verify(replace_at(KERNEL, p, **{n: v})), VerifyError, message)
 NESTED = [   # a field of a node inside a statement, an item of a tuple
     ((9, 1), dict(shape=(64.0, 256)), r"`shape\[0\]` is 64\.0 \(float\); expected an int"),
-    ((9, 3, 17, 0), dict(coords=(ir.Var("m0"), 0)), r"`coords\[1\]` is 0 \(int\); expected " + EXPR),
+    ((9, 3, 12, 7, 0), dict(coords=(ir.Var("m0"), 0)), r"`coords\[1\]` is 0 \(int\); expected " + EXPR),
     ((9, 3, 8, 3), dict(bar=ir.BarRef("full", None)), r"`bar\.index` is None \(NoneType\); expected " + EXPR),
     ((9, 3, 8, 3), dict(bar=ir.BarRef(None, ir.Var("s"))), r"`bar\.barrier` is None"),
     ((9, 3, 8, 3), dict(phase=ir.BinOp("&", ir.Var("ph"), None)), r"`phase\.rhs` is None"),

@@ -152,7 +152,7 @@ def test_batch_is_the_outermost_tile_dimension():
                  "let b2 = rest % batch2", "let b1 = rest2 % batch1", "let b0 = rest1",
                  "tma.load B[s, 0] <- b[b1, 0, k * 64, n0] bar(full[s])",
                  "tile.load gate_t <- gate[b0, 0, b2, m0 + wg * 64, n0 + j * 64]",
-                 "tma.store out[b0, b1, b2, m0 + wg * 64, n0] <- C_bf16[wg, 0]"):
+                 "tma.store out[b0, b1, b2, m0 + wg * 64, n0 + j * 64] <- C_bf16[wg, j % 2]"):
         assert line in text, line
     assert text.count("let first_m = batch_tile / group_size * 16") == 2    # producer and consumers
 

@@ -28,7 +28,7 @@ def test_default_matmul_has_narrow_split_k_variants(k):
     assert pingpong.schedule == ws.schedule_for(matmul, tile=(128, 128, 64), mode="pingpong", stages=5)
     assert narrow.schedule == ws.schedule_for(matmul, tile=(128, 128, 64), split_k=MAX_SPLIT_K)
     assert k.describe() == (
-        "matmul: 128x256x64 stages=3 consumers=2 regs=24/240 epilogue=tma_store (default)\n"
+        "matmul: 128x256x64 stages=4 consumers=2 regs=24/240 epilogue=tma_store (default)\n"
         f"  {small.schedule.short()} when M <= 64 (split-K: the host splits when the tiles fill at most half the SMs)\n"
         f"  {pingpong.schedule.short()} when 128x128 tiles take 10% less wave work than 128x256 ones and fill more "
         "than half the SMs: ping-pong\n"

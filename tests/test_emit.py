@@ -104,7 +104,7 @@ def test_reads_like_a_warp_specialized_kernel(default_kernel, default_source):
     positions = [src.index(s) for s in order]
     assert positions == sorted(positions)
     # mbarrier init and its fence by thread 0 only, before the CTA barrier
-    assert re.search(r"if \(threadIdx.x == 0\) \{\n\s+for \(int i = 0; i < 3; \+\+i\) "
+    assert re.search(r"if \(threadIdx.x == 0\) \{\n\s+for \(int i = 0; i < 4; \+\+i\) "
                      r"wsp::mbar_init\(&full_bar\[i\], 1\);\n.*\n\s+wsp::fence_mbarrier_init\(\);", src)
     # one arrival per warpgroup, a wait by every thread
     assert "if (threadIdx.x % 128 == 0) {\n            wsp::mbar_arrive(&empty_bar[prev_s]);" in src
@@ -131,20 +131,20 @@ def test_smem_carve_up_matches_kernel_smem_bytes(default_kernel, default_source)
 
 
 def test_changing_stages_changes_the_source():
-    three = emit(matmul).source
-    two = emit(matmul, stages=2).source
-    assert "const int s = it % 3;" in three and "% 2" not in three.split("// setup")[1]
-    assert "const int s = it % 2;" in two and "% 3" not in two.split("// setup")[1]
-    assert "i < 2; ++i) wsp::mbar_init(&full_bar[i], 1);" in two
+    four = emit(matmul).source
+    three = emit(matmul, stages=3).source
+    assert "const int s = it % 4;" in four and "% 3" not in four.split("// setup")[1]
+    assert "const int s = it % 3;" in three and "% 4" not in three.split("// setup")[1]
+    assert "i < 3; ++i) wsp::mbar_init(&full_bar[i], 1);" in three
 
 
 def test_tma_coordinates_are_innermost_first(default_source):
-    # IR: tma.load A[s] <- a[m0, k * 64]; tma.store out[m0 + wg * 64, n0 + 64] <- C_bf16[wg, 1]
+    # IR: tma.load A[s] <- a[m0, k * 64]; tma.store out[m0 + wg * 64, n0 + j * 64] <- C_bf16[wg, j % 2]
     assert "wsp::tma_load_2d(smem_A + s * 16384, &a, &full_bar[s], k * 64, m0);" in default_source
-    assert ("wsp::tma_store_2d(&out, smem_C_bf16 + wg * 32768 + 8192, n0 + 64, m0 + wg * 64);"
+    assert ("wsp::tma_store_2d(&out, smem_C_bf16 + wg * 16384 + j % 2 * 8192, n0 + j * 64, m0 + wg * 64);"
             in default_source)
     assert "wsp::tma_store_commit();" in default_source
-    assert "wsp::tma_store_wait_read<0>();" in default_source
+    assert "wsp::tma_store_wait_read<1>();" in default_source
 
 
 def test_wgmma_descriptors_for_n_major_and_k_major_b(default_source):

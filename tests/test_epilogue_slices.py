@@ -51,19 +51,24 @@ def test_side_tiles_are_one_slice_wide():
     assert regs == {"acc": (64, 256), "slice_t": (64, 64), "g_t": (64, 64)}
     text = print_kernel(k)
     assert ("      for j in unroll(0, 4, 1) {\n"
+            "        elect_one {\n"
+            "          tma.wait.read 1\n"
+            "        }\n"
+            "        bar.sync 1 + wg, 128\n"
             "        tile.view acc_j, acc, cols(j * 64, 64)\n"
             "        tile.cast slice_t, acc_j\n"
             "        tile.silu slice_t, slice_t\n"
             "        tile.load g_t <- g[m0 + wg * 64, n0 + j * 64]\n"
             "        tile.mul slice_t, slice_t, g_t\n"
-            "        tile.store_smem C_bf16[wg, j] <- slice_t\n"
-            "      }\n") in text
+            "        tile.store_smem C_bf16[wg, j % 2] <- slice_t\n"
+            "        fence.proxy.async\n"
+            "        bar.sync 1 + wg, 128\n") in text
 
 
 def test_an_f32_output_stages_two_chunks_per_slice():
     text = print_kernel(ws.lower(gated_f32))
-    assert "smem C_f32: f32[2, 4, 2, 64, 32] swizzle(128)" in text
-    assert "tma.store out[m0 + wg * 64, n0 + 224] <- C_f32[wg, 3, 1]" in text
+    assert "smem C_f32: f32[2, 2, 2, 64, 32] swizzle(128)" in text     # two slots of two chunks a warpgroup
+    assert "tma.store out[m0 + wg * 64, n0 + j * 64 + 32] <- C_f32[wg, j % 2, 1]" in text
 
 
 def test_a_64_column_tile_needs_no_view():

@@ -56,7 +56,7 @@ def test_two_row_blocks_are_one_wgmma_group():
     assert ("        wgmma.fence\n        wgmma.mma acc, A[s, wg * 2], B[s] major(k, n) accumulate(k > 0)\n"
             "        wgmma.mma acc1, A[s, wg * 2 + 1], B[s] major(k, n) accumulate(k > 0)\n"
             "        wgmma.commit\n        wgmma.wait 1\n") in text
-    assert "tma.store out[m0 + (wg * 2 + 1) * 64, n0 + 64] <- C_bf16[wg, 3]" in text
+    assert "tma.store out[m0 + (wg * 2 + 1) * 64, n0 + j * 64] <- C_bf16[wg, (2 + j) % 2]" in text
     assert "mbarrier.init empty arrivals(2)" in text
 
 

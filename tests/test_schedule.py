@@ -12,8 +12,8 @@ def test_default_is_the_hopper_heuristic():
     s = default_schedule()
     assert s.tile == (128, 256, 64)
     assert (s.consumer_warpgroups, s.producer_registers, s.consumer_registers) == (2, 24, 240)
-    # 3 operand stages of 48 KB fit beside the 64 KB epilogue staging buffer; 4 do not.
-    assert s.stages == 3 == max_stages(s)
+    # 4 operand stages of 48 KB fit beside the epilogue's 32 KB of staging slots; 5 do not.
+    assert s.stages == 4 == max_stages(s)
     assert s.smem_bytes <= 232448
     assert s.register_use == 128 * 24 + 256 * 240 == 64512
 
@@ -40,8 +40,8 @@ def test_unknown_field_is_rejected():
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    (dict(stages=6), "shared memory 362496 bytes exceeds the 232448-byte limit by 130048 "
-                     "(stages 6 x 49152 + epilogue 65536); use at most 3 stages"),
+    (dict(stages=6), "shared memory 329728 bytes exceeds the 232448-byte limit by 97280 "
+                     "(stages 6 x 49152 + epilogue 32768); use at most 4 stages"),
     (dict(tile=(128, 256, 40)), "BK=40 is not a multiple of 16 (the wgmma k extent); use 32"),
     (dict(tile=(96, 256, 64)), "BM=96 must be a multiple of 64 x consumer_warpgroups=128"),
     (dict(tile=(128, 260, 64)), "BN=260 must be a multiple of 8 in [8, 256]"),
@@ -78,7 +78,7 @@ def test_invalid_schedules_say_which_limit_and_by_how_much(kwargs, message):
     (dict(swizzle_group=2**31), "swizzle_group is 2147483648; it must be in [1, 32]"),
     (dict(operand_bytes=4, tile=(128, 256, 32)), "operand_bytes=4 is not supported: wgmma operands are bf16 or f16"),
     (dict(output_bytes=3), "output_bytes=3 must be one of 2, 4, 6, 8"),
-    (dict(stages=5, tile=(128, 256, 64)), "use at most 3 stages"),
+    (dict(stages=5, tile=(128, 256, 64)), "use at most 4 stages"),
     (dict(stages=2.5), "stages=2.5 must be an int, not float"),
     (dict(stages=True), "stages=True must be an int, not bool"),
     (dict(stages="3"), "stages='3' must be an int, not str"),

@@ -128,8 +128,8 @@ def test_matmul_offers_no_mma_in_flight_then_narrower_tiles(monkeypatch):
     k = ws.compile(gated, build=True)
     assert shape(k.primary.schedule) == ((128, 128, 64), 1)
     assert [s.short() for s in built] == [
-        "128x256x64 stages=3 consumers=2 regs=24/240 epilogue=tma_store",
-        "128x256x64 stages=3 consumers=2 regs=24/240 epilogue=tma_store mma_inflight=0",
+        "128x256x64 stages=4 consumers=2 regs=24/240 epilogue=tma_store",
+        "128x256x64 stages=4 consumers=2 regs=24/240 epilogue=tma_store mma_inflight=0",
         "128x128x64 stages=4 consumers=2 regs=24/240 epilogue=tma_store"]
 
 

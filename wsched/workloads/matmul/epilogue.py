@@ -10,29 +10,32 @@ made ptxas serialise the k loop's wgmmas). Each compute-DAG value after the MMA 
 register tile of the slice (a full [64, 64] tile, a [1, 64] row such as a bias, a [64, 1] column,
 or a scalar). A result reuses the tile of an operand that dies at it, so the epilogue needs no
 more registers than its widest point. Outputs are stored either with plain stores (`direct`) or
-through shared memory and TMA (`tma_store`): wait until the previous tile's stores have read the
-staging buffer, write each slice into it (generic proxy), `fence.proxy.async`, sync the
-warpgroup, and one thread issues the copies. A second output of a dtype already staged is stored
-directly (one staging buffer per dtype, as the schedule counts them).
+through shared memory and TMA (`tma_store`): per slice, wait until the store that last read its
+staging slot is done (two slots a warpgroup, taken in turn: `tma.wait.read 1`), write the slice
+into it (generic proxy), `fence.proxy.async`, sync the warpgroup, and one thread issues the copy.
+With an odd number of slices a warpgroup (`staging_slots`) there is a slot per slice: wait for the
+previous tile's stores once, write every slice, then one batch of copies. A second output of a
+dtype already staged is stored directly (one staging buffer per dtype, as the schedule counts
+them).
 
 With split-K (`split_k > 1`) each (tile, split) unit first stores its fp32 partial and takes a
 ticket; only the last unit of a tile to arrive runs the epilogue, on the sum of the partials in
 split order 0, 1, ... (the same bits whichever unit is last).
 
     after (tma_store, BN = 256):
-      elect_one { tma.wait.read 0 }
-      bar.sync 1 + wg, 128
       for j in unroll(0, 4, 1) {
+        elect_one { tma.wait.read 1 }
+        bar.sync 1 + wg, 128
         tile.view acc_j, acc, cols(j * 64, 64)
         tile.cast slice_t, acc_j
         tile.load bias_t <- bias[n0 + j * 64]
         tile.add slice_t, slice_t, bias_t
         tile.gelu slice_t, slice_t          # the output cast to bf16 happens in the store
-        tile.store_smem C_bf16[wg, j] <- slice_t
+        tile.store_smem C_bf16[wg, j % 2] <- slice_t
+        fence.proxy.async
+        bar.sync 1 + wg, 128
+        elect_one { tma.store out[m0 + wg * 64, n0 + j * 64] <- C_bf16[wg, j % 2]; tma.commit }
       }
-      fence.proxy.async
-      bar.sync 1 + wg, 128
-      elect_one { tma.store out[m0 + wg * 64, n0] <- C_bf16[wg, 0]  ...  tma.commit }
     and after the tile loop:  elect_one { tma.wait 0 }
 
 A batched matmul stores to out[b0, b1, ..., row, col] (its tensor map has a box extent 1 in each
@@ -101,9 +104,16 @@ def epilogue(kernel: ir.Kernel, ctx: LoweringContext) -> ir.Kernel:
         block = row_block(s, h)
         return V("m0") if block == C(0) else ir.add("m0", ir.mul(block, rows))
 
+    # Staging: with an even number of slices per warpgroup, two slots that the slices take in turn,
+    # each stored by TMA as soon as it is written (`staging_slots`); else one slot per slice.
+    slots = staging_slots(blocks * slices)
+    paired = slots != blocks * slices
+
     def staged_at(h: int, jj) -> ir.Expr:
         """The staging slot of block h's slice jj."""
-        return ir.add(h * slices, jj) if h else jj
+        at = ir.add(h * slices, jj) if h else jj
+        return ir.mod(at, slots) if paired and not isinstance(at, ir.IntConst) else (
+            C(at.value % slots) if paired else at)
 
     row0 = row_of(0)
     col0 = ir.add("n0", ir.mul(j, width)) if slices > 1 else V("n0")
@@ -125,7 +135,7 @@ def epilogue(kernel: ir.Kernel, ctx: LoweringContext) -> ir.Kernel:
         chunk = min(width, SWIZZLE_ROW_BYTES // DTYPE_BYTES[dtype])   # one 128-byte swizzled row
         swizzle = SWIZZLE_ROW_BYTES if chunk * DTYPE_BYTES[dtype] == SWIZZLE_ROW_BYTES else 0
         chunks = width // chunk
-        shape = (s.consumer_warpgroups, blocks * slices) + ((chunks,) if chunks > 1 else ()) + (rows, chunk)
+        shape = (s.consumer_warpgroups, slots) + ((chunks,) if chunks > 1 else ()) + (rows, chunk)
         decl = store_to[name] = ir.SmemDecl(buf, dtype, shape, swizzle)
         extra_smem.append(decl)
         staged.append((name, decl, chunk))
@@ -159,19 +169,33 @@ def epilogue(kernel: ir.Kernel, ctx: LoweringContext) -> ir.Kernel:
 
     body: list[ir.Stmt] = []
     sync = ir.NamedBarrierSync(ir.add(WARPGROUP_BARRIER, "wg"), WARPGROUP_THREADS)
-    if staged:
+    if staged and not paired:
         body += [ir.ElectOne((ir.TmaWait(0, True),)), sync]
+
+    def slice_stores(h: int) -> tuple[ir.Stmt, ...]:
+        """The TMA stores of block h's slice j, from its staging slot (paired staging)."""
+        stores = []
+        for name, decl, chunk in staged:
+            for c in range(width // chunk):
+                index = (V("wg"), staged_at(h, j)) + ((C(c),) if len(decl.shape) == 5 else ())
+                stores.append(ir.TmaStore(name, at + (row_of(h), ir.add(col0, c * chunk) if c else col0),
+                                          ir.SmemRef(decl.name, index)))
+        return tuple(stores)
+
     for h in range(blocks):
         if not split:
             slice_body = copy(h) + fused(SLICE, h)
         else:       # the epilogue in both branches: joined before it, ptxas spilled (split-K: one block)
             summed = _sum_of_partials(row0, col0, rows, width, decls)
             slice_body = (ir.If(ir.BinOp(">", V(SPLITS), C(1)), summed + fused(SLICE), copy(h) + fused(SLICE)),)
+        if staged and paired:   # the slot's store two slices ago has read it; this one's store at once
+            slice_body = ((ir.ElectOne((ir.TmaWait(slots - 1, True),)), sync) + slice_body
+                          + (ir.FenceProxyAsync(), sync, ir.ElectOne(slice_stores(h) + (ir.TmaCommit(),))))
         if slices > 1:
             body.append(ir.For(EPILOGUE_SLICE, C(0), C(slices), C(1), "unroll", slice_body))
         else:
             body += slice_body
-    if staged:
+    if staged and not paired:
         stores: list[ir.Stmt] = []
         for name, decl, chunk in staged:
             for h in range(blocks):
@@ -198,6 +222,14 @@ def epilogue(kernel: ir.Kernel, ctx: LoweringContext) -> ir.Kernel:
 
     kernel = map_role(kernel, CONSUMER, consumer)
     return replace(kernel, params=tuple(params), smem=smem)
+
+
+def staging_slots(slices: int) -> int:
+    """Staging slots a consumer warpgroup's TMA-store epilogue needs for its `slices` slices of
+    64 rows x EPILOGUE_COLUMNS: two that the slices take in turn (a slot is written while the
+    other's store reads it), so the ring keeps more stages; with an odd count the first slice of
+    the next tile would take the slot whose store was issued last, so one slot per slice."""
+    return 2 if slices % 2 == 0 else slices
 
 
 def _elementwise(part, shape, row0, col0, acc: str, decls: dict, body: list) -> dict[str, str]:

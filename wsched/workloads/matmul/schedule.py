@@ -63,11 +63,15 @@ class MatmulSchedule(Schedule):
 
     @property
     def epilogue_bytes(self) -> int:
-        """The output staging buffer of the TMA-store epilogue, [BM, BN] of each warpgroup's
-        rows (none for direct stores), and with split-K the smem slot each consumer warpgroup reads
-        its ticket from (one aligned buffer)."""
-        rows = self.consumer_warpgroups * self.rows_per_consumer
-        staging = rows * self.bn * self.output_bytes if self.epilogue == "tma_store" else 0
+        """The output staging slots of the TMA-store epilogue, [64, 64] each (`staging_slots`:
+        two per consumer warpgroup, or one per slice of its rows; none for direct stores), and with
+        split-K the smem slot each consumer warpgroup reads its ticket from (one aligned buffer)."""
+        from .epilogue import EPILOGUE_COLUMNS, staging_slots
+
+        width = min(self.bn, EPILOGUE_COLUMNS)
+        slots = staging_slots(self.mma_row_blocks * (self.bn // width)) if self.bn % width == 0 else 1
+        staging = (self.consumer_warpgroups * slots * WGMMA_M * width * self.output_bytes
+                   if self.epilogue == "tma_store" else 0)
         return staging + (SMEM_ALIGN if is_int(self.split_k) and self.split_k > 1 else 0)
 
     def short(self) -> str:
