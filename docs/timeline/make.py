@@ -4,7 +4,8 @@
     python docs/timeline/make.py --gpu           # GPU traces (Hopper): *_gpu.json (+ .png with matplotlib)
     python docs/timeline/make.py --png FILE.json ...   # draw the PNG of a saved trace
 
-The default matmul (tests/fusions.py:mlp) and causal attention (tests/attention_fusions.py),
+The default matmul (tests/fusions.py:mlp), the same in ping-pong mode, and causal attention
+(tests/attention_fusions.py),
 each at a size where every CTA takes more than one tile. --gpu also times the untraced and the
 traced kernel (CUDA events, median of 20) to show what the stamps cost.
 """
@@ -25,10 +26,13 @@ from wsched import timeline  # noqa: E402
 from wsched.timing import median_ms, rel_error  # noqa: E402
 
 ATTENTION = make_attention(128, causal=True)
-SIMULATED = [("mlp_sim", mlp, {"M": 512, "N": 512, "K": 1024}),
-             ("attention_causal_sim", ATTENTION, {"B": 1, "H": 2, "S": 512, "T": 512})]
-ON_GPU = [("mlp_gpu", mlp, {"M": 4096, "N": 4096, "K": 1024}),
-          ("attention_causal_gpu", ATTENTION, {"B": 1, "H": 16, "S": 2048, "T": 2048})]
+PINGPONG = {"mode": "pingpong"}
+SIMULATED = [("mlp_sim", mlp, {"M": 512, "N": 512, "K": 1024}, {}),
+             ("mlp_pingpong_sim", mlp, {"M": 512, "N": 512, "K": 1024}, PINGPONG),
+             ("attention_causal_sim", ATTENTION, {"B": 1, "H": 2, "S": 512, "T": 512}, {})]
+ON_GPU = [("mlp_gpu", mlp, {"M": 4096, "N": 4096, "K": 1024}, {}),
+          ("mlp_pingpong_gpu", mlp, {"M": 4096, "N": 4096, "K": 1024}, PINGPONG),
+          ("attention_causal_gpu", ATTENTION, {"B": 1, "H": 16, "S": 2048, "T": 2048}, {})]
 GPU_JSON_CTAS = 4   # the committed JSON keeps the CTAs the PNG shows (the whole grid is ~20 MB)
 
 
@@ -41,8 +45,8 @@ def _has_matplotlib() -> bool:
 
 
 def simulated(out: Path) -> None:
-    for name, fusion, sizes in SIMULATED:
-        trace = timeline.trace_simulated(fusion, sizes, out / f"{name}.json")
+    for name, fusion, sizes, overrides in SIMULATED:
+        trace = timeline.trace_simulated(fusion, sizes, out / f"{name}.json", **overrides)
         print(f"{name}: {len(trace.events)} events, {trace.meta['steps']} steps")
 
 
@@ -56,9 +60,9 @@ def on_gpu(out: Path) -> None:
     import wsched as ws
 
     png = _has_matplotlib()
-    for name, fusion, sizes in ON_GPU:
-        trace = timeline.trace_gpu(fusion, sizes, out / f"{name}.json", png=png, ctas=GPU_JSON_CTAS)
-        compiled = ws.compile(fusion, build=True)
+    for name, fusion, sizes, overrides in ON_GPU:
+        trace = timeline.trace_gpu(fusion, sizes, out / f"{name}.json", png=png, ctas=GPU_JSON_CTAS, **overrides)
+        compiled = ws.compile(fusion, build=True, **overrides)
         traced = timeline.TracedKernel(compiled)
         tensors = timeline.random_inputs(fusion, sizes, "cuda")
         capacity = trace.meta["capacity"]
