@@ -209,3 +209,27 @@ def test_a_spilling_pingpong_falls_back_to_lighter_pingpong_schedules():
         "128x128x64 stages=4 consumers=2 regs=24/240 epilogue=tma_store pingpong mma_inflight=0",
         "128x64x64 stages=4 consumers=2 regs=24/240 epilogue=tma_store pingpong",
         "128x64x64 stages=4 consumers=2 regs=24/240 epilogue=tma_store pingpong mma_inflight=0"]
+
+
+def test_a_fill_no_warpgroup_takes_is_named():
+    """Warpgroups that split a tile's k steps (k % 3 == wg) leave every third fill to nobody."""
+    kernel = ws.lower(matmul)
+
+    def split_k_steps(body):
+        out = []
+        for s in body:
+            if isinstance(s, ir.For) and s.var == "k":
+                lets = tuple(x for x in s.body if isinstance(x, ir.Let))
+                rest = tuple(x for x in s.body if not isinstance(x, ir.Let))
+                s = replace(s, body=lets + (ir.If(ir.eq(ir.mod("k", 3), "wg"), rest),))
+            elif isinstance(s, ir.For):
+                s = replace(s, body=split_k_steps(s.body))
+            out.append(s)
+        return tuple(out)
+
+    with pytest.raises(VerifyError) as caught:
+        verify(_consumer_edit(kernel, split_k_steps))
+    assert ("IR line 61 (role consumer > for tile > for k > if > mbarrier.wait): no consumer warpgroup waits on full "
+            "for the producer's 3rd fill (stage 2, at tile=0, k=2; M=256, N=384, K=320, cta_id=0, num_ctas=2): the "
+            "producer blocks on a stage nobody releases; every tile's stages need a warpgroup that takes them"
+            ) in str(caught.value).splitlines()
