@@ -25,6 +25,7 @@ from wsched.codegen.emit import emit_kernel
 from wsched.lowering import ir
 from wsched.lowering.pipeline import pass_names
 from wsched.lowering.printer import print_kernel
+from wsched.lowering.rewrite import map_loop
 from wsched.lowering.simulate import DeadlockError, ProtocolError, simulate
 from wsched.lowering.verify import VerifyError, verify
 from wsched.workloads import workload_for
@@ -77,6 +78,18 @@ def _consumer_edit(kernel: ir.Kernel, edit) -> ir.Kernel:
     return replace(kernel, body=body)
 
 
+def _tile_body_edit(edit):
+    """A consumer-body edit that rewrites the body of its tile loop with `edit(body)`."""
+    return lambda body: map_loop(body, "tile", lambda loop: replace(loop, body=edit(loop.body)))
+
+
+def _guards(cond):
+    """A tile-body edit that sets the condition of its guards (`if tile_iter % 2 == wg`) to
+    `cond(old condition)`."""
+    return _tile_body_edit(lambda body: tuple(replace(x, cond=cond(x.cond)) if isinstance(x, ir.If) else x
+                                              for x in body))
+
+
 def _run(kernel: ir.Kernel, M=256, N=512, K=320, ctas=2):
     a, b = torch.randn(M, K).bfloat16(), torch.randn(K, N).bfloat16()
     simulate(kernel, {"M": M, "N": N, "K": K, "a": a, "b": b, "out": torch.empty(M, N).bfloat16()}, num_sms=ctas)
@@ -105,14 +118,7 @@ def test_the_verifier_holds_each_stage_to_the_warpgroup_that_takes_its_tile():
                                           r"each stage \(role consumer: 1 warpgroup × 1 arrive\); use arrivals\(1\)"):
         verify(doubled)
 
-    def even_tiles_only(body):
-        def fix(s):
-            if isinstance(s, ir.For) and s.var == "tile":
-                return replace(s, body=tuple(replace(x, cond=ir.eq(ir.mod("tile_iter", 2), 0)) if isinstance(x, ir.If)
-                                             else x for x in s.body))
-            return s
-        return tuple(fix(s) for s in body)
-
+    even_tiles_only = _guards(lambda cond: ir.eq(ir.mod("tile_iter", 2), 0))
     with pytest.raises(VerifyError) as caught:       # both warpgroups take the even tiles: the odd ones nobody
         verify(_consumer_edit(kernel, even_tiles_only))
     assert str(caught.value).splitlines() == [
@@ -122,14 +128,7 @@ def test_the_verifier_holds_each_stage_to_the_warpgroup_that_takes_its_tile():
         "N=384, K=320, cta_id=0, num_ctas=2) but the producer fills 10 stages; the producer blocks on a stage nobody "
         "releases: the load and compute nests must traverse the same (tile, k) order"]
 
-    def odd_tiles_to_nobody(body):       # warpgroup 1 takes nothing
-        def fix(s):
-            if isinstance(s, ir.For) and s.var == "tile":
-                return replace(s, body=tuple(replace(x, cond=ir.BinOp("&&", x.cond, ir.eq("wg", 0)))
-                                             if isinstance(x, ir.If) else x for x in s.body))
-            return s
-        return tuple(fix(s) for s in body)
-
+    odd_tiles_to_nobody = _guards(lambda cond: ir.BinOp("&&", cond, ir.eq("wg", 0)))     # warpgroup 1 takes nothing
     with pytest.raises(VerifyError, match=r"the consumer waits on full 5 times \(M=256, N=384, K=320, cta_id=0, "
                                           r"num_ctas=2\) but the producer fills 10 stages; the producer blocks on a "
                                           r"stage nobody releases"):
@@ -137,9 +136,7 @@ def test_the_verifier_holds_each_stage_to_the_warpgroup_that_takes_its_tile():
 
 
 def test_pingpong_describes_itself():
-    text = ws.partition(matmul, ws.schedule_for(matmul, mode="pingpong")).describe() if hasattr(
-        ws.partition(matmul, ws.schedule_for(matmul, mode="pingpong")), "describe") else \
-        workload_for(matmul).describe(ws.partition(matmul, ws.schedule_for(matmul, mode="pingpong")))
+    text = workload_for(matmul).describe(ws.partition(matmul, ws.schedule_for(matmul, mode="pingpong")))
     assert "compute sub-DAG  (consumers: 2 warpgroups x 128 rows, each its own tiles in turn)" in text
     assert "barriers full[4] (arrivals 1 + tx) / empty[4] (arrivals 1)" in text
 
@@ -188,14 +185,8 @@ def test_the_verifier_wants_the_mainloop_handed_over():
 def test_fills_released_by_different_warpgroups_are_named():
     kernel = ws.lower(matmul)       # cooperative: warpgroup 1 takes only the even tiles
 
-    def even_for_wg1(body):
-        def fix(s):
-            if isinstance(s, ir.For) and s.var == "tile":
-                own = ir.BinOp("||", ir.eq("wg", 0), ir.eq(ir.mod("tile_iter", 2), 0))
-                return replace(s, body=(s.body[0], ir.If(own, tuple(s.body[1:]))))
-            return s
-        return tuple(fix(s) for s in body)
-
+    own = ir.BinOp("||", ir.eq("wg", 0), ir.eq(ir.mod("tile_iter", 2), 0))
+    even_for_wg1 = _tile_body_edit(lambda body: (body[0], ir.If(own, tuple(body[1:]))))
     with pytest.raises(VerifyError, match=r"empty's stages are released by 2 consumer arrivals at the producer's 1st "
                                           r"fill but by 1 at its 6th \(M=256, N=384, K=320, cta_id=0, num_ctas=2\): "
                                           r"the consumer warpgroups take different fills different numbers of times"):
@@ -215,17 +206,12 @@ def test_a_fill_no_warpgroup_takes_is_named():
     """Warpgroups that split a tile's k steps (k % 3 == wg) leave every third fill to nobody."""
     kernel = ws.lower(matmul)
 
-    def split_k_steps(body):
-        out = []
-        for s in body:
-            if isinstance(s, ir.For) and s.var == "k":
-                lets = tuple(x for x in s.body if isinstance(x, ir.Let))
-                rest = tuple(x for x in s.body if not isinstance(x, ir.Let))
-                s = replace(s, body=lets + (ir.If(ir.eq(ir.mod("k", 3), "wg"), rest),))
-            elif isinstance(s, ir.For):
-                s = replace(s, body=split_k_steps(s.body))
-            out.append(s)
-        return tuple(out)
+    def split(loop):
+        lets = tuple(x for x in loop.body if isinstance(x, ir.Let))
+        rest = tuple(x for x in loop.body if not isinstance(x, ir.Let))
+        return replace(loop, body=lets + (ir.If(ir.eq(ir.mod("k", 3), "wg"), rest),))
+
+    split_k_steps = lambda body: map_loop(body, "k", split)  # noqa: E731
 
     with pytest.raises(VerifyError) as caught:
         verify(_consumer_edit(kernel, split_k_steps))

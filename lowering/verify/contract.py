@@ -762,30 +762,28 @@ class _TraceCheck:
         if init is None or not takers:
             return
         totals = {i: sum(count for _, _, count in found) for i, found in sorted(takers.items())}
-        if len(set(totals.values())) > 1:
-            (i, a), (j, b) = next(iter(totals.items())), next((x, t) for x, t in totals.items()
-                                                              if t != next(iter(totals.values())))
+        (i, a), *rest = totals.items()
+        other = next(((j, b) for j, b in rest if b != a), None)
+        if other is not None:
+            j, b = other
             self.c.once("arrivals", init.path,
                         f"{ch.empty}'s stages are released by {plural(a, 'consumer arrival')} at the producer's "
                         f"{ordinal(i + 1)} fill but by {b} at its {ordinal(j + 1)} ({self.sample.text}): the "
                         f"consumer warpgroups take different fills different numbers of times, and no one "
                         f"arrivals({init.stmt.arrivals}) fits both; every fill needs the same warpgroups' releases")
             return
-        for i, found in sorted(takers.items()):
-            total = sum(count for _, _, count in found)
-            if init.stmt.arrivals == total:
-                continue
-            per_role: dict[tuple[int, ...], tuple[ir.Role, list[int]]] = {}
-            for rpath, role, count in found:
-                per_role.setdefault(rpath, (role, []))[1].append(count)
-            parts = ", ".join(
-                f"role {role.name}: " + (f"{plural(len(counts), 'warpgroup')} × {plural(counts[0], 'arrive')}"
-                                         if len(set(counts)) == 1 else f"{' + '.join(map(str, counts))} arrives")
-                for role, counts in per_role.values())
-            self.c.once("arrivals", init.path,
-                        f"{ch.empty} is initialised with arrivals({init.stmt.arrivals}) but {total} consumer "
-                        f"arrivals release each stage ({parts}); use arrivals({total})")
+        if init.stmt.arrivals == a:          # every fill is released the same number of times: a
             return
+        per_role: dict[tuple[int, ...], tuple[ir.Role, list[int]]] = {}
+        for rpath, role, count in takers[i]:
+            per_role.setdefault(rpath, (role, []))[1].append(count)
+        parts = ", ".join(
+            f"role {role.name}: " + (f"{plural(len(counts), 'warpgroup')} × {plural(counts[0], 'arrive')}"
+                                     if len(set(counts)) == 1 else f"{' + '.join(map(str, counts))} arrives")
+            for role, counts in per_role.values())
+        self.c.once("arrivals", init.path,
+                    f"{ch.empty} is initialised with arrivals({init.stmt.arrivals}) but {a} consumer "
+                    f"arrivals release each stage ({parts}); use arrivals({a})")
 
     def _wgmma_groups(self, role: ir.Role, wg: int, events) -> None:
         """Release only what no pending wgmma group reads; read only stages this warpgroup holds."""

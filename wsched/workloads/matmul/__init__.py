@@ -9,18 +9,19 @@ that broadcast) walks the batch as the outermost tile dimension.
 
 from __future__ import annotations
 
-from wsched.workloads.base import Workload
-
-from . import epilogue, loops, partition, pingpong, schedule
 from dataclasses import replace
 
 from wsched.lowering.context import Step
 from wsched.schedule import ScheduleError, max_stages
+from wsched.workloads.base import Workload
+
+from . import epilogue, loops, partition, pingpong, schedule
 
 from .schedule import MAX_SPLIT_K, MatmulSchedule, output_tiles, saves_waves
 
 # Ping-pong's variant keeps five stages of its 128 x 128 tiles (32 KB each) where they fit beside
-# the staged outputs: measured 1-4% above four on an H100 (docs/benchmarks.md).
+# the staged outputs. Against four, one interleaved H100 run at square shapes was mixed (-5% to +7%,
+# the short-K rows ahead); the Llama-3 rows the variant serves (M 128-512) were measured with five.
 PINGPONG_STAGES = 5
 # The M <= 64 variant streams the weights: more stages keep more bytes in flight per SM (Little's
 # law). Eight of its 64 x 128 tiles (24 KB each) fit beside a bf16 staging tile; measured on an

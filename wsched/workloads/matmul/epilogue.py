@@ -1,7 +1,7 @@
 """epilogue for matmul: the fused elementwise ops on the accumulator, then the stores of the outputs.
 
 The consumers walk each [64, BN] accumulator (one per block of 64 rows a warpgroup owns: `acc`,
-and `acc1` for a second block) in slices of EPILOGUE_COLUMNS columns (`tile.view`)
+and `acc1` for a second block) in slices of EPILOGUE_COLUMNS (64) columns (`tile.view`)
 and copy each into a slice tile of its own, `slice_t`, on which the fused ops run: every tile the
 epilogue loads beside it (a bias, a gate, a residual) and every intermediate is one slice wide, so
 its registers do not grow with its inputs (a [64, 256] bf16 side tile next to the 128 accumulator
@@ -13,7 +13,7 @@ more registers than its widest point. Outputs are stored either with plain store
 through shared memory and TMA (`tma_store`): per slice, wait until the store that last read its
 staging slot is done (two slots a warpgroup, taken in turn: `tma.wait.read 1`), write the slice
 into it (generic proxy), `fence.proxy.async`, sync the warpgroup, and one thread issues the copy.
-With an odd number of slices a warpgroup (`staging_slots`) there is a slot per slice: wait for the
+With an odd number of slices a warpgroup (`MatmulSchedule.staging_slots`) there is a slot per slice: wait for the
 previous tile's stores once, write every slice, then one batch of copies. A second output of a
 dtype already staged is stored directly (one staging buffer per dtype, as the schedule counts
 them).
@@ -87,7 +87,6 @@ from .loops import accumulator, batch_coords, output_shape, row_block
 V = ir.Var
 C = ir.IntConst
 
-EPILOGUE_COLUMNS = 64     # accumulator columns per epilogue slice
 ACC_SLICE = f"{ACC}_{EPILOGUE_SLICE}"
 SLICE = "slice_t"         # the epilogue's tile: a slice of acc copied, or (split-K) the partials' sum
 
@@ -95,7 +94,7 @@ SLICE = "slice_t"         # the epilogue's tile: a slice of acc copied, or (spli
 def epilogue(kernel: ir.Kernel, ctx: LoweringContext) -> ir.Kernel:
     part, s = ctx.partition, ctx.schedule
     rows, bn, blocks = WGMMA_M, s.bn, s.mma_row_blocks    # the epilogue walks each 64-row block
-    width = min(bn, EPILOGUE_COLUMNS)
+    width = s.epilogue_width
     slices = bn // width
     j = V(EPILOGUE_SLICE) if slices > 1 else C(0)
 
@@ -104,16 +103,18 @@ def epilogue(kernel: ir.Kernel, ctx: LoweringContext) -> ir.Kernel:
         block = row_block(s, h)
         return V("m0") if block == C(0) else ir.add("m0", ir.mul(block, rows))
 
-    # Staging: with an even number of slices per warpgroup, two slots that the slices take in turn,
-    # each stored by TMA as soon as it is written (`staging_slots`); else one slot per slice.
-    slots = staging_slots(blocks * slices)
+    # Staging (`MatmulSchedule.staging_slots`): with an even number of slices per warpgroup, two
+    # slots that the slices take in turn, each stored by TMA as soon as it is written; else one
+    # slot per slice.
+    slots = s.staging_slots
     paired = slots != blocks * slices
 
     def staged_at(h: int, jj) -> ir.Expr:
         """The staging slot of block h's slice jj."""
         at = ir.add(h * slices, jj) if h else jj
-        return ir.mod(at, slots) if paired and not isinstance(at, ir.IntConst) else (
-            C(at.value % slots) if paired else at)
+        if not paired:
+            return at
+        return C(at.value % slots) if isinstance(at, ir.IntConst) else ir.mod(at, slots)
 
     row0 = row_of(0)
     col0 = ir.add("n0", ir.mul(j, width)) if slices > 1 else V("n0")
@@ -222,14 +223,6 @@ def epilogue(kernel: ir.Kernel, ctx: LoweringContext) -> ir.Kernel:
 
     kernel = map_role(kernel, CONSUMER, consumer)
     return replace(kernel, params=tuple(params), smem=smem)
-
-
-def staging_slots(slices: int) -> int:
-    """Staging slots a consumer warpgroup's TMA-store epilogue needs for its `slices` slices of
-    64 rows x EPILOGUE_COLUMNS: two that the slices take in turn (a slot is written while the
-    other's store reads it), so the ring keeps more stages; with an odd count the first slice of
-    the next tile would take the slot whose store was issued last, so one slot per slice."""
-    return 2 if slices % 2 == 0 else slices
 
 
 def _elementwise(part, shape, row0, col0, acc: str, decls: dict, body: list) -> dict[str, str]:

@@ -20,6 +20,8 @@ from wsched.target import HOPPER_SMS, SMEM_ALIGN, SWIZZLE_ROW_BYTES, WARPGROUP_T
 TILE_N = (64, 128, 192, 256)
 
 
+EPILOGUE_COLUMNS = 64     # accumulator columns per epilogue slice
+
 # The largest accumulator a consumer warpgroup holds, in elements: [64, 256] or [128, 128] fp32,
 # 128 registers per thread.
 MAX_ACCUMULATOR = WGMMA_M * 256
@@ -62,15 +64,25 @@ class MatmulSchedule(Schedule):
         return (self.bm + self.bn) * self.bk * self.operand_bytes
 
     @property
-    def epilogue_bytes(self) -> int:
-        """The output staging slots of the TMA-store epilogue, [64, 64] each (`staging_slots`:
-        two per consumer warpgroup, or one per slice of its rows; none for direct stores), and with
-        split-K the smem slot each consumer warpgroup reads its ticket from (one aligned buffer)."""
-        from .epilogue import EPILOGUE_COLUMNS, staging_slots
+    def epilogue_width(self) -> int:
+        """Accumulator columns per epilogue slice."""
+        return min(self.bn, EPILOGUE_COLUMNS)
 
-        width = min(self.bn, EPILOGUE_COLUMNS)
-        slots = staging_slots(self.mma_row_blocks * (self.bn // width)) if self.bn % width == 0 else 1
-        staging = (self.consumer_warpgroups * slots * WGMMA_M * width * self.output_bytes
+    @property
+    def staging_slots(self) -> int:
+        """Staging slots a consumer warpgroup's TMA-store epilogue needs for its slices (64 rows x
+        epilogue_width each): two that the slices take in turn (a slot is written while the
+        other's store reads it), so the ring keeps more stages; with an odd count the first slice
+        of the next tile would take the slot whose store was issued last, so one slot per slice."""
+        slices = self.mma_row_blocks * (self.bn // self.epilogue_width)
+        return 2 if slices % 2 == 0 else slices
+
+    @property
+    def epilogue_bytes(self) -> int:
+        """The output staging slots of the TMA-store epilogue, [64, epilogue_width] each
+        (`staging_slots` per consumer warpgroup; none for direct stores), and with split-K the
+        smem slot each consumer warpgroup reads its ticket from (one aligned buffer)."""
+        staging = (self.consumer_warpgroups * self.staging_slots * WGMMA_M * self.epilogue_width * self.output_bytes
                    if self.epilogue == "tma_store" else 0)
         return staging + (SMEM_ALIGN if is_int(self.split_k) and self.split_k > 1 else 0)
 
