@@ -4,13 +4,16 @@
 
 Rows, each as µs of host time per call and as a ratio to the Triton launch:
 
-    k(a, b)                the eager call of one compiled kernel (`ws.compile(matmul, schedule)`):
-                           layout key, cached plan, output allocation, data pointers and tensor
-                           maps set in the packed arguments, the launch
-    ws.compile(matmul)(a, b)  the default, whose per-shape choice (wsched/dispatch.py) picks the
-                           kernel first (one dict lookup) and then makes that kernel's eager call
+    k(a, b)                the eager call of one compiled kernel (`ws.compile(matmul, schedule)`)
+                           on a layout seen before, launched by the native path
+                           (codegen/native.py): layouts matched, output allocated, data pointers
+                           and cached tensor maps set, the launch, all from C
+    ws.compile(matmul)(a, b)  the default, whose per-shape choice (wsched/dispatch.py) keeps the
+                           chosen kernels' plans in its own native launcher
     k(a, b, out=)          the same into a given output (no allocation)
     k.op(a, b)             the same through torch's dispatcher (the custom op)
+    ..., Python path       the same calls with the native path off (WSCHED_NATIVE_LAUNCH=0): the
+                           layout key, the cached plan, packing and a cuda-python launch in Python
     bound()                `k.bind(a, b)` once, then only the launch
     bare cuLaunchKernel    the same cubin's function through cuda-python, arguments packed once
     bare, (values, types)  the same with cuda-python packing the argument tuple on every call
@@ -131,11 +134,15 @@ def main():
     bound = k.bind(a, b)
     out = {"out": torch.empty(M, N, dtype=torch.bfloat16, device="cuda")}
     packed_once, tuple_each_call, keep = bare_launches(k, a, b)
+    python_path = ws.compile(matmul, ws.schedule_for(matmul))
+    python_path._native = False                       # what WSCHED_NATIVE_LAUNCH=0 gives
     rows = {
         "k(a, b)": lambda: k(a, b),
         "k(a, b, out=)": lambda: k(a, b, out=out),
         "ws.compile(matmul)(a, b)": lambda: chooser(a, b),
         "k.op(a, b)": lambda: k.op(a, b),
+        "k(a, b), Python path": lambda: python_path(a, b),
+        "k(a, b, out=), Python path": lambda: python_path(a, b, out=out),
         "bound() (k.bind(a, b))": bound,
         "bare cuLaunchKernel": packed_once,
         "bare, (values, types)": tuple_each_call,
@@ -156,6 +163,8 @@ def main():
         print(f"  {name:32s} {us:7.2f} us  {ratio}")
     own = times["k(a, b)"] - times["torch.empty (the output)"] - times["bare cuLaunchKernel"]
     print(f"  k(a, b) - torch.empty - bare cuLaunchKernel: {own:.2f} us of wsched's own host work")
+    print(f"  native path: {'on' if k._native else 'OFF (' + ws.codegen.native.available.reason + ')'}; "
+          f"launcher hits {k._natives[None].stats()['hits'] if None in k._natives else 0}")
     ours_gpu = gpu_us(bound, args.calls)
     triton_gpu = gpu_us(triton, args.calls) if triton else None
     kept_up = ours_gpu < times["bound() (k.bind(a, b))"] and (

@@ -149,9 +149,11 @@ def test_cuda_graph_capture_of_attention_with_lse(poisoned):
 # no context.
 
 def test_a_seen_layout_is_launched_without_planning_encoding_or_switching_context(monkeypatch):
+    """The Python path (the native one is tested below): what it skips for a seen layout."""
     from wsched.codegen import launch, tma
 
     k = ws.compile(matmul, ws.schedule_for(matmul))   # one kernel (not a per-shape choice)
+    monkeypatch.setattr(k, "_native", False)
     a, b = inputs_for(matmul, 999, 1000, 1000, device="cuda")
     out = {"out": torch.empty(999, 1000, device="cuda", dtype=torch.bfloat16)}
     k(a, b, out=out)                    # plans the layout, encodes the maps, loads the module
@@ -179,3 +181,108 @@ def test_a_seen_layout_is_launched_without_planning_encoding_or_switching_contex
     assert float((got - reference).norm() / reference.norm()) < 1e-2
     k(a[:500], b)                       # a new layout: planned once
     assert counts["plans"] == 1 and counts["contexts"] == 0
+
+
+# -- the native launch path (codegen/native.py) ---------------------------------------------------
+# A layout's second call is launched from C. Outputs are poisoned by the fixture (torch.empty
+# fills NaN, also when the native path calls it), out= tensors by the test.
+
+def native_stats(launchers, key=None):
+    return launchers[key].stats() if key in launchers else {"hits": 0, "misses": 0, "plans": 0}
+
+
+def relative_error(got, reference) -> float:
+    assert not torch.isnan(got).any(), f"{int(torch.isnan(got).sum())} outputs never written"
+    return float((got.float() - reference.float()).norm() / reference.float().norm())
+
+
+def test_native_calls_on_new_inputs_and_outputs_match_torch(poisoned):
+    k = ws.compile(matmul, ws.schedule_for(matmul))
+    assert k._native, "the native launch extension is not built on the GPU machine"
+    a, b = inputs_for(matmul, 999, 1000, 1000, device="cuda")
+    k(a, b)                                          # the Python path: plans, then installs
+    results = []
+    for seed in range(12):   # more output addresses alive than a map slot caches: encodes and evictions
+        a, b = inputs_for(matmul, 999, 1000, 1000, device="cuda", seed=seed)
+        results.append((k(a, b), matmul.reference(a, b)))
+    torch.cuda.synchronize()
+    for got, reference in results:
+        assert relative_error(got, reference) < 1e-2
+    assert native_stats(k._natives) == {"hits": 12, "misses": 0, "plans": 1}
+
+
+def test_native_out_calls_write_the_given_tensor(poisoned):
+    k = ws.compile(matmul, ws.schedule_for(matmul))
+    a, b = inputs_for(matmul, 513, 768, 320, device="cuda", seed=3)
+    out = {"out": torch.empty(513, 768, device="cuda", dtype=torch.bfloat16)}
+    reference = matmul.reference(a, b)
+    for _ in range(3):
+        out["out"].fill_(float("nan"))
+        assert k(a, b, out=out) is out["out"]
+        assert relative_error(out["out"], reference) < 1e-2
+    assert native_stats(k._natives, ("out",))["hits"] == 2
+
+
+def test_native_calls_of_attention_return_o_and_lse(poisoned):
+    k = kernel(attention_lse)
+    for seed in range(3):
+        q, key, v = attention_inputs(2, 4, 333, 300, 128, device="cuda", seed=seed)
+        o, lse = k(q, key, v)
+        want_o, want_lse = attention_lse.reference(q, key, v)
+        assert relative_error(o, want_o) < 1e-2 and relative_error(lse, want_lse) < 1e-2
+    assert native_stats(k._natives)["hits"] >= 2
+
+
+def test_a_per_shape_choice_launches_each_chosen_kernel_natively(poisoned):
+    chooser = ws.compile(matmul)
+    shapes = [(16, 4096, 4096), (2048, 2048, 512)]   # a split-K variant and the default
+    for round_ in range(3):
+        for M, N, K in shapes:
+            a, b = inputs_for(matmul, M, N, K, device="cuda", seed=round_)
+            assert relative_error(chooser(a, b), matmul.reference(a, b)) < 1e-2, (round_, M)
+    # the first call finds no launcher; the second shape's first call misses the first's plan
+    assert native_stats(chooser._natives) == {"hits": 4, "misses": 1, "plans": 2}
+    assert len({chooser.kernel_for(*inputs_for(matmul, M, N, K, device="cuda")).schedule.short()
+                for M, N, K in shapes}) == 2
+
+
+def test_a_misaligned_base_of_a_seen_layout_takes_the_python_path_and_is_named():
+    k = ws.compile(matmul, ws.schedule_for(matmul))
+    base = torch.randn(256, 136, device="cuda").bfloat16()
+    b = torch.randn(128, 256, device="cuda").bfloat16()
+    k(base[:, :128], b)
+    k(base[:, :128], b)
+    with pytest.raises(ValueError, match="argument 'a' has data_ptr .*, 2 bytes past a 16-byte boundary"):
+        k(base[:, 1:129], b)                          # the same shape and strides, 2 bytes in
+
+
+def test_native_calls_on_a_side_stream_and_under_graph_capture(poisoned):
+    k = ws.compile(matmul, ws.schedule_for(matmul))
+    a, b = inputs_for(matmul, 640, 512, 256, device="cuda", seed=1)
+    reference = matmul.reference(a, b)
+    k(a, b)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        # the side stream is busy, then fills the output with NaN (the fixture): a kernel
+        # launched on another stream would run first and have its output overwritten
+        torch.cuda._sleep(10_000_000)
+        got = k(a, b)
+    side.synchronize()
+    assert relative_error(got, reference) < 1e-2
+    graph, (out,) = capture(k, a, b)
+    new = inputs_for(matmul, 640, 512, 256, device="cuda", seed=2)
+    (got,) = replay(graph, [a, b], [out], new)
+    assert relative_error(got, matmul.reference(*new)) < 1e-2
+    assert native_stats(k._natives)["hits"] >= 3
+
+
+def test_with_the_native_path_off_calls_give_the_same_bits(monkeypatch):
+    a, b = inputs_for(matmul, 999, 1000, 1000, device="cuda", seed=7)
+    on = ws.compile(matmul, ws.schedule_for(matmul))
+    monkeypatch.setenv("WSCHED_NATIVE_LAUNCH", "0")
+    off = ws.compile(matmul, ws.schedule_for(matmul))
+    assert on._native and not off._native
+    for _ in range(2):
+        torch.testing.assert_close(on(a, b), off(a, b), rtol=0, atol=0)
+    assert off._natives == {} and native_stats(on._natives)["hits"] == 1

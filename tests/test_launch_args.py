@@ -646,6 +646,7 @@ class FakeGpu:
 
         k = ws.compile(fusion, ws.schedule_for(fusion), build=False)   # one kernel, no per-shape choice
         k.__dict__["_loaded"] = self   # stands in for the LoadedKernel (a cached_property)
+        k._native = False              # the Python path (test_native_launch.py drives the native one)
         return k
 
     def launch_packed(self, grid, packed, device_index):

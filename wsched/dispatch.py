@@ -28,6 +28,7 @@ from typing import Callable, Mapping
 import torch
 
 from . import torch_ops
+from .codegen import native
 from .errors import ArgumentError
 from .schedule import Schedule
 
@@ -53,6 +54,7 @@ class ShapeDispatchKernel:
         self._choice: dict[tuple, object] = {}       # layout key -> CompiledKernel
         self._lock = threading.Lock()
         self._failed: dict[int, Exception] = {}        # variant index -> its build error (built once)
+        self._natives: dict = {}   # out= names -> native Launcher: plans of every kernel chosen
         self.op = torch_ops.register(self)             # registered now: torch.compile cannot trace it
 
     # -- choice -------------------------------------------------------------------------------
@@ -125,6 +127,10 @@ class ShapeDispatchKernel:
 
     # -- calls --------------------------------------------------------------------------------
     def __call__(self, *tensors, out=None):
+        if self.primary._native and not torch.compiler.is_compiling():   # a layout seen before
+            result = native.call(self._natives, tensors, out)
+            if result is not None:
+                return result
         if torch_ops.is_traced(tensors):
             # torch.compile / export: this object's op, whose CUDA implementation makes the choice
             # when the graph runs (tracing never builds a kernel, and a dynamic M stays dynamic).
@@ -136,11 +142,11 @@ class ShapeDispatchKernel:
             kernel = self._choice[self._key(tensors)]
         except (KeyError, AttributeError, IndexError):
             kernel = self.kernel_for(*tensors)
-        return kernel._run(tensors, out)
+        return kernel._run(tensors, out, self._natives)
 
     def _run(self, tensors, out=None):
         """The eager call (also the custom op's CUDA implementation)."""
-        return self.kernel_for(*tensors)._run(tensors, out)
+        return self.kernel_for(*tensors)._run(tensors, out, self._natives)
 
     def bind(self, *tensors, out=None):
         return self.kernel_for(*tensors).bind(*tensors, out=out)

@@ -12,6 +12,7 @@ from functools import cached_property
 import torch
 from cuda.bindings import driver
 
+from .codegen import native
 from .codegen.launch import PackedArguments, check_base_alignment
 from .codegen.nvcc import BuildError, nvcc_available
 from .errors import ArgumentError, FusionError, check_argument, short_repr
@@ -55,9 +56,12 @@ class CompiledKernel:
     build: object = None                         # codegen.build.BuildResult once built
     _plans: dict = field(default_factory=dict, repr=False)  # launch plans by argument layouts
     _workspaces: dict = field(default_factory=dict, repr=False)  # (name, device) -> scratch tensors
+    _natives: dict = field(default_factory=dict, repr=False)  # out= names (None: none) -> native Launcher
 
     def __post_init__(self):
         self._check_values = knobs.check_values()
+        # the native launch path (codegen/native.py), off where every call checks input values
+        self._native = native.available() and not self._check_values
         # The torch custom op that runs this kernel (wsched/torch_ops.py). Registered now, not
         # on first use: torch.compile can trace a call of the op but not its registration.
         self.op = torch_ops.register(self)
@@ -253,6 +257,7 @@ class CompiledKernel:
             plan = self._plans.get(key)
             if plan is None:
                 plan = self._plans[key] = self._plan(tensors, out)
+                plan.cached = True
         if self._check_values:   # WSCHED_CHECK_INPUTS=1
             self.partition.workload.check_values(self.partition, dict(zip(plan.inputs, tensors)))
         outputs = plan.allocate_outputs() if out is None else tuple(out.values())
@@ -307,6 +312,10 @@ class CompiledKernel:
         return plan.grid, packed.pairs(), out if out is not None else plan.by_name(outputs)
 
     def __call__(self, *tensors, out: dict[str, torch.Tensor] | None = None):
+        if self._native and not torch.compiler.is_compiling():   # a layout seen before: launched from C
+            result = native.call(self._natives, tensors, out)
+            if result is not None:
+                return result
         if torch_ops.is_traced(tensors):   # torch.compile / export: the registered op (self.op)
             if out is not None:
                 raise ArgumentError(f"{self.fusion.name}: out= is not supported while torch traces the "
@@ -314,12 +323,36 @@ class CompiledKernel:
             return self.op(*tensors)
         return self._run(tensors, out)
 
-    def _run(self, tensors, out: dict[str, torch.Tensor] | None = None):
-        """The eager launch (`__call__` and the custom op's CUDA implementation)."""
+    def _run(self, tensors, out: dict[str, torch.Tensor] | None = None, natives: dict | None = None):
+        """The eager launch (`__call__` and the custom op's CUDA implementation). A layout seen
+        before is then handed to the native launchers `natives` (default: this kernel's), so
+        that its next call is launched from C."""
         plan, packed, outputs = self._prepare(tensors, out)
         # on the tensors' device (its context, module, stream), whatever the current device is
         self._loaded.launch_packed(plan.grid, packed, plan.device_index)
+        if plan.cached and self._native:
+            self._install(self._natives if natives is None else natives, plan, packed, (*tensors, *outputs),
+                          out)
         return outputs[0] if len(outputs) == 1 else outputs
+
+    def _install(self, natives: dict, plan: "_LaunchPlan", packed: PackedArguments, tensors: tuple, out) -> None:
+        """Give the native launcher of `out`'s names the plan of this call (once per launcher)."""
+        from .codegen.cuda_driver import _primary_handles
+
+        loaded = self._loaded
+        function, context = loaded._functions.get(plan.device_index), _primary_handles.get(plan.device_index)
+        if function is None or context is None:   # not launched through the primary context yet
+            return
+        key = None if out is None else tuple(out)
+        launcher = natives.get(key)
+        if launcher is None:
+            launcher = natives[key] = native.launcher()
+        if id(launcher) in plan.native_in:
+            return
+        n_alloc = 0 if out is not None else len(plan.outputs)
+        launcher.add(native.plan(plan, packed, tensors, n_alloc, int(function), context, self.kernel.threads,
+                                 self.kernel.smem_bytes))
+        plan.native_in.add(id(launcher))
 
     def synchronize(self, device: object = None) -> None:
         """Wait for the kernel's launches on `device` (default: that of the last launch); raise
@@ -373,6 +406,8 @@ class _LaunchPlan:
         self.grid = grid          # sized with the SM count of `device`
         self.device = device      # the torch.device every argument is on: the kernel runs there
         self.device_index = device.index
+        self.cached = False       # kept by the kernel for its layout (then the native path may take it)
+        self.native_in = set()    # ids of the native launchers holding this plan
         # A param with a value fixed for the layout is packed once, in the template; one that
         # names a tensor of the call is set per call from its place in (*inputs, *outputs).
         where = {name: i for i, name in enumerate([*inputs, *(name for name, _, _ in outputs)])}

@@ -26,6 +26,12 @@ def check_values() -> bool:
     return _flag("WSCHED_CHECK_INPUTS")
 
 
+def native_launch() -> bool:
+    """WSCHED_NATIVE_LAUNCH=0: every GPU call takes the Python launch path, not the native one
+    (codegen/native.py); default on where the extension is built. Read when a kernel is compiled."""
+    return _flag("WSCHED_NATIVE_LAUNCH", default=True)
+
+
 def print_ir_after() -> frozenset[str]:
     """WSCHED_PRINT_IR=pass1,pass2 | all: print the IR after those passes to stderr."""
     return frozenset(p.strip() for p in os.environ.get("WSCHED_PRINT_IR", "").split(",") if p.strip())

@@ -28,6 +28,8 @@ import threading
 
 import torch
 
+from .codegen import native
+
 NAMESPACE = "wsched"
 
 _ops: dict[str, torch._ops.OpOverload] = {}   # op name -> its default overload
@@ -83,6 +85,10 @@ def _define(name: str, kernel) -> torch._ops.OpOverload:
     fusion = kernel.fusion
 
     def launch(*tensors):
+        if kernel._native:   # a layout seen before: launched from C (codegen/native.py)
+            result = native.call(kernel._natives, tensors, None)
+            if result is not None:
+                return result
         return kernel._run(tensors)
 
     custom = torch.library.custom_op(f"{NAMESPACE}::{name}", launch, mutates_args=(),

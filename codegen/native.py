@@ -1,0 +1,125 @@
+"""The eager call's native launch path: argument layouts seen before are launched from C.
+
+A Python call of a compiled kernel costs its checks, its output allocation and a cuda-python
+launch: 15-20 µs of host time. Most calls repeat a layout already checked, so the second time a
+layout is seen the Python path hands what it worked out to a `Launcher` (`codegen/native_launch.c`,
+built as `wsched.codegen._native_launch` when the package is installed): a `Plan` holding the
+layout of every tensor, the outputs to allocate, the packed parameters with the place of each data
+pointer and TMA map, and the kernel's function, grid and context. `CompiledKernel.__call__` tries
+the launcher first; a call that matches a plan exactly is launched without Python in between, and
+anything else (a new layout, a misaligned base, another context, a tensor subclass) falls back to
+the Python path, which checks everything and names what is wrong.
+
+What a plan repeats per call is exactly what `_LaunchPlan.pack` and `LoadedKernel.launch_packed`
+do: data pointers into their slots, TMA maps encoded once per (parameter, address) and kept,
+torch's current stream of the device, `cuLaunchKernel`. The driver's entry points are read from
+libcuda by address (ctypes), so the extension links against nothing but Python.
+
+`WSCHED_NATIVE_LAUNCH=0` turns the path off (every call takes the Python path); `native.available()`
+says whether it is on, and `available.reason` why not.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+
+import torch
+
+from wsched import knobs
+
+try:
+    from . import _native_launch
+except ImportError as error:   # built by `pip install` where a C compiler is found (setup.py)
+    _native_launch = None
+    _IMPORT_ERROR = f"the extension wsched.codegen._native_launch is not built ({error}); reinstall with a C compiler"
+else:
+    _IMPORT_ERROR = ""
+
+__all__ = ["CAPACITY", "available", "call", "launcher", "plan"]
+
+CAPACITY = 8   # argument layouts a launcher keeps (the newest first)
+TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)   # exact types a native call takes
+
+
+def available() -> bool:
+    """Whether calls may take the native path (the extension is built and not turned off)."""
+    if not knobs.native_launch():
+        available.reason = "WSCHED_NATIVE_LAUNCH=0"
+        return False
+    available.reason = _IMPORT_ERROR
+    return _native_launch is not None
+
+
+available.reason = ""
+
+
+@functools.cache
+def _driver_entry_points() -> tuple[int, int, int]:
+    """Addresses of cuLaunchKernel, cuCtxGetCurrent and cuTensorMapEncodeTiled in libcuda (the
+    library cuda-python and torch have loaded already: a launch has run before a plan is made)."""
+    lib = ctypes.CDLL("libcuda.so.1")
+    return tuple(ctypes.cast(getattr(lib, name), ctypes.c_void_p).value
+                 for name in ("cuLaunchKernel", "cuCtxGetCurrent", "cuTensorMapEncodeTiled"))
+
+
+def launcher(entry_points: tuple[int, int, int] | None = None, stream=None, empty=None):
+    """A new Launcher on the driver's entry points and torch's stream query and allocator (the
+    tests give stand-ins for all three)."""
+    from .launch import current_stream_handle
+
+    return _native_launch.Launcher(*(entry_points or _driver_entry_points()),
+                                   stream or current_stream_handle, empty or torch.empty,
+                                   TENSOR_TYPES, CAPACITY)
+
+
+def _enum(value) -> int:
+    return int(getattr(value, "value", value))
+
+
+def map_slot(position: int, tensor_index: int, spec) -> tuple:
+    """A map parameter as the Plan takes it: cuTensorMapEncodeTiled's arguments but the address."""
+    from .tma import driver_arguments
+
+    a = driver_arguments(spec)
+    return (position, tensor_index, _enum(a["tensorDataType"]), tuple(a["globalDim"]),
+            tuple(a["globalStrides"]), tuple(a["boxDim"]), tuple(a["elementStrides"]),
+            _enum(a["interleave"]), _enum(a["swizzle"]), _enum(a["l2Promotion"]), _enum(a["oobFill"]))
+
+
+def plan(launch_plan, packed, tensors: tuple, n_alloc: int, function: int, context: int,
+         threads: int, smem: int):
+    """The Plan of one call the Python path has checked and launched: `tensors` are
+    (*given, *allocated) — the call's tensors (inputs, then the out= tensors if any) and the
+    outputs it allocated — and `packed` its packed arguments."""
+    from .tma import spec_for_tensor
+
+    given = tensors[:len(tensors) - n_alloc]
+    alloc = launch_plan.outputs[len(launch_plan.outputs) - n_alloc:]
+    maps = []
+    for position, source, p, _ in launch_plan.map_slots:
+        t = tensors[source]
+        shape = launch_plan.views[p.name]
+        view = t.view(shape) if tuple(t.shape) != shape else t
+        maps.append(map_slot(position, source,   # the call has checked the tensor (device too)
+                              spec_for_tensor(view, p.box, p.swizzle, p.name, require_cuda=False)))
+    return _native_launch.Plan(
+        tuple(tuple(t.shape) for t in given), tuple(t.stride() for t in given),
+        tuple(t.dtype for t in given), tuple(t.device for t in given),
+        # torch.empty(*shape, ...): sizes as separate ints parse faster than one tuple
+        tuple(tuple(shape) if shape else (shape,) for _, shape, _ in alloc),
+        tuple({"dtype": dtype, "device": launch_plan.device} for _, _, dtype in alloc),
+        len(launch_plan.outputs), function, context, launch_plan.grid, threads, smem,
+        launch_plan.device_index, tuple(packed.raw()), launch_plan.pointer_slots, tuple(maps))
+
+
+def call(launchers: dict, tensors: tuple, out):
+    """The call launched by the launcher of `out`'s names in `launchers` (None: no out=), or None
+    where it holds no plan for the call's layout and the Python path must run it."""
+    if out is None:
+        launcher = launchers.get(None)
+        return None if launcher is None else launcher(tensors)
+    if type(out) is dict:
+        launcher = launchers.get(tuple(out))
+        return None if launcher is None else launcher((*tensors, *out.values()))
+    return None
