@@ -150,6 +150,29 @@ def test_the_default_space_starts_with_the_default_schedule():
         candidates_for(mlp, max_candidates=0)
 
 
+@pytest.mark.parametrize("sizes", [{"M": 16, "N": 4096, "K": 4096}, {"M": 3072, "N": 3072, "K": 1024}, SIZES],
+                         ids=["small M", "ping-pong", "square"])
+def test_a_search_at_a_shape_leads_with_what_the_default_runs_there(sizes):
+    """ws.compile(mlp) picks a kernel per shape (wsched/dispatch.py); a search at that shape tries
+    that kernel first and the default schedule next, also with max_candidates, so the winner is
+    never a schedule slower than what the default runs."""
+    chosen = ws.compile(mlp, build=False).choose(inputs_for_sizes(sizes), 132).schedule
+    space = candidates_for(mlp, sizes=sizes, num_sms=132)
+    assert space[0] == chosen == autotune.default_choice(mlp, sizes, 132)
+    assert space[:2] == ([chosen, ws.schedule_for(mlp)] if chosen != ws.schedule_for(mlp) else space[:2])
+    assert candidates_for(mlp, max_candidates=5, sizes=sizes, num_sms=132)[:2] == space[:2]
+    assert (chosen == ws.schedule_for(mlp)) == (sizes is SIZES)   # the rows above pick variants
+    result = tune(mlp, sizes, candidates=None, max_candidates=3, timer=FakeTimer(), build=False, progress=False,
+                  force=True)
+    assert result.default == chosen and result.default_ms is not None
+
+
+def inputs_for_sizes(sizes):
+    from fusions import inputs_for
+
+    return inputs_for(mlp, sizes["M"], sizes["N"], sizes["K"])
+
+
 def test_check_shape_shrinks_batch_dims_most():
     assert autotune.check_sizes(mlp, SIZES) == {"M": 264, "K": 264, "N": 264}
     assert autotune.check_sizes(mlp, {"M": 8, "K": 4096, "N": 100}) == {"M": 8, "K": 264, "N": 100}

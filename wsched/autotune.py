@@ -5,8 +5,10 @@ remember the winner on disk.
     result.schedule                  # the winner; result.times[schedule] in ms, result.rejected
     ws.autotune.tuned_schedule(mlp, {"M": 4000, "N": 4096, "K": 4096})   # cached winner or None
 
-A search runs each candidate of `workload_for(fusion).schedule_space(fusion)` (the default
-schedule first) through four stages, each with a progress bar:
+A search runs each candidate of `workload_for(fusion).schedule_space(fusion)`, led by what
+`ws.compile(fusion)` runs at that shape (`default_choice`: its per-shape pick, so a winner is never
+slower than the default but by timing noise) and the default schedule, through four stages, each
+with a progress bar:
 
 1. check: lower (the final IR is verified) and run the kernel in the CPU simulator on a small
    shape against `fusion.reference`. A candidate that fails is rejected with the reason; a
@@ -31,7 +33,8 @@ The key (`CacheKey`) holds everything a winner depends on:
 - the GPU name and driver version, the nvcc version, the wsched version (the package version
   plus a digest of its sources, since an editable install changes code without a new version);
 - the identity of the space searched: a digest of every candidate schedule in order, so a
-  changed space (a new field, a new tile, a different `max_candidates`) misses.
+  changed space (a new field, a new tile, a different `max_candidates`) misses. Two shapes of one
+  bucket whose per-shape default differs lead with different candidates, so they are tuned apart.
 
 A lookup compares the whole stored key, not only the file name, and rebuilds the winner through
 its schedule type's validation: an unreadable, corrupt or stale entry is ignored (the reason is
@@ -60,11 +63,12 @@ from . import knobs
 from .fusion import check_fusion
 from .inputs import random_inputs
 from .schedule import Schedule, ScheduleError
+from .target import HOPPER_SMS
 from .timing import median_ms
 from .workloads import workload_for
 
 __all__ = ["AutotunedKernel", "CacheKey", "Environment", "TuneResult", "bucket", "cache_key", "candidates_for",
-           "environment", "tune", "tuned_schedule"]
+           "default_choice", "environment", "tune", "tuned_schedule"]
 
 # Sizes up to this are their own bucket; larger ones round up to a power of two (see bucket()).
 SMALL_SIZE = 128
@@ -312,11 +316,11 @@ class TuneResult:
     path: Path | None = None                                      # the cache entry
     seconds: float = 0.0                                          # wall time of this call
     cache_note: str = ""                                          # why the cache was (not) used
-    default: Schedule | None = None                               # the workload's default schedule
+    default: Schedule | None = None                               # what ws.compile(fusion) runs here
 
     @property
     def default_ms(self) -> float | None:
-        """Time of the workload's default schedule (None where it was not timed)."""
+        """Time of the schedule ws.compile(fusion) runs at this shape (None where not timed)."""
         return self.times.get(self.default) if self.default is not None else None
 
 
@@ -344,8 +348,9 @@ def tune(fusion, sizes_or_tensors, *, candidates: Iterable[Schedule] | None = No
     if iters < 1 or warmup < 0:
         raise ValueError(f"iters={iters} must be at least 1 and warmup={warmup} at least 0")
     sizes, device = resolve_sizes(fusion, sizes_or_tensors)
-    searched = candidates_for(fusion, candidates, max_candidates)
-    default = workload_for(fusion).default_schedule(fusion)
+    num_sms = _sm_count(device) if timer is None else HOPPER_SMS
+    searched = candidates_for(fusion, candidates, max_candidates, sizes=sizes, num_sms=num_sms)
+    default = default_choice(fusion, sizes, num_sms)
     env = _environment_for(device, timer)
     key = cache_key(fusion, sizes, searched, env)
     if not force:
@@ -374,11 +379,11 @@ def tuned_schedule(fusion, sizes_or_tensors, *, candidates: Iterable[Schedule] |
     `tune` with these arguments), or None: no entry, a stale or corrupt one, or no GPU."""
     check_fusion(fusion, "ws.autotune.tuned_schedule")
     sizes, device = resolve_sizes(fusion, sizes_or_tensors)
-    searched = candidates_for(fusion, candidates, max_candidates)
     try:
         env = environment(device)
     except RuntimeError:
         return None
+    searched = candidates_for(fusion, candidates, max_candidates, sizes=sizes, num_sms=_sm_count(device))
     winner, *_ = _read_entry(cache_key(fusion, sizes, searched, env), searched)
     return winner
 
@@ -408,26 +413,54 @@ def resolve_sizes(fusion, sizes_or_tensors) -> tuple[dict[str, int], torch.devic
     return sizes, device
 
 
+def default_choice(fusion, sizes: Mapping[str, int] | None = None, num_sms: int = HOPPER_SMS) -> Schedule:
+    """The schedule `ws.compile(fusion)` runs at `sizes` on a GPU of `num_sms` SMs: the first of
+    the workload's variants whose rule holds there (wsched/dispatch.py), else the default."""
+    workload = workload_for(fusion)
+    default = workload.default_schedule(fusion)
+    if sizes is not None:
+        values = {**sizes, "num_sms": num_sms}
+        for variant in workload.variants(fusion, default):
+            if variant.applies(values):
+                return variant.schedule
+    return default
+
+
 def candidates_for(fusion, candidates: Iterable[Schedule] | None = None,
-                   max_candidates: int | None = None) -> list[Schedule]:
-    """The schedules a search tries, in order: `candidates` (duplicates dropped), else the
-    workload's default schedule followed by its schedule space; with `max_candidates`, the
-    first of them and the rest spread evenly over the others."""
+                   max_candidates: int | None = None, *, sizes: Mapping[str, int] | None = None,
+                   num_sms: int = HOPPER_SMS) -> list[Schedule]:
+    """The schedules a search tries, in order: `candidates` (duplicates dropped), else what
+    `ws.compile(fusion)` runs at `sizes` (its per-shape choice, `default_choice`), the
+    workload's default schedule, then its schedule space — so a search never ends below the
+    default; with `max_candidates`, those leading ones and the rest spread evenly over the others."""
     workload = workload_for(fusion)
     if candidates is not None:
         found = list(dict.fromkeys(candidates))
+        lead = 1
     else:
-        found = list(dict.fromkeys([workload.default_schedule(fusion), *workload.schedule_space(fusion)]))
+        default = workload.default_schedule(fusion)
+        found = list(dict.fromkeys([default_choice(fusion, sizes, num_sms), default,
+                                    *workload.schedule_space(fusion)]))
+        lead = 2 if found[0] != default else 1
     if not found:
         raise ScheduleError(f"autotuning {fusion.name}: no candidate schedules to search")
     if max_candidates is not None:
         if not isinstance(max_candidates, int) or isinstance(max_candidates, bool) or max_candidates < 1:
             raise ValueError(f"max_candidates={max_candidates!r} must be a positive int")
         if max_candidates < len(found):
-            head, rest = found[0], found[1:]
-            picks = max_candidates - 1
-            found = [head, *(rest[i * len(rest) // picks] for i in range(picks))]
+            lead = min(lead, max_candidates)
+            head, rest = found[:lead], found[lead:]
+            picks = max_candidates - lead
+            found = [*head, *(rest[i * len(rest) // picks] for i in range(picks))]
     return found
+
+
+def _sm_count(device) -> int:
+    """SMs of `device` (default: the current CUDA device); the Hopper count without a GPU."""
+    if not torch.cuda.is_available():
+        return HOPPER_SMS
+    index = device if isinstance(device, int) else getattr(device, "index", None)
+    return torch.cuda.get_device_properties(torch.cuda.current_device() if index is None else index).multi_processor_count
 
 
 def _environment_for(device, timer) -> Environment:
