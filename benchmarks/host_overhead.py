@@ -12,6 +12,7 @@ Rows, each as µs of host time per call and as a ratio to the Triton launch:
                            chosen kernels' plans in its own native launcher
     k(a, b, out=)          the same into a given output (no allocation)
     k.op(a, b)             the same through torch's dispatcher (the custom op)
+    the native launcher alone  `k(a, b)` without the Python method around the C call
     ..., Python path       the same calls with the native path off (WSCHED_NATIVE_LAUNCH=0): the
                            layout key, the cached plan, packing and a cuda-python launch in Python
     bound()                `k.bind(a, b)` once, then only the launch
@@ -21,9 +22,10 @@ Rows, each as µs of host time per call and as a ratio to the Triton launch:
     torch.empty            allocating the output alone, for scale
     torch a + a            an elementwise torch op, for scale
 
-How it is measured: a tiny matmul (default 128x256x64: one CTA, a few µs on the GPU). Each
-repeat synchronizes, then times a tight loop of `--calls` calls with `time.perf_counter_ns`; the
-host time per call is loop time / calls, the median over `--repeats` repeats. Why the GPU does
+How it is measured: a tiny matmul (default 128x256x64: one CTA, a few µs on the GPU). A round
+times, for every row in turn, a tight loop of `--calls` calls with `time.perf_counter_ns` after a
+synchronize; the host time per call is loop time / calls, the median over `--repeats` rounds (the
+rows interleaved, so the host's drift during the run hits each alike). Why the GPU does
 not throttle the loop: a launch waits for the GPU only when the launch queue is full, and a loop
 of 200 launches on an idle GPU stays far below its depth (about a thousand launches). The GPU
 time per kernel is printed too (CUDA events around launches queued behind a sleep kernel, so the
@@ -47,19 +49,23 @@ import wsched as ws  # noqa: E402
 from fusions import inputs_for, matmul  # noqa: E402
 
 
-def host_us(fn, calls: int, repeats: int) -> float:
-    """Median host µs per call of `fn` over `repeats` tight loops of `calls` calls."""
-    for _ in range(20):
-        fn()
-    times = []
-    for _ in range(repeats):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter_ns()
-        for _ in range(calls):
+def host_us(rows: dict, calls: int, repeats: int) -> dict[str, float]:
+    """Median host µs per call of each row's function over `repeats` rounds; a round times a tight
+    loop of `calls` calls of every row in turn, so a drift of the host's speed during the run
+    hits every row alike."""
+    for fn in rows.values():
+        for _ in range(20):
             fn()
-        times.append((time.perf_counter_ns() - t0) / calls)
+    times = {name: [] for name in rows}
+    for _ in range(repeats):
+        for name, fn in rows.items():
+            torch.cuda.synchronize()
+            t0 = time.perf_counter_ns()
+            for _ in range(calls):
+                fn()
+            times[name].append((time.perf_counter_ns() - t0) / calls)
     torch.cuda.synchronize()
-    return statistics.median(times) / 1e3
+    return {name: statistics.median(t) / 1e3 for name, t in times.items()}
 
 
 def gpu_us(fn, calls: int) -> float:
@@ -141,6 +147,7 @@ def main():
         "k(a, b, out=)": lambda: k(a, b, out=out),
         "ws.compile(matmul)(a, b)": lambda: chooser(a, b),
         "k.op(a, b)": lambda: k.op(a, b),
+        "the native launcher alone": lambda: k._natives[None]((a, b)),
         "k(a, b), Python path": lambda: python_path(a, b),
         "k(a, b, out=), Python path": lambda: python_path(a, b, out=out),
         "bound() (k.bind(a, b))": bound,
@@ -154,9 +161,9 @@ def main():
     rows["torch a + a"] = lambda: a + a
 
     print(f"host time per call, {torch.cuda.get_device_name()}, matmul {M}x{N}x{K} "
-          f"(grid {bound.grid}), median of {args.repeats} loops of {args.calls} calls; the default "
+          f"(grid {bound.grid}), median of {args.repeats} rounds of {args.calls} calls a row; the default "
           f"ws.compile(matmul) runs {chooser.kernel_for(a, b).schedule.short()} at this shape")
-    times = {name: host_us(fn, args.calls, args.repeats) for name, fn in rows.items()}
+    times = host_us(rows, args.calls, args.repeats)
     reference = times.get("Triton launch (1-element add)")
     for name, us in times.items():
         ratio = f"{us / reference:5.2f}x Triton" if reference else ""
