@@ -109,7 +109,14 @@ def _emit_assign(em: Emitter, s: ir.Assign) -> None:
     em.line(f"{em.c(s.name)} = {em.expr(s.value)};")
 
 
-SERIAL_TILE_UNROLL = 4
+# A serial loop of register tile work and global loads (split-K's and split-KV's merges) is
+# unrolled so that the loads of up to this many registers a thread are in flight at once: a loop
+# whose loads are small (a max over the splits' row maxima) keeps several iterations' in flight,
+# split-K's [64, 64] f32 partials four. A split-KV body loading an O slice beside its m and l
+# (68 registers) is not unrolled: ptxas then hoisted the next iterations' slices and spilled the
+# paged decode kernels at their register limit.
+SERIAL_UNROLL_REGISTERS = 128
+SERIAL_UNROLL_MAX = 8
 _REGISTER_WORK = (ir.TileLoadGlobal, ir.TileBinary, ir.TileUnary, ir.TileFill, ir.TileView, ir.TileReduce, ir.Let)
 
 
@@ -118,6 +125,25 @@ def _register_work_only(body) -> bool:
     synchronisation), unroll loops of them included."""
     return all(isinstance(x, _REGISTER_WORK) or (isinstance(x, ir.For) and x.iteration == "unroll"
                                                  and _register_work_only(x.body)) for x in body)
+
+
+def _loaded_registers(em: Emitter, body) -> int:
+    """Registers a thread loads from global memory in one pass of `body` (unroll loops counted
+    with their trip count; a large number where it is not a constant)."""
+    total = 0
+    for x in body:
+        if isinstance(x, ir.TileLoadGlobal):
+            total += em.tile(x.dst, x).length
+        elif isinstance(x, ir.For):
+            trips = (x.stop.value - x.start.value) if isinstance(x.start, ir.IntConst) and \
+                isinstance(x.stop, ir.IntConst) and x.step == ir.IntConst(1) else SERIAL_UNROLL_REGISTERS
+            total += max(0, trips) * _loaded_registers(em, x.body)
+    return total
+
+
+def serial_unroll(em: Emitter, body) -> int:
+    """The unroll factor of a serial loop of register work (SERIAL_UNROLL_REGISTERS)."""
+    return max(1, min(SERIAL_UNROLL_MAX, SERIAL_UNROLL_REGISTERS // max(1, _loaded_registers(em, body))))
 
 
 def _emit_for(em: Emitter, s: ir.For) -> None:
@@ -129,9 +155,9 @@ def _emit_for(em: Emitter, s: ir.For) -> None:
     if s.iteration == "unroll":
         em.line("#pragma unroll")
     elif s.iteration == "serial" and _register_work_only(s.body):
-        # A loop of register tile work and global loads (split-KV's merge): unrolled a little, so
-        # that the loads of the next iterations are in flight during this one's arithmetic.
-        em.line(f"#pragma unroll {SERIAL_TILE_UNROLL}")
+        # A loop of register tile work and global loads (split-KV's merge): unrolled as far as its
+        # loads fit SERIAL_UNROLL_REGISTERS, so that several iterations' loads are in flight.
+        em.line(f"#pragma unroll {serial_unroll(em, s.body)}")
     note = "  // persistent: this CTA's tiles" if s.iteration == "persistent" else ""
     with em.block(f"for (int {var} = {start}; {var} < {stop}; {step}) {{{note}"):
         em.scope.declare(s.var, "int")

@@ -135,11 +135,22 @@ def _tile_unary_lines(em: Emitter, s: ir.TileUnary) -> tuple[Tile, list[str], st
     return dst, lines, f"tile.{s.op} {s.dst}, {s.src}"
 
 
+def _shared_divisor(em: Emitter, s: ir.TileBinary, dst: Tile) -> bool:
+    """Whether the divisor of a `tile.div` serves several quotients of a thread: a constant, or
+    a tile broadcast along a dimension the destination spreads over a thread's fragment."""
+    if not isinstance(s.rhs, str):
+        return True
+    t = em.tile(s.rhs, s)
+    return (t.cols == 1 and dst.cols > 1) or (t.rows == 1 and dst.rows > 1)
+
+
 def _tile_binary_lines(em: Emitter, s: ir.TileBinary) -> tuple[Tile, list[str], str]:
     dst = em.tile(s.dst, s)
     lhs, rhs = _operand(em, s, dst, s.lhs), _operand(em, s, dst, s.rhs)
     if s.op in _COMPARE:
         spelling = "(" + _COMPARE[s.op] + ") ? 1.0f : 0.0f"
+    elif s.op == "div" and _shared_divisor(em, s, dst):
+        spelling = "wsp::div_shared({}, {})"   # one reciprocal a divisor (math.cuh)
     else:
         spelling = _BINARY[s.op]
     lines = assignments(dst, [spelling.format(lhs(c), rhs(c)) for c in _elems(dst.layout)])

@@ -389,3 +389,40 @@ def test_ir_names_that_clash_with_the_emitters_own_get_new_spellings():
     names = _cpp_names(kernel)
     assert names == {"wgmma_x": "v_wgmma_x", "v": "v__", "v_": "v_", "__y": "v___y", "int": "int_"}
     assert len(set(names.values())) == len(names)
+
+
+def test_the_split_merges_loads_are_issued_together_and_o_is_divided_by_row_reciprocals():
+    """Split-KV's merge (a few query rows, each split's partials a load from L2 away) is latency
+    bound: the workspace's rows are known pair-aligned (no per-row branch between the loads), the
+    loop over the splits' maxima is unrolled 8 deep (2 registers a split) and the loop of sums,
+    loading a whole O row block, is not (ptxas would hoist the next slices and spill); split-K's
+    [64, 64] partials 4 deep. O is divided by one reciprocal a row, not by 64 IEEE divisions."""
+    from wsched.workloads.attention.schedule import MAX_SPLIT_KV
+
+    decode = emit_kernel(ws.lower(make_attention(128, causal="bottom_right", lse=True, gqa=True),
+                                  tile=(64, 128, 128), consumer_warpgroups=1, split_kv=MAX_SPLIT_KV,
+                                  pack_gqa=True)).source
+    merge = decode[decode.index("tile.load m_blk <- part_m"):decode.index("tile.store o[")]
+    assert "pairs_aligned" not in merge and "wsp::load_pair(ptr + 8 * fj, row_ok && col0 + 8 * fj < 128)" in merge
+    assert re.findall(r"#pragma unroll (\d+)\n\s+for \(int src_split", decode) == ["8", "1"]
+    assert "o_acc[4 * fj + 2 * fi + 0] = wsp::div_shared(o_acc[4 * fj + 2 * fi + 0], corr[fi]);" in decode
+    assert " / " not in decode[decode.index("tile.div o_acc"):decode.index("tile.store o[")]
+    store = decode[decode.index("tile.store o["):]
+    assert "wsp::pairs_aligned(ptr, 128)" in store          # a user's tensor: tested per row
+    assert_helpers_come_from_the_headers(decode)
+    split_k = emit(matmul, split_k=4).source
+    assert re.findall(r"#pragma unroll (\d+)\n\s+for \(int src_split", split_k) == ["4"]
+
+
+@ws.fusion
+def divided(a: ws.Tensor[ws.bf16, "M", "K"], b: ws.Tensor[ws.bf16, "K", "N"], g: ws.Tensor[ws.bf16, "M", "N"],
+            scale: ws.Tensor[ws.bf16, "N"]):
+    return (ws.matmul(a, b) / g / scale / 3.0).to(ws.bf16)
+
+
+def test_a_division_by_a_broadcast_tile_or_a_constant_takes_a_reciprocal_and_one_of_the_same_shape_stays_ieee():
+    src = emit(divided, epilogue="direct").source
+    assert re.search(r"slice_t\[4 \* fj \+ 2 \* fi \+ 0\] = slice_t\[4 \* fj \+ 2 \* fi \+ 0\] / "
+                     r"__bfloat162float\(g_t\[", src)
+    assert re.search(r"= wsp::div_shared\(slice_t\[4 \* fj \+ 2 \* fi \+ 0\], __bfloat162float\(scale_t\[fj\]\.x\)\);", src)
+    assert re.search(r"= wsp::div_shared\(slice_t\[4 \* fj \+ 2 \* fi \+ 0\], 3\.0f\);", src)

@@ -204,3 +204,33 @@ def test_broadcast_batch_dims_in_operands_and_epilogue():
     _check_batched(three_batch_dims, dict(P=2, Q=3, R=2, M=300, N=520, K=264), seed=1)
     _check_batched(broadcast_b, dict(B=3, M=300, N=520, K=264), seed=2)
     _check_batched(shared_a, dict(B=3, M=300, N=520, K=264), seed=3)
+
+
+@ws.fusion
+def divided(a: ws.Tensor[ws.bf16, "M", "K"], b: ws.Tensor[ws.bf16, "K", "N"], scale: ws.Tensor[ws.f32, "N"]):
+    return (ws.matmul(a, b) / scale).to(ws.f32)
+
+
+@ws.fusion
+def undivided(a: ws.Tensor[ws.bf16, "M", "K"], b: ws.Tensor[ws.bf16, "K", "N"]):
+    return ws.matmul(a, b).to(ws.f32)
+
+
+def test_division_by_a_broadcast_tile_matches_ieee_at_the_edges():
+    """`/ scale` with scale a per-column tile is one reciprocal a column and a multiply
+    (wsp::div_shared): within 1.5 ulp of IEEE division of the same fp32 products (the same
+    schedule without the division gives them), also for subnormal, huge, zero and infinite
+    divisors and for quotients that overflow or fall into the subnormals."""
+    M, N, K = 200, 264, 128
+    a, b, _ = inputs_for(mlp, M, N, K, device="cuda", seed=11)
+    edges = torch.tensor([1.0, 3.0, -7.0, 1e-39, -3e-42, 2.5e38, float("inf"), 0.0], device="cuda")
+    scale = edges.repeat(N // len(edges))
+    out = {"out": torch.full((M, N), float("nan"), device="cuda")}
+    compiled(divided, epilogue="direct")(a, b, scale, out=out)
+    products = compiled(undivided, epilogue="direct")(a, b)
+    torch.cuda.synchronize()
+    want, got = products / scale, out["out"]       # torch: IEEE division
+    assert bool((torch.isinf(want) == torch.isinf(got)).all()) and bool((torch.isnan(want) == torch.isnan(got)).all())
+    finite = torch.isfinite(want)
+    close = torch.isclose(got[finite], want[finite], rtol=3e-7, atol=3e-45)   # 1.5 ulp; one subnormal step
+    assert bool(close.all()), f"{int((~close).sum())} quotients off, e.g. {got[finite][~close][:4]} vs {want[finite][~close][:4]}"

@@ -21,4 +21,19 @@ WSP_DEVICE float tanh_approx(float x) {
   return y;
 }
 
+// x / y where one divisor serves many quotients (a tile divided by a per-row or per-column
+// tile, or by a constant): a reciprocal of the divisor and a multiply per quotient, within 1.5
+// ulp of IEEE division (docs/ir.md, "tile.div on the GPU"). The divisor is first scaled by a power
+// of two into [2^-100, 2^100] (exactly), so that its reciprocal neither overflows nor loses bits
+// as a subnormal, and the product is scaled back; 0, inf and NaN divisors give IEEE's results.
+// The scale and the reciprocal depend on y alone, so where y is one register for a whole
+// unrolled tile loop the compiler computes them once: IEEE division is an instruction sequence
+// with a slow path per quotient, about ten times the code of a multiply, and an epilogue runs
+// it cold (once per tile).
+WSP_DEVICE float div_shared(float x, float y) {
+  const float a = fabsf(y);
+  const float s = a < 0x1p-100f ? 0x1p64f : (a > 0x1p100f ? 0x1p-64f : 1.0f);
+  return (x * __frcp_rn(y * s)) * s;
+}
+
 }  // namespace wsp

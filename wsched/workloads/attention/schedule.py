@@ -26,13 +26,18 @@ HEAD_DIMS = tuple(VALUE_DIMS)
 # The most CTAs one tile's kv blocks may be split across (split-KV decode); the host picks the
 # split count per call (loops.split_count), at most this.
 MAX_SPLIT_KV = 32
-# The fewest kv blocks a split takes: each split costs a partial's store and a step of the merge
-# (about 0.4 us, H100, 2026-11-23), and splitting at all costs 4-8 us more (the tickets' fences and
-# the last split's dependent loads: B8 H32/8 T1024 decode 23.8 us unsplit, 32.3 with 2 splits;
-# measured again with the partials narrowed to the rows queries fill, the same). Fewer, longer
-# splits amortise it (B1 H32/8 decode: T1024 ran fastest unsplit, T8192 and T32768 with 32 blocks
-# a split).
-MIN_KV_BLOCKS_PER_SPLIT = 8
+# The fewest kv blocks a split takes, and the share of the SMs the (tile, split) units may fill
+# (loops.split_count). A split costs its partial's store, the ticket (~1.2 us once a tile is
+# split at all) and one more step of the last split's merge (~0.5 us: the merge issues each
+# split's loads at once); it saves the kv blocks it takes from the others, ~1.7 us each at D128
+# (one warpgroup's latency over a 64-row tile of a few query rows). From about half the SMs
+# streaming K/V at that rate HBM is the limit, and more splits only add merge steps. Measured on
+# an H100 (cold L2, GQA 32/8, D128, 2026-11-24), µs by the fewest blocks a split (8 / 4 / 2 / 1)
+# with units on all SMs: B1 T1024 15.7 / 14.0 / 13.2 / 13.4 (cuDNN 12.3), B1 T8192 28.2 (8
+# splits) / 29.9 (16) / 29.8 / 29.8 (26.9), B8 T1024 23.2 (unsplit) / 24.1 (2 splits) (26.3);
+# hence 2 blocks a split and units on at most half the SMs (4, 8 and 1 splits in those rows).
+MIN_KV_BLOCKS_PER_SPLIT = 2
+SPLIT_KV_SM_SHARE = 2   # (tile, split) units on at most num_sms // this
 
 
 def head_dims_text() -> str:
