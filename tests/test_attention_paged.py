@@ -71,14 +71,14 @@ def test_paged_decode_matches_torch(page_size, lens, s):
 
 
 def test_paged_split_kv_merges_each_sequence_over_its_own_keys():
-    """One long sequence next to short ones on many SMs: the long one's keys split (at least 8
-    blocks a split), the splits of a short one past its keys run no block."""
+    """One long sequence next to short ones on many SMs: the long one's keys split, the splits
+    of a short one past its keys run no block."""
     fusion = make_paged(32)
     kernel = compiled(fusion, **DECODE)
     inputs = paged_inputs([2100, 40, 1], 32, hk=1, g=4, seed=3)
     _, scalars, _ = kernel._bind_inputs(inputs)
-    assert kernel._host_params(scalars, 12)["splits"] == 2
-    check(kernel, fusion, inputs, num_sms=12)
+    assert kernel._host_params(scalars, 8)["splits"] == 2
+    check(kernel, fusion, inputs, num_sms=8)
 
 
 @pytest.mark.parametrize("causal", [True, False])

@@ -126,8 +126,8 @@ FAMILIES = [
            shapes=((300, 264, 640), (100, 120, 200)), num_sms=2),
     # Split-KV decode, 4 query heads per KV head packed into the rows, bottom-right causal: on 4
     # SMs (units on half of them) one tile of 16 kv blocks split in 2 and one of 33 split 17 + 16
-    # (over 3 stages; the last split to finish merges), and 8 tiles of 3 kv blocks, more than
-    # the SMs, not split
+    # (over 3 stages; the last split to finish merges), and 8 tiles of 3 kv blocks, more than the
+    # SMs, not split
     Family("attention_decode_split.ir", make_attention(128, causal="bottom_right", lse=True, gqa=True),
            (("tile", (64, 128, 128)), ("consumer_warpgroups", 1), ("split_kv", 32), ("pack_gqa", True)),
            golden="attention_decode_split.ir", shapes=((1, 4, 3, 2000, 4), (1, 4, 3, 4200, 4), (2, 8, 20, 300, 4)),

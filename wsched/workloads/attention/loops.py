@@ -42,7 +42,7 @@ from wsched.names import (CONSUMER, K_COUNT, K_FIRST, K_VAR, OFFSETS, PART_L, PA
 from wsched.workloads.batch import batch_index_lets
 
 from .score import Bound, SideInput
-from .schedule import MIN_KV_BLOCKS_PER_SPLIT, SPLIT_KV_SM_SHARE, chunk_columns
+from .schedule import FEW_SPLIT_TILES, MIN_KV_BLOCKS_PER_SPLIT, chunk_columns
 from .score_ops import ScoreOps
 
 LOG2E = 1.0 / math.log(2.0)
@@ -291,13 +291,15 @@ def _paged_loads(pc, bn: int, row: ir.Expr, operands) -> tuple[ir.Stmt, ...]:
 
 
 def split_count(s, nb: int, rows: ir.Expr, keys: str = "T") -> ir.Expr:
-    """The host's split count for a call: (tile, split) units on at most 1 / SPLIT_KV_SM_SHARE of
-    the SMs, at most `split_kv`, and at least MIN_KV_BLOCKS_PER_SPLIT kv blocks a split."""
+    """The host's split count for a call: (tile, split) units on half the SMs where the tiles
+    are few (at most num_sms / FEW_SPLIT_TILES), else on all of them; at most `split_kv`, and at
+    least MIN_KV_BLOCKS_PER_SPLIT kv blocks a split."""
     bm, bn, _ = s.tile
     tiles = ir.mul(_heads(nb), ir.ceil_div(rows, bm))
     longest = ir.emax(1, ir.div(ir.ceil_div(keys, bn), MIN_KV_BLOCKS_PER_SPLIT))
-    share = ir.div("num_sms", SPLIT_KV_SM_SHARE)
-    return ir.emin(ir.emin(s.split_kv, longest), ir.emax(1, ir.div(share, tiles)))
+    few = ir.BinOp("<=", ir.mul(FEW_SPLIT_TILES, tiles), V("num_sms"))   # 1 or 0
+    units = ir.emax(1, ir.div("num_sms", ir.mul(tiles, ir.add(1, few))))
+    return ir.emin(ir.emin(s.split_kv, longest), units)
 
 
 def section_heads(m_blocks: ir.Expr) -> ir.Expr:

@@ -26,18 +26,22 @@ HEAD_DIMS = tuple(VALUE_DIMS)
 # The most CTAs one tile's kv blocks may be split across (split-KV decode); the host picks the
 # split count per call (loops.split_count), at most this.
 MAX_SPLIT_KV = 32
-# The fewest kv blocks a split takes, and the share of the SMs the (tile, split) units may fill
+# The fewest kv blocks a split takes, and how many (tile, split) units a call aims at
 # (loops.split_count). A split costs its partial's store, the ticket (~1.2 us once a tile is
 # split at all) and one more step of the last split's merge (~0.5 us: the merge issues each
 # split's loads at once); it saves the kv blocks it takes from the others, ~1.7 us each at D128
-# (one warpgroup's latency over a 64-row tile of a few query rows). From about half the SMs
-# streaming K/V at that rate HBM is the limit, and more splits only add merge steps. Measured on
-# an H100 (cold L2, GQA 32/8, D128, 2026-11-24), µs by the fewest blocks a split (8 / 4 / 2 / 1)
-# with units on all SMs: B1 T1024 15.7 / 14.0 / 13.2 / 13.4 (cuDNN 12.3), B1 T8192 28.2 (8
-# splits) / 29.9 (16) / 29.8 / 29.8 (26.9), B8 T1024 23.2 (unsplit) / 24.1 (2 splits) (26.3);
-# hence 2 blocks a split and units on at most half the SMs (4, 8 and 1 splits in those rows).
+# (one warpgroup's latency over a 64-row tile of a few query rows). With few tiles (at most a
+# quarter of the SMs) units on half the SMs read K/V as fast as more of them and merge fewer
+# splits; with more tiles the units fill the SMs, so that no unit's chain of blocks outlasts
+# the read. Measured on an H100 (cold L2, D128, 2026-11-24, µs, cuDNN in the same run):
+#   by the fewest blocks a split (8 / 4 / 2 / 1), units on all SMs: B1 H32/8 T1024 15.7 / 14.0 /
+#   13.2 / 13.4 (cuDNN 12.3), T8192 28.2 (8 splits) / 29.9 (16) / 29.8 / 29.8 (26.9);
+#   by units (2 blocks a split): B1 H32/8 T8192 27.4 on half the SMs (8 splits), 29.0 on 3/5
+#   (10); T32768 69.3 / 72.7; B1 H32/32 T32768 204 (2 splits) / 215 (3); B8 H32/8 T1024 22.5
+#   unsplit / 23.7 in 2; but B8 H32/8 T8192 112 unsplit / 105 in 2 (108 cuDNN) and T32768 384 /
+#   365 (365): 64 tiles of 64-256 blocks need the whole GPU.
 MIN_KV_BLOCKS_PER_SPLIT = 2
-SPLIT_KV_SM_SHARE = 2   # (tile, split) units on at most num_sms // this
+FEW_SPLIT_TILES = 4   # tiles at most num_sms / this: units on half the SMs, else on all of them
 
 
 def head_dims_text() -> str:
