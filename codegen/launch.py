@@ -367,7 +367,6 @@ class LoadedKernel:
         self._modules: dict[int, object] = {}    # device index -> CUmodule (kept alive)
         self._functions: dict[int, object] = {}  # device index -> CUfunction
         self._load_lock = threading.Lock()       # one load per device, also from many threads
-        self._last_device: int | None = None
 
     def __repr__(self) -> str:
         return (f"LoadedKernel({self.kernel_name!r}, cubin={str(self.cubin_path)!r}, "
@@ -440,7 +439,6 @@ class LoadedKernel:
                 result = driver.cuLaunchKernelEx(config, function, params, 0)
         if result[0]:   # not CUDA_SUCCESS (0); the message is built only on failure
             self._launch_failed(result, grid3, cluster3, len(args), index)
-        self._last_device = index
 
     def launch_packed(self, grid: int, args: PackedArguments, device_index: int) -> None:
         """The eager call's launch: `grid` CTAs (an int the caller has checked against the
@@ -458,7 +456,6 @@ class LoadedKernel:
                                                current_stream_handle(device_index), args.address, 0)
         if result[0]:
             self._launch_failed(result, (grid, 1, 1), (1, 1, 1), len(args), device_index)
-        self._last_device = device_index
 
     def _launch_failed(self, result, grid3, cluster3, arg_count: int, index: int) -> None:
         call = "cuLaunchKernel" if cluster3 == (1, 1, 1) else "cuLaunchKernelEx"
@@ -466,15 +463,14 @@ class LoadedKernel:
                            f"cluster={cluster3} smem={self.smem_bytes} args={arg_count} on cuda:{index})")
 
     def last_error_check(self, device: object = None) -> None:
-        """Synchronize `device` (default: that of the last launch); raise CudaError if the
+        """Synchronize `device` (default: every device the kernel is loaded on, so also those
+        the native launch path launched on without passing here); raise CudaError if the
         kernel faulted.
 
         A fault (illegal address, misaligned TMA, trap) is sticky: the context is unusable
         afterwards, so this is for tests and debugging, not the hot path.
         """
-        index = self._last_device if device is None else device_index(device)
-        if index is None:
-            return
-        with torch_context(index):
-            check_cuda(driver.cuCtxSynchronize(),
-                       f"cuCtxSynchronize after launching {self.kernel_name} on cuda:{index}")
+        for index in sorted(self._functions) if device is None else [device_index(device)]:
+            with torch_context(index):
+                check_cuda(driver.cuCtxSynchronize(),
+                           f"cuCtxSynchronize after launching {self.kernel_name} on cuda:{index}")

@@ -1,14 +1,18 @@
 """The eager call's native launch path: argument layouts seen before are launched from C.
 
 A Python call of a compiled kernel costs its checks, its output allocation and a cuda-python
-launch: 15-20 µs of host time. Most calls repeat a layout already checked, so the second time a
-layout is seen the Python path hands what it worked out to a `Launcher` (`codegen/native_launch.c`,
+launch: 15-20 µs of host time. Most calls repeat a layout already checked, so the second time the
+Python path runs a layout it hands what it worked out to a `Launcher` (`codegen/native_launch.c`,
 built as `wsched.codegen._native_launch` when the package is installed): a `Plan` holding the
 layout of every tensor, the outputs to allocate, the packed parameters with the place of each data
 pointer and TMA map, and the kernel's function, grid and context. `CompiledKernel.__call__` tries
 the launcher first; a call that matches a plan exactly is launched without Python in between, and
 anything else (a new layout, a misaligned base, another context, a tensor subclass) falls back to
-the Python path, which checks everything and names what is wrong.
+the Python path, which checks everything and names what is wrong. A launcher keeps the plans of
+its eight most recently used layouts; a dropped one is handed over again on its next Python-path
+call. A layout used once (a decode step whose key count grows every step) is never planned. If
+handing a plan over fails, the kernel warns and stays on the Python path; a build of the
+extension from another version of the C source is not used (`ABI`).
 
 What a plan repeats per call is exactly what `_LaunchPlan.pack` and `LoadedKernel.launch_packed`
 do: data pointers into their slots, TMA maps encoded once per (parameter, address) and kept,
@@ -28,6 +32,8 @@ import torch
 
 from wsched import knobs
 
+ABI = 2   # native_launch.c's NATIVE_ABI: what this module calls it with
+
 try:
     from . import _native_launch
 except ImportError as error:   # built by `pip install` where a C compiler is found (setup.py)
@@ -35,10 +41,15 @@ except ImportError as error:   # built by `pip install` where a C compiler is fo
     _IMPORT_ERROR = f"the extension wsched.codegen._native_launch is not built ({error}); reinstall with a C compiler"
 else:
     _IMPORT_ERROR = ""
+    if getattr(_native_launch, "ABI", None) != ABI:   # an in-place build older than the source
+        _IMPORT_ERROR = (f"the extension wsched.codegen._native_launch ({_native_launch.__file__}) was built from "
+                         f"another version of codegen/native_launch.c; rebuild it with `pip install -e .`")
+        _native_launch = None
 
-__all__ = ["CAPACITY", "available", "call", "launcher", "plan"]
+__all__ = ["CAPACITY", "MAX_TENSORS", "available", "call", "launcher", "plan"]
 
-CAPACITY = 8   # argument layouts a launcher keeps (the newest first)
+CAPACITY = 8   # argument layouts a launcher keeps (the most recently used first)
+MAX_TENSORS = _native_launch.MAX_TENSORS if _native_launch is not None else 0   # tensors a plan takes
 TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)   # exact types a native call takes
 
 

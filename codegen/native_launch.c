@@ -36,6 +36,7 @@ typedef CUresult (*encode_fn)(void *map, int dtype, uint32_t rank, void *address
                               const uint64_t *strides, const uint32_t *box, const uint32_t *element_strides,
                               int interleave, int swizzle, int l2_promotion, int oob_fill);
 
+#define NATIVE_ABI 2      /* codegen/native.py refuses a build of another ABI (a stale in-place .so) */
 #define PARAM_BYTES 128   /* the largest parameter: a CUtensorMap */
 #define MAP_ALIGN 64      /* a CUtensorMap is 64-byte aligned */
 #define MAX_RANK 5        /* TMA's rank limit */
@@ -62,6 +63,7 @@ typedef struct {
 
 typedef struct {
     PyObject_HEAD
+    int ready;                   /* Plan_init ran to the end */
     Py_ssize_t n_given;          /* tensors the call passes */
     PyObject *shapes, *strides, *dtypes, *devices;   /* tuples of n_given each */
     PyObject *alloc_args, *alloc_kwargs;            /* tuples: per allocated output */
@@ -238,6 +240,7 @@ static int Plan_init(Plan *self, PyObject *args, PyObject *kwargs) {
             return -1;
         }
     }
+    self->ready = 1;
     return 0;
 }
 
@@ -317,9 +320,10 @@ static int Launcher_init(Launcher *self, PyObject *args, PyObject *kwargs) {
     return 0;
 }
 
-/* add(plan): the plan is tried first from now on; the oldest is dropped past the capacity. */
+/* add(plan): the plan is tried first from now on; the least recently used is dropped past the
+ * capacity (a hit moves its plan to the front). */
 static PyObject *Launcher_add(Launcher *self, PyObject *plan) {
-    if (!PyObject_TypeCheck(plan, &PlanType) || !((Plan *)plan)->storage) {
+    if (!PyObject_TypeCheck(plan, &PlanType) || !((Plan *)plan)->ready) {
         PyErr_SetString(PyExc_TypeError, "Launcher.add takes an initialised Plan");
         return NULL;
     }
@@ -332,6 +336,13 @@ static PyObject *Launcher_add(Launcher *self, PyObject *plan) {
     self->plans[0] = plan;
     self->count++;
     Py_RETURN_NONE;
+}
+
+/* holds(plan): whether the plan is among those tried (it may have been dropped since it was added). */
+static PyObject *Launcher_holds(Launcher *self, PyObject *plan) {
+    for (Py_ssize_t i = 0; i < self->count; i++)
+        if (self->plans[i] == plan) Py_RETURN_TRUE;
+    Py_RETURN_FALSE;
 }
 
 static PyObject *Launcher_clear(Launcher *self, PyObject *unused) {
@@ -388,6 +399,7 @@ static PyObject *Launcher_call(Launcher *self, PyObject *args, PyObject *kwargs)
             goto done;
         }
     }
+    Py_ssize_t matched = -1;
     for (Py_ssize_t p = 0; p < self->count && !plan; p++) {
         Plan *candidate = (Plan *)self->plans[p];
         if (candidate->n_given != n) continue;
@@ -408,9 +420,18 @@ static PyObject *Launcher_call(Launcher *self, PyObject *args, PyObject *kwargs)
         if (match) {
             plan = candidate;
             Py_INCREF(plan);
+            matched = p;
         }
     }
     if (!plan) goto miss;
+    if (matched > 0) {   /* least recently used last: move the plan to the front */
+        memmove(self->plans + 1, self->plans, matched * sizeof(PyObject *));
+        self->plans[0] = (PyObject *)plan;
+    }
+    /* another context current (a thread on another device): the Python path switches; checked
+     * before anything is allocated (a driver call, no Python) */
+    void *context = NULL;
+    if (self->current_context(&context) != 0 || context != plan->context) goto miss;
     for (Py_ssize_t i = 0; i < n; i++)
         if (read_address(PyTuple_GET_ITEM(tensors, i), &addresses[i]) < 0) {
             failed = 1;
@@ -436,8 +457,6 @@ static PyObject *Launcher_call(Launcher *self, PyObject *args, PyObject *kwargs)
     }
 
     /* No Python call from here to the launch: this stretch runs under the GIL as one piece. */
-    void *context = NULL;
-    if (self->current_context(&context) != 0 || context != plan->context) goto miss;
     for (Py_ssize_t i = 0; i < plan->n_pointers; i++) {
         PointerSlot *slot = &plan->pointers[i];
         memcpy(plan->storage + slot->param * PARAM_BYTES, &addresses[slot->tensor], sizeof(uint64_t));
@@ -516,6 +535,7 @@ static PyObject *Launcher_len_plans(Launcher *self, void *unused) { return PyLon
 
 static PyMethodDef Launcher_methods[] = {
     {"add", (PyCFunction)Launcher_add, METH_O, "add(plan): try this plan first from now on."},
+    {"holds", (PyCFunction)Launcher_holds, METH_O, "holds(plan): whether the plan is still among those tried."},
     {"clear", (PyCFunction)Launcher_clear, METH_NOARGS, "Drop every plan."},
     {"stats", (PyCFunction)Launcher_stats, METH_NOARGS, "{'hits', 'misses', 'plans'}: counts so far."},
     {NULL, NULL, 0, NULL},
@@ -560,6 +580,7 @@ PyMODINIT_FUNC PyInit__native_launch(void) {
         Py_DECREF(m);
         return NULL;
     }
+    PyModule_AddIntConstant(m, "ABI", NATIVE_ABI);
     PyModule_AddIntConstant(m, "MAX_TENSORS", MAX_TENSORS);
     PyModule_AddIntConstant(m, "MAPS_PER_SLOT", MAPS_PER_SLOT);
     return m;

@@ -167,6 +167,31 @@ def test_a_search_at_a_shape_leads_with_what_the_default_runs_there(sizes):
     assert result.default == chosen and result.default_ms is not None
 
 
+@ws.fusion
+def renamed(x: ws.Tensor[ws.bf16, "tokens", "hidden"], w: ws.Tensor[ws.bf16, "out", "hidden"]):
+    return ws.matmul(x, w.transpose(-1, -2)).to(ws.bf16)
+
+
+@pytest.mark.parametrize("fusion, sizes", [
+    (renamed, {"tokens": 16, "hidden": 4096, "out": 4096}),
+    (renamed, {"tokens": 3072, "hidden": 1024, "out": 3072}),
+    (make_attention(128), {"B": 8, "H": 32, "S": 1024, "T": 1024}),    # 512 tiles: the plain default
+    (make_attention(128, gqa=True), {"B": 1, "HK": 8, "G": 4, "S": 1, "T": 8192}),
+], ids=["linear M=16", "linear ping-pong", "attention prefill", "attention decode"])
+def test_the_default_choice_reads_the_sizes_as_a_call_binds_them(fusion, sizes):
+    """The variants' rules read the kernel's size scalars (M, N, S, batch0, ...), not the
+    fusion's own names for them: default_choice binds them as a call does, whatever the
+    fusion calls its dims, and the search runs."""
+    from wsched.inputs import random_inputs
+
+    assert set(sizes) == set(fusion.symbols)
+    tensors = random_inputs(fusion, sizes)
+    chosen = ws.compile(fusion, build=False).choose(tensors, 132).schedule
+    assert autotune.default_choice(fusion, sizes, 132) == chosen
+    result = tune(fusion, sizes, max_candidates=2, timer=FakeTimer(), build=False, progress=False, force=True)
+    assert result.default == chosen and list(result.times)[0] == chosen
+
+
 def inputs_for_sizes(sizes):
     from fusions import inputs_for
 

@@ -200,7 +200,7 @@ def test_native_calls_on_new_inputs_and_outputs_match_torch(poisoned):
     k = ws.compile(matmul, ws.schedule_for(matmul))
     assert k._native, "the native launch extension is not built on the GPU machine"
     a, b = inputs_for(matmul, 999, 1000, 1000, device="cuda")
-    k(a, b)                                          # the Python path: plans, then installs
+    k(a, b)                                          # the Python path plans the layout
     results = []
     for seed in range(12):   # more output addresses alive than a map slot caches: encodes and evictions
         a, b = inputs_for(matmul, 999, 1000, 1000, device="cuda", seed=seed)
@@ -208,7 +208,8 @@ def test_native_calls_on_new_inputs_and_outputs_match_torch(poisoned):
     torch.cuda.synchronize()
     for got, reference in results:
         assert relative_error(got, reference) < 1e-2
-    assert native_stats(k._natives) == {"hits": 12, "misses": 0, "plans": 1}
+    # the second call (Python path) hands the plan over: eleven of the twelve were launched from C
+    assert native_stats(k._natives) == {"hits": 11, "misses": 0, "plans": 1}
 
 
 def test_native_out_calls_write_the_given_tensor(poisoned):
@@ -220,17 +221,17 @@ def test_native_out_calls_write_the_given_tensor(poisoned):
         out["out"].fill_(float("nan"))
         assert k(a, b, out=out) is out["out"]
         assert relative_error(out["out"], reference) < 1e-2
-    assert native_stats(k._natives, ("out",))["hits"] == 2
+    assert native_stats(k._natives, ("out",))["hits"] == 1
 
 
 def test_native_calls_of_attention_return_o_and_lse(poisoned):
-    k = kernel(attention_lse)
+    k = ws.compile(attention_lse, build=False)   # its own launchers (the shared kernel's count other tests' calls)
     for seed in range(3):
         q, key, v = attention_inputs(2, 4, 333, 300, 128, device="cuda", seed=seed)
         o, lse = k(q, key, v)
         want_o, want_lse = attention_lse.reference(q, key, v)
         assert relative_error(o, want_o) < 1e-2 and relative_error(lse, want_lse) < 1e-2
-    assert native_stats(k._natives)["hits"] >= 2
+    assert native_stats(k._natives)["hits"] == 1
 
 
 def test_a_per_shape_choice_launches_each_chosen_kernel_natively(poisoned):
@@ -240,8 +241,8 @@ def test_a_per_shape_choice_launches_each_chosen_kernel_natively(poisoned):
         for M, N, K in shapes:
             a, b = inputs_for(matmul, M, N, K, device="cuda", seed=round_)
             assert relative_error(chooser(a, b), matmul.reference(a, b)) < 1e-2, (round_, M)
-    # the first call finds no launcher; the second shape's first call misses the first's plan
-    assert native_stats(chooser._natives) == {"hits": 4, "misses": 1, "plans": 2}
+    # each shape's second call hands its plan over (the second shape's misses the first's first)
+    assert native_stats(chooser._natives) == {"hits": 2, "misses": 1, "plans": 2}
     assert len({chooser.kernel_for(*inputs_for(matmul, M, N, K, device="cuda")).schedule.short()
                 for M, N, K in shapes}) == 2
 
@@ -283,6 +284,6 @@ def test_with_the_native_path_off_calls_give_the_same_bits(monkeypatch):
     monkeypatch.setenv("WSCHED_NATIVE_LAUNCH", "0")
     off = ws.compile(matmul, ws.schedule_for(matmul))
     assert on._native and not off._native
-    for _ in range(2):
+    for _ in range(3):
         torch.testing.assert_close(on(a, b), off(a, b), rtol=0, atol=0)
     assert off._natives == {} and native_stats(on._natives)["hits"] == 1

@@ -488,7 +488,7 @@ def test_launch_packed_goes_straight_to_the_driver_once_the_context_is_current(m
         ("<cuModuleGetFunction on cuda:1>", 132, 0x501, packed.address),
         ("<cuModuleGetFunction on cuda:1>", 132, 0x501, packed.address),
         ("<cuModuleGetFunction>", 2, 0x500, packed.address)]
-    assert launches[0][1:8] == (132, 1, 1, 384, 1, 1, 200_000) and kernel._last_device == 0
+    assert launches[0][1:8] == (132, 1, 1, 384, 1, 1, 200_000)
 
 
 def test_launch_packed_failure_names_the_launch(monkeypatch, cubin):
@@ -526,7 +526,7 @@ def test_each_device_gets_its_own_module_context_and_stream(monkeypatch, cubin):
     assert functions == ["<cuModuleGetFunction on cuda:1>", "<cuModuleGetFunction>",
                          "<cuModuleGetFunction on cuda:1>"]
     assert streams == [0x501, 0x500, 0x501]                       # that device's current stream
-    assert fake.contexts[-1] == 1 and kernel._last_device == 1
+    assert fake.contexts[-1] == 1
 
 
 def test_threads_load_a_device_once(monkeypatch, cubin):

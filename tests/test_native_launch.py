@@ -195,6 +195,31 @@ def test_plans_are_tried_newest_first_and_the_oldest_dropped(driver):
     assert launcher.plans == 0 and launcher((torch.randn(shapes[-1]), b)) is None
 
 
+def test_a_hit_moves_its_plan_to_the_front_and_holds_says_which_are_kept(driver):
+    """Least recently used goes first: after a hit on the oldest plan, adding one more drops
+    the second oldest instead."""
+    launcher = make_launcher(driver)
+    b = torch.randn(16, 8)
+    plans = [matmul_plan(torch.randn(m, 16), b, out_shape=(m, 8)) for m in range(1, native.CAPACITY + 1)]
+    for plan in plans:
+        launcher.add(plan)
+    assert launcher((torch.randn(1, 16), b)) is not None          # the oldest, now the most recent
+    launcher.add(matmul_plan(torch.randn(99, 16), b, out_shape=(99, 8)))
+    assert launcher.holds(plans[0]) and not launcher.holds(plans[1])
+    assert launcher((torch.randn(2, 16), b)) is None
+
+
+def test_a_plan_whose_init_failed_is_refused():
+    a, b = torch.randn(4, 16), torch.randn(16, 8)
+    plan = Plan.__new__(Plan)
+    bad_map = (0, 9, *map_args())   # tensor 9 of 3
+    with pytest.raises(ValueError, match="map slot out of range"):
+        plan.__init__(*layouts(a, b), ((4, 8),), ({"dtype": torch.bfloat16},), 1, 1, 1, 1, 128, 0, 0,
+                      (bytes(128), bytes(8), bytes(8)), ((1, 1),), ((0, 0, *map_args()), bad_map))
+    with pytest.raises(TypeError, match="initialised Plan"):
+        make_launcher(FakeDriver([8])).add(plan)
+
+
 def test_out_tensors_are_passed_and_returned(driver):
     """k(a, b, out={"out": o}): the plan takes the out tensor as a third given tensor, allocates
     nothing, and returns it."""
@@ -306,8 +331,8 @@ def test_the_knob_turns_the_path_off(monkeypatch):
 
 @pytest.mark.parametrize("call", ["matmul", "attention_lse"])
 def test_a_kernels_second_call_launches_natively_with_the_python_paths_arguments(monkeypatch, call):
-    """The first call of a layout takes the Python path (FakeGpu records the bytes it packs) and
-    installs a plan; the second is launched by the native path (FakeDriver records its bytes).
+    """The first two calls of a layout take the Python path (FakeGpu records the bytes it packs),
+    the second installs a plan; the third is launched by the native path (FakeDriver records its bytes).
     Every parameter but the tensor maps has the same bytes; each map is encoded from the
     address and layout the Python path used, once."""
     from test_launch_args import FakeGpu, _attention_call, _matmul_call
@@ -321,6 +346,7 @@ def test_a_kernels_second_call_launches_natively_with_the_python_paths_arguments
     k = gpu.compile(fusion)
     k._native = True
     gpu._functions = {0: FUNCTION_HANDLE}
+    gpu.threads, gpu.smem_bytes = k.kernel.threads, k.kernel.smem_bytes
     monkeypatch.setitem(cuda_driver._primary_handles, 0, CONTEXT_HANDLE)
     kinds = ["tensor_map" if isinstance(p, ir.TensorMapParam) else "ptr" if isinstance(p, ir.GlobalParam)
              else p.dtype for p in k.kernel.params]
@@ -329,9 +355,10 @@ def test_a_kernels_second_call_launches_natively_with_the_python_paths_arguments
     monkeypatch.setattr(native, "launcher", lambda: real(driver.entry_points(), stream=driver.stream))
 
     k(*tensors, out=out)
-    second = k(*tensors, out=out)
-    assert (second if isinstance(second, tuple) else (second,)) == tuple(out.values())
-    (python_grid, python_raw, _), = gpu.launches
+    k(*tensors, out=out)               # the layout's second call hands its plan over
+    third = k(*tensors, out=out)
+    assert (third if isinstance(third, tuple) else (third,)) == tuple(out.values())
+    (python_grid, python_raw, _), _ = gpu.launches
     (launch,) = driver.launches
     assert launch["grid"] == (python_grid, 1, 1) and launch["function"] == FUNCTION_HANDLE
     assert launch["block"] == (k.kernel.threads, 1, 1) and launch["smem"] == k.kernel.smem_bytes
@@ -343,3 +370,26 @@ def test_a_kernels_second_call_launches_natively_with_the_python_paths_arguments
     assert [e["address"] for e in driver.encodes] == [by_name[p.name].data_ptr() for p in maps]
     assert [tuple(reversed(e["box"])) for e in driver.encodes] == [tuple(p.box) for p in maps]
     assert k._natives[tuple(out)].stats() == {"hits": 1, "misses": 0, "plans": 1}
+
+
+def test_a_failed_install_never_fails_a_call_that_launched(monkeypatch):
+    """Handing a plan over happens after the launch: if it raises, the call still returns its
+    outputs, the kernel warns once and takes the Python path from then on."""
+    from test_launch_args import FakeGpu, _matmul_call
+
+    fusion, tensors, out, _ = _matmul_call()
+    gpu = FakeGpu(monkeypatch)
+    k = gpu.compile(fusion)
+    k._native = True
+    gpu._functions = {0: FUNCTION_HANDLE}
+    gpu.threads, gpu.smem_bytes = k.kernel.threads, k.kernel.smem_bytes
+    from wsched.codegen import cuda_driver
+
+    monkeypatch.setitem(cuda_driver._primary_handles, 0, CONTEXT_HANDLE)
+    monkeypatch.setattr(native, "launcher", lambda: (_ for _ in ()).throw(OSError("libcuda.so.1: cannot open")))
+    k(*tensors, out=out)
+    with pytest.warns(UserWarning, match=r"the native launch path is off for this kernel \(OSError: libcuda"):
+        assert k(*tensors, out=out) is out["out"]
+    assert not k._native and len(gpu.launches) == 2
+    k(*tensors, out=out)
+    assert len(gpu.launches) == 3

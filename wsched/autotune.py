@@ -348,7 +348,7 @@ def tune(fusion, sizes_or_tensors, *, candidates: Iterable[Schedule] | None = No
     if iters < 1 or warmup < 0:
         raise ValueError(f"iters={iters} must be at least 1 and warmup={warmup} at least 0")
     sizes, device = resolve_sizes(fusion, sizes_or_tensors)
-    num_sms = _sm_count(device) if timer is None else HOPPER_SMS
+    num_sms = _sm_count(device)   # as tuned_schedule reads it (the Hopper count without a GPU)
     searched = candidates_for(fusion, candidates, max_candidates, sizes=sizes, num_sms=num_sms)
     default = default_choice(fusion, sizes, num_sms)
     env = _environment_for(device, timer)
@@ -416,11 +416,18 @@ def resolve_sizes(fusion, sizes_or_tensors) -> tuple[dict[str, int], torch.devic
 def default_choice(fusion, sizes: Mapping[str, int] | None = None, num_sms: int = HOPPER_SMS) -> Schedule:
     """The schedule `ws.compile(fusion)` runs at `sizes` on a GPU of `num_sms` SMs: the first of
     the workload's variants whose rule holds there (wsched/dispatch.py), else the default."""
+    from .inputs import input_shapes
+    from .workloads import partition
+
     workload = workload_for(fusion)
     default = workload.default_schedule(fusion)
-    if sizes is not None:
-        values = {**sizes, "num_sms": num_sms}
-        for variant in workload.variants(fusion, default):
+    variants = workload.variants(fusion, default) if sizes is not None else ()
+    if variants:
+        # the rules read the kernel's size scalars (M, N, S, batch0, ...), as a call binds them
+        shapes = input_shapes(fusion, sizes)
+        values = {dim: shapes[name][axis] for dim, (name, axis) in partition(fusion, default).dims.items()}
+        values["num_sms"] = num_sms
+        for variant in variants:
             if variant.applies(values):
                 return variant.schedule
     return default

@@ -27,6 +27,11 @@ def _resolve(shape, sizes: Mapping[str, int]) -> list[int]:
     return [size(d) for d in shape]
 
 
+def input_shapes(fusion, sizes: Mapping[str, int]) -> dict[str, list[int]]:
+    """Each input's shape (by node id) at `sizes`, the symbols' values."""
+    return {node.id: _resolve(node.shape, sizes) for node in fusion.inputs}
+
+
 def _operand_source(fusion, node_id: str) -> str:
     """The node a view or cast chain starting at `node_id` reads from."""
     node = fusion.node(node_id)

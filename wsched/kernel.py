@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import threading
 import time
+import warnings
 from dataclasses import dataclass, field
 from functools import cached_property
 
@@ -257,7 +258,7 @@ class CompiledKernel:
             plan = self._plans.get(key)
             if plan is None:
                 plan = self._plans[key] = self._plan(tensors, out)
-                plan.cached = True
+            plan.calls += 1
         if self._check_values:   # WSCHED_CHECK_INPUTS=1
             self.partition.workload.check_values(self.partition, dict(zip(plan.inputs, tensors)))
         outputs = plan.allocate_outputs() if out is None else tuple(out.values())
@@ -325,37 +326,44 @@ class CompiledKernel:
 
     def _run(self, tensors, out: dict[str, torch.Tensor] | None = None, natives: dict | None = None):
         """The eager launch (`__call__` and the custom op's CUDA implementation). A layout seen
-        before is then handed to the native launchers `natives` (default: this kernel's), so
-        that its next call is launched from C."""
+        twice is then handed to the native launchers `natives` (default: this kernel's), so that
+        its next call is launched from C."""
         plan, packed, outputs = self._prepare(tensors, out)
         # on the tensors' device (its context, module, stream), whatever the current device is
         self._loaded.launch_packed(plan.grid, packed, plan.device_index)
-        if plan.cached and self._native:
-            self._install(self._natives if natives is None else natives, plan, packed, (*tensors, *outputs),
-                          out)
+        if plan.calls >= 2 and self._native:   # a layout used once (a decode step's T) is not worth a plan
+            try:
+                self._install(self._natives if natives is None else natives, plan, packed, (*tensors, *outputs),
+                              out)
+            except Exception as error:   # never fail a call that has launched: run it from Python from now on
+                self._native = False
+                warnings.warn(f"{self.fusion.name}: the native launch path is off for this kernel "
+                              f"({type(error).__name__}: {error}); calls take the Python path", stacklevel=3)
         return outputs[0] if len(outputs) == 1 else outputs
 
     def _install(self, natives: dict, plan: "_LaunchPlan", packed: PackedArguments, tensors: tuple, out) -> None:
-        """Give the native launcher of `out`'s names the plan of this call (once per launcher)."""
+        """Give the native launcher of `out`'s names the plan of this call, unless it holds it
+        (a plan it dropped for newer ones is given again)."""
         from .codegen.cuda_driver import _primary_handles
 
         loaded = self._loaded
         function, context = loaded._functions.get(plan.device_index), _primary_handles.get(plan.device_index)
-        if function is None or context is None:   # not launched through the primary context yet
-            return
+        if function is None or context is None or len(tensors) > native.MAX_TENSORS:
+            return   # not launched through the primary context yet, or more tensors than a plan takes
         key = None if out is None else tuple(out)
         launcher = natives.get(key)
         if launcher is None:
             launcher = natives[key] = native.launcher()
-        if id(launcher) in plan.native_in:
+        held = plan.native.get(id(launcher))
+        if held is not None and launcher.holds(held):
             return
         n_alloc = 0 if out is not None else len(plan.outputs)
-        launcher.add(native.plan(plan, packed, tensors, n_alloc, int(function), context, self.kernel.threads,
-                                 self.kernel.smem_bytes))
-        plan.native_in.add(id(launcher))
+        held = plan.native[id(launcher)] = native.plan(plan, packed, tensors, n_alloc, int(function), context,
+                                                      loaded.threads, loaded.smem_bytes)
+        launcher.add(held)
 
     def synchronize(self, device: object = None) -> None:
-        """Wait for the kernel's launches on `device` (default: that of the last launch); raise
+        """Wait for the kernel's launches on `device` (default: every device it ran on); raise
         CudaError if it faulted (a fault leaves the context unusable: for tests and debugging)."""
         self._loaded.last_error_check(device)
 
@@ -406,8 +414,8 @@ class _LaunchPlan:
         self.grid = grid          # sized with the SM count of `device`
         self.device = device      # the torch.device every argument is on: the kernel runs there
         self.device_index = device.index
-        self.cached = False       # kept by the kernel for its layout (then the native path may take it)
-        self.native_in = set()    # ids of the native launchers holding this plan
+        self.calls = 0            # calls of the layout (a plan cached by the kernel counts them)
+        self.native = {}          # id of a native launcher -> the native Plan of this layout given it
         # A param with a value fixed for the layout is packed once, in the template; one that
         # names a tensor of the call is set per call from its place in (*inputs, *outputs).
         where = {name: i for i, name in enumerate([*inputs, *(name for name, _, _ in outputs)])}

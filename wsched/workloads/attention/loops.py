@@ -292,14 +292,18 @@ def _paged_loads(pc, bn: int, row: ir.Expr, operands) -> tuple[ir.Stmt, ...]:
 
 def split_count(s, nb: int, rows: ir.Expr, keys: str = "T") -> ir.Expr:
     """The host's split count for a call: (tile, split) units on half the SMs where the tiles
-    are few (at most num_sms / FEW_SPLIT_TILES), else on all of them; at most `split_kv`, and at
-    least MIN_KV_BLOCKS_PER_SPLIT kv blocks a split."""
+    are few (at most num_sms / FEW_SPLIT_TILES), else on all of them; at most `split_kv`, at
+    least MIN_KV_BLOCKS_PER_SPLIT kv blocks a split, and no more splits than the blocks a split
+    takes (ceil(blocks / splits)) leave work for: 17 blocks in 8 splits would be 3 a split and
+    2 empty splits, so 6."""
     bm, bn, _ = s.tile
     tiles = ir.mul(_heads(nb), ir.ceil_div(rows, bm))
-    longest = ir.emax(1, ir.div(ir.ceil_div(keys, bn), MIN_KV_BLOCKS_PER_SPLIT))
+    blocks = ir.emax(1, ir.ceil_div(keys, bn))
+    longest = ir.emax(1, ir.div(blocks, MIN_KV_BLOCKS_PER_SPLIT))
     few = ir.BinOp("<=", ir.mul(FEW_SPLIT_TILES, tiles), V("num_sms"))   # 1 or 0
     units = ir.emax(1, ir.div("num_sms", ir.mul(tiles, ir.add(1, few))))
-    return ir.emin(ir.emin(s.split_kv, longest), units)
+    wanted = ir.emin(ir.emin(s.split_kv, longest), units)
+    return ir.ceil_div(blocks, ir.ceil_div(blocks, wanted))
 
 
 def section_heads(m_blocks: ir.Expr) -> ir.Expr:
