@@ -48,7 +48,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from wsched.lowering import ir
-from wsched.target import ELEMENT_TYPES, SMEM_ALIGN, WARPGROUP_THREADS
+from wsched.target import ELEMENT_TYPES, SMEM_ALIGN, WARPGROUP_THREADS, launch_registers
 
 from . import emit_async, emit_global_sync, emit_tile_memory, emit_tiles
 from .emit_context import ELECT, KERNEL, ROLE, EmitError, Emitter, RoleInfo, names_in
@@ -100,7 +100,7 @@ def _emit_body(em: Emitter, body: tuple[ir.Stmt, ...]) -> None:
 def _emit_let(em: Emitter, s: ir.Let) -> None:
     ctype = em.expr_type(s.value)
     value = em.expr(s.value)
-    em.scope.declare(s.name, ctype)
+    em.scope.declare(s.name, ctype, even=not s.mutable and ctype == "int" and em.even(s.value))
     em.line(f"{'' if s.mutable else 'const '}{ctype} {em.c(s.name)} = {value};")
 
 
@@ -110,12 +110,14 @@ def _emit_assign(em: Emitter, s: ir.Assign) -> None:
 
 
 # A serial loop of register tile work and global loads (split-K's and split-KV's merges) is
-# unrolled so that the loads of up to this many registers a thread are in flight at once: a loop
-# whose loads are small (a max over the splits' row maxima) keeps several iterations' in flight,
-# split-K's [64, 64] f32 partials four. A split-KV body loading an O slice beside its m and l
-# (68 registers) is not unrolled: ptxas then hoisted the next iterations' slices and spilled the
-# paged decode kernels at their register limit.
-SERIAL_UNROLL_REGISTERS = 128
+# unrolled so that several iterations' loads are in flight at once, as many as fit the registers
+# ptxas compiles the kernel with (target.launch_registers: 248 for 256 threads, 168 for 384)
+# beyond SERIAL_UNROLL_RESERVED (the accumulator or O tile and what else stays live): at 248,
+# the splits' row maxima (2 a split) 8 deep, split-K's [64, 64] f32 partials (32) 2 deep, a
+# split-KV O slice beside its m and l (68) not at all; at 168 nothing. ptxas hoists the next
+# iterations' loads of an unrolled loop and spilled these kernels wherever they did not fit
+# (a 64x256 split-K tile with a residual input at 3 deep, 128 reserved).
+SERIAL_UNROLL_RESERVED = 160
 SERIAL_UNROLL_MAX = 8
 _REGISTER_WORK = (ir.TileLoadGlobal, ir.TileBinary, ir.TileUnary, ir.TileFill, ir.TileView, ir.TileReduce, ir.Let)
 
@@ -129,21 +131,22 @@ def _register_work_only(body) -> bool:
 
 def _loaded_registers(em: Emitter, body) -> int:
     """Registers a thread loads from global memory in one pass of `body` (unroll loops counted
-    with their trip count; a large number where it is not a constant)."""
+    with their trip count; SERIAL_UNROLL_RESERVED loads a pass where it is not a constant)."""
     total = 0
     for x in body:
         if isinstance(x, ir.TileLoadGlobal):
             total += em.tile(x.dst, x).length
         elif isinstance(x, ir.For):
             trips = (x.stop.value - x.start.value) if isinstance(x.start, ir.IntConst) and \
-                isinstance(x.stop, ir.IntConst) and x.step == ir.IntConst(1) else SERIAL_UNROLL_REGISTERS
+                isinstance(x.stop, ir.IntConst) and x.step == ir.IntConst(1) else SERIAL_UNROLL_RESERVED
             total += max(0, trips) * _loaded_registers(em, x.body)
     return total
 
 
 def serial_unroll(em: Emitter, body) -> int:
-    """The unroll factor of a serial loop of register work (SERIAL_UNROLL_REGISTERS)."""
-    return max(1, min(SERIAL_UNROLL_MAX, SERIAL_UNROLL_REGISTERS // max(1, _loaded_registers(em, body))))
+    """The unroll factor of a serial loop of register work (SERIAL_UNROLL_RESERVED)."""
+    spare = launch_registers(em.kernel.threads) - SERIAL_UNROLL_RESERVED
+    return max(1, min(SERIAL_UNROLL_MAX, spare // max(1, _loaded_registers(em, body))))
 
 
 def _emit_for(em: Emitter, s: ir.For) -> None:
@@ -156,7 +159,7 @@ def _emit_for(em: Emitter, s: ir.For) -> None:
         em.line("#pragma unroll")
     elif s.iteration == "serial" and _register_work_only(s.body):
         # A loop of register tile work and global loads (split-KV's merge): unrolled as far as its
-        # loads fit SERIAL_UNROLL_REGISTERS, so that several iterations' loads are in flight.
+        # loads fit the registers the role has spare (SERIAL_UNROLL_RESERVED).
         em.line(f"#pragma unroll {serial_unroll(em, s.body)}")
     note = "  // persistent: this CTA's tiles" if s.iteration == "persistent" else ""
     with em.block(f"for (int {var} = {start}; {var} < {stop}; {step}) {{{note}"):

@@ -81,13 +81,19 @@ def paren(text: str, prec: int, need: int) -> str:
 
 
 class _Scope:
-    """Declared names and their C++ scalar type ("int" or "float"), innermost scope last."""
+    """Declared names and their C++ scalar type ("int" or "float"), innermost scope last, and
+    which of them are even whatever the call (a `let` of an even expression)."""
 
     def __init__(self):
         self.frames: list[dict[str, str]] = [{}]
+        self.evens: list[set[str]] = [set()]
 
-    def declare(self, name: str, ctype: str) -> None:
+    def declare(self, name: str, ctype: str, even: bool = False) -> None:
         self.frames[-1][name] = ctype
+        if even:
+            self.evens[-1].add(name)
+        else:
+            self.evens[-1].discard(name)
 
     def lookup(self, name: str) -> str | None:
         for frame in reversed(self.frames):
@@ -95,13 +101,21 @@ class _Scope:
                 return frame[name]
         return None
 
+    def is_even(self, name: str) -> bool:
+        for frame, evens in zip(reversed(self.frames), reversed(self.evens)):
+            if name in frame:
+                return name in evens
+        return False
+
     @contextmanager
     def nested(self) -> Iterator[None]:
         self.frames.append({})
+        self.evens.append(set())
         try:
             yield
         finally:
             self.frames.pop()
+            self.evens.pop()
 
 
 @dataclass
@@ -303,6 +317,19 @@ class Emitter:
         # verifier _tile: a register tile declared in this role, in scope
         assert self.role is not None and name in self.role.tiles, (name, s)
         return self.role.tiles[name]
+
+    def even(self, e: ir.Expr) -> bool:
+        """Whether an integer expression is even whatever the call: an even constant, a product
+        with an even factor, a sum or difference of even terms, a `let` of one."""
+        if isinstance(e, ir.IntConst):
+            return e.value % 2 == 0
+        if isinstance(e, ir.Var):
+            return self.scope.is_even(e.name)
+        if isinstance(e, ir.BinOp) and e.op == "*":
+            return self.even(e.lhs) or self.even(e.rhs)
+        if isinstance(e, ir.BinOp) and e.op in ("+", "-"):
+            return self.even(e.lhs) and self.even(e.rhs)
+        return False
 
     def global_param(self, name: str, s: ir.Stmt) -> ir.GlobalParam:
         p = self.kernel.param(name)

@@ -40,25 +40,14 @@ class _Addressing:
     pairs: bool = False  # every row pointer is pair-aligned and every row even: no runtime test
 
 
-def _even(e: ir.Expr) -> bool:
-    """Whether an integer expression is even whatever its variables are."""
-    if isinstance(e, ir.IntConst):
-        return e.value % 2 == 0
-    if isinstance(e, ir.BinOp) and e.op == "*":
-        return _even(e.lhs) or _even(e.rhs)
-    if isinstance(e, ir.BinOp) and e.op in ("+", "-"):
-        return _even(e.lhs) and _even(e.rhs)
-    return False
-
-
-def _pairs_aligned(p: ir.GlobalParam, coords: tuple[ir.Expr, ...], t: Tile) -> bool:
+def _pairs_aligned(em: Emitter, p: ir.GlobalParam, coords: tuple[ir.Expr, ...], t: Tile) -> bool:
     """A workspace the host allocates (torch: a 256-byte aligned base) whose rows have an even
-    constant length, read at an even column: every fragment's row pointer is pair-aligned (the
-    fragment's own column offset, wsp::frag_col(), is even), so the pair accesses need no
+    length, read at an even column (Emitter.even): every fragment's row pointer is pair-aligned
+    (the fragment's own column offset, wsp::frag_col(), is even), so the pair accesses need no
     per-row test and no element-by-element branch (a branch per row keeps the loads of the
     rows, and of the loop iterations around them, from being issued together)."""
-    return (isinstance(p, ir.WorkspaceParam) and len(p.shape) >= 2 and isinstance(p.shape[-1], ir.IntConst)
-            and p.shape[-1].value % 2 == 0 and _even(coords[-1]) and t.layout in (FULL, ROW))
+    return (isinstance(p, ir.WorkspaceParam) and len(p.shape) >= 2 and em.even(p.shape[-1])
+            and em.even(coords[-1]) and t.layout in (FULL, ROW))
 
 
 def _global_addressing(em: Emitter, s: ir.Stmt, p: ir.GlobalParam, t: Tile,
@@ -84,7 +73,7 @@ def _global_addressing(em: Emitter, s: ir.Stmt, p: ir.GlobalParam, t: Tile,
         offsets.append(f"static_cast<long long>(row) * {dims[-1]}")
     col0 = at(coords[-1], "wsp::frag_col()" if t.layout in (FULL, ROW) else None)
     return _Addressing(row0, col0, tuple(checks), " + ".join(offsets + ["col0"]), dims[-1],
-                       _pairs_aligned(p, coords, t))
+                       _pairs_aligned(em, p, coords, t))
 
 
 def _global_loop(em: Emitter, t: Tile, a: _Addressing, p: ir.GlobalParam, writes: bool,

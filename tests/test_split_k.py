@@ -47,7 +47,7 @@ def test_split_k_final_ir_is_golden(golden):
 def test_the_split_count_is_a_host_param_and_split_1_builds_the_plain_kernel():
     plain, split = print_kernel(ws.lower(matmul)), print_kernel(ws.lower(matmul, split_k=4))
     assert "i32 splits = min(min(4, ceil_div(K, 64)), max(1, num_sms / (ceil_div(M, 128) * ceil_div(N, 256))))" in split
-    assert "workspace partials: f32[splits, M, N], workspace tickets: i32[ceil_div(M, 128) * ceil_div(N, 256) * 2] zeroed" in split
+    assert "workspace partials: f32[splits, M, 2 * ceil_div(N, 2)], workspace tickets: i32[ceil_div(M, 128) * ceil_div(N, 256) * 2] zeroed" in split
     assert "grid(min(num_sms, ceil_div(M, 128) * ceil_div(N, 256) * splits))" in split
     for word in ("splits", "partials", "tickets", "atomic.inc", "fence.acq_rel.gpu"):
         assert word not in plain

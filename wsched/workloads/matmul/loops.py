@@ -77,7 +77,10 @@ def build_loops(kernel: None, ctx: LoweringContext) -> ir.Kernel:
     for out, name in zip(part.outputs, part.output_names):
         params.append(ir.GlobalParam(name, out.dtype.name, output_shape(mm)))
     if split:   # fp32 partials [split, row, col] and one ticket per (output tile, consumer warpgroup)
-        params.append(ir.WorkspaceParam(PARTIALS, "f32", (V(SPLITS), V("M"), V("N"))))
+        # rows of an even length (N rounded up; the store writes the extra column from the
+        # accumulator, the sum reads it and the output's store drops it), so that the sum's loads
+        # are known pair-aligned and issued without a branch per row
+        params.append(ir.WorkspaceParam(PARTIALS, "f32", (V(SPLITS), V("M"), ir.mul(2, ir.ceil_div("N", 2)))))
         tiles = ir.mul(ir.mul(ir.ceil_div("M", bm), ir.ceil_div("N", bn)), s.consumer_warpgroups)
         params.append(ir.WorkspaceParam(TICKETS, "i32", (tiles,), zeroed=True))
 
