@@ -275,3 +275,21 @@ def test_a_split_k_of_the_wrong_type_is_named(value):
 
     with pytest.raises(ws.ScheduleError, match=rf"split_k={value!r} must be an int in \[1, 16\]"):
         MatmulSchedule(tile=(128, 256, 64), split_k=value)
+
+
+def test_an_odd_n_pads_the_partials_rows_and_drops_the_extra_column():
+    """A weight of 201 rows (nk: N odd, direct stores): the partials' rows are 202 long (even, so
+    the sum's loads are pair-aligned); the extra column is stored and summed, never written to
+    the output."""
+    from fusions import linear_relu_residual
+
+    k = ws.compile(linear_relu_residual, split_k=4, epilogue="direct", build=False)
+    inputs = inputs_for(linear_relu_residual, 33, 201, 640, seed=5)
+    _, scalars, _ = k._bind_inputs(inputs)
+    params = k._host_params(scalars, 4)
+    partials = next(p for p in k.kernel.params if p.name == "partials")
+    assert params["splits"] == 4
+    assert k._workspace(partials, params, "cpu").numel() == 4 * 33 * 202
+    out = k.simulate(*inputs, num_sms=4)
+    assert out.shape == (33, 201) and not torch.isnan(out.float()).any()
+    assert rel_error(out, linear_relu_residual.reference(*inputs)) < 1e-2
