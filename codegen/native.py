@@ -124,9 +124,13 @@ def plan(launch_plan, packed, tensors: tuple, n_alloc: int, function: int, conte
         launch_plan.device_index, tuple(packed.raw()), launch_plan.pointer_slots, tuple(maps))
 
 
-def call(launchers: dict, tensors: tuple, out):
-    """The call launched by the launcher of `out`'s names in `launchers` (None: no out=), or None
-    where it holds no plan for the call's layout and the Python path must run it."""
+def call(kernel, tensors: tuple, out):
+    """The call launched from C by `kernel`'s launcher of `out`'s names (a CompiledKernel's or a
+    ShapeDispatchKernel's `_natives`; None: no out=), or None where the path is off for the
+    kernel or its launcher holds no plan for the call's layout: the Python path runs it then."""
+    if not kernel._native:
+        return None
+    launchers = kernel._natives
     if out is None:
         launcher = launchers.get(None)
         return None if launcher is None else launcher(tensors)

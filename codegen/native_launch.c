@@ -531,19 +531,12 @@ done:
     return result;
 }
 
-static PyObject *Launcher_len_plans(Launcher *self, void *unused) { return PyLong_FromSsize_t(self->count); }
-
 static PyMethodDef Launcher_methods[] = {
     {"add", (PyCFunction)Launcher_add, METH_O, "add(plan): try this plan first from now on."},
     {"holds", (PyCFunction)Launcher_holds, METH_O, "holds(plan): whether the plan is still among those tried."},
     {"clear", (PyCFunction)Launcher_clear, METH_NOARGS, "Drop every plan."},
     {"stats", (PyCFunction)Launcher_stats, METH_NOARGS, "{'hits', 'misses', 'plans'}: counts so far."},
     {NULL, NULL, 0, NULL},
-};
-
-static PyGetSetDef Launcher_getset[] = {
-    {"plans", (getter)Launcher_len_plans, NULL, "Plans held.", NULL},
-    {NULL, NULL, NULL, NULL, NULL},
 };
 
 static PyTypeObject LauncherType = {
@@ -557,7 +550,6 @@ static PyTypeObject LauncherType = {
     .tp_new = PyType_GenericNew,
     .tp_call = (ternaryfunc)Launcher_call,
     .tp_methods = Launcher_methods,
-    .tp_getset = Launcher_getset,
 };
 
 static struct PyModuleDef module = {

@@ -187,12 +187,12 @@ def test_plans_are_tried_newest_first_and_the_oldest_dropped(driver):
     b = torch.randn(16, 8)
     for shape in shapes:
         launcher.add(matmul_plan(torch.randn(shape), b, out_shape=(shape[0], 8)))
-    assert launcher.plans == native.CAPACITY
+    assert launcher.stats()["plans"] == native.CAPACITY
     assert launcher((torch.randn(shapes[0]), b)) is None              # the first plan was dropped
     out = launcher((torch.randn(shapes[-1]), b))
     assert out.shape == (shapes[-1][0], 8)
     launcher.clear()
-    assert launcher.plans == 0 and launcher((torch.randn(shapes[-1]), b)) is None
+    assert launcher.stats()["plans"] == 0 and launcher((torch.randn(shapes[-1]), b)) is None
 
 
 def test_a_hit_moves_its_plan_to_the_front_and_holds_says_which_are_kept(driver):
@@ -329,25 +329,35 @@ def test_the_knob_turns_the_path_off(monkeypatch):
 # -- a compiled kernel's calls: the native launch repeats the Python path's --------------------
 
 
-@pytest.mark.parametrize("call", ["matmul", "attention_lse"])
-def test_a_kernels_second_call_launches_natively_with_the_python_paths_arguments(monkeypatch, call):
-    """The first two calls of a layout take the Python path (FakeGpu records the bytes it packs),
-    the second installs a plan; the third is launched by the native path (FakeDriver records its bytes).
-    Every parameter but the tensor maps has the same bytes; each map is encoded from the
-    address and layout the Python path used, once."""
-    from test_launch_args import FakeGpu, _attention_call, _matmul_call
+def native_on_fake_gpu(monkeypatch, fusion):
+    """(FakeGpu, its compiled kernel) with the native path on: the fake stands in for the loaded
+    module (function, threads, shared memory) and the device's primary context."""
+    from test_launch_args import FakeGpu
 
     from wsched.codegen import cuda_driver
-    from wsched.codegen.launch import PARAM_BYTES
-    from wsched.lowering import ir
 
-    fusion, tensors, out, _ = (_matmul_call if call == "matmul" else _attention_call)()
     gpu = FakeGpu(monkeypatch)
     k = gpu.compile(fusion)
     k._native = True
     gpu._functions = {0: FUNCTION_HANDLE}
     gpu.threads, gpu.smem_bytes = k.kernel.threads, k.kernel.smem_bytes
     monkeypatch.setitem(cuda_driver._primary_handles, 0, CONTEXT_HANDLE)
+    return gpu, k
+
+
+@pytest.mark.parametrize("call", ["matmul", "attention_lse"])
+def test_a_kernels_second_call_launches_natively_with_the_python_paths_arguments(monkeypatch, call):
+    """The first two calls of a layout take the Python path (FakeGpu records the bytes it packs),
+    the second installs a plan; the third is launched by the native path (FakeDriver records its bytes).
+    Every parameter but the tensor maps has the same bytes; each map is encoded from the
+    address and layout the Python path used, once."""
+    from test_launch_args import _attention_call, _matmul_call
+
+    from wsched.codegen.launch import PARAM_BYTES
+    from wsched.lowering import ir
+
+    fusion, tensors, out, _ = (_matmul_call if call == "matmul" else _attention_call)()
+    gpu, k = native_on_fake_gpu(monkeypatch, fusion)
     kinds = ["tensor_map" if isinstance(p, ir.TensorMapParam) else "ptr" if isinstance(p, ir.GlobalParam)
              else p.dtype for p in k.kernel.params]
     driver = FakeDriver([PARAM_BYTES.get(kind, 4) if kind != "ptr" else 8 for kind in kinds])
@@ -375,17 +385,10 @@ def test_a_kernels_second_call_launches_natively_with_the_python_paths_arguments
 def test_a_failed_install_never_fails_a_call_that_launched(monkeypatch):
     """Handing a plan over happens after the launch: if it raises, the call still returns its
     outputs, the kernel warns once and takes the Python path from then on."""
-    from test_launch_args import FakeGpu, _matmul_call
+    from test_launch_args import _matmul_call
 
     fusion, tensors, out, _ = _matmul_call()
-    gpu = FakeGpu(monkeypatch)
-    k = gpu.compile(fusion)
-    k._native = True
-    gpu._functions = {0: FUNCTION_HANDLE}
-    gpu.threads, gpu.smem_bytes = k.kernel.threads, k.kernel.smem_bytes
-    from wsched.codegen import cuda_driver
-
-    monkeypatch.setitem(cuda_driver._primary_handles, 0, CONTEXT_HANDLE)
+    gpu, k = native_on_fake_gpu(monkeypatch, fusion)
     monkeypatch.setattr(native, "launcher", lambda: (_ for _ in ()).throw(OSError("libcuda.so.1: cannot open")))
     k(*tensors, out=out)
     with pytest.warns(UserWarning, match=r"the native launch path is off for this kernel \(OSError: libcuda"):

@@ -464,10 +464,9 @@ def candidates_for(fusion, candidates: Iterable[Schedule] | None = None,
 
 def _sm_count(device) -> int:
     """SMs of `device` (default: the current CUDA device); the Hopper count without a GPU."""
-    if not torch.cuda.is_available():
-        return HOPPER_SMS
-    index = device if isinstance(device, int) else getattr(device, "index", None)
-    return torch.cuda.get_device_properties(torch.cuda.current_device() if index is None else index).multi_processor_count
+    from .codegen.launch import sm_count
+
+    return sm_count(device) if torch.cuda.is_available() else HOPPER_SMS
 
 
 def _environment_for(device, timer) -> Environment:

@@ -127,8 +127,8 @@ class ShapeDispatchKernel:
 
     # -- calls --------------------------------------------------------------------------------
     def __call__(self, *tensors, out=None):
-        if self.primary._native and not torch.compiler.is_compiling():   # a layout seen before
-            result = native.call(self._natives, tensors, out)
+        if not torch.compiler.is_compiling():   # a layout planned before: launched from C
+            result = native.call(self, tensors, out)
             if result is not None:
                 return result
         if torch_ops.is_traced(tensors):

@@ -313,8 +313,8 @@ class CompiledKernel:
         return plan.grid, packed.pairs(), out if out is not None else plan.by_name(outputs)
 
     def __call__(self, *tensors, out: dict[str, torch.Tensor] | None = None):
-        if self._native and not torch.compiler.is_compiling():   # a layout seen before: launched from C
-            result = native.call(self._natives, tensors, out)
+        if not torch.compiler.is_compiling():   # a layout planned before: launched from C
+            result = native.call(self, tensors, out)
             if result is not None:
                 return result
         if torch_ops.is_traced(tensors):   # torch.compile / export: the registered op (self.op)

@@ -85,11 +85,8 @@ def _define(name: str, kernel) -> torch._ops.OpOverload:
     fusion = kernel.fusion
 
     def launch(*tensors):
-        if kernel._native:   # a layout seen before: launched from C (codegen/native.py)
-            result = native.call(kernel._natives, tensors, None)
-            if result is not None:
-                return result
-        return kernel._run(tensors)
+        result = native.call(kernel, tensors, None)   # a layout planned before: launched from C
+        return kernel._run(tensors) if result is None else result
 
     custom = torch.library.custom_op(f"{NAMESPACE}::{name}", launch, mutates_args=(),
                                      device_types="cuda", schema=schema(kernel))
