@@ -304,3 +304,36 @@ def varlen_paged_inputs(q_lens, k_lens, page_size, head_dim, hk=2, g=2, seed=0, 
     _, k_cache, v_cache, table, _ = paged_inputs(k_lens, page_size, head_dim, hk=hk, g=g, seed=seed, device=device,
                                                  dtype=dtype)
     return [q, k_cache, v_cache, table, cu_q.to(device), lens]
+
+
+def make_biased(spelling, sink: bool = False, per_query: bool = False, d: int = 64, align: str = "top_left"):
+    """Causal attention with a bias spelt by `spelling(s, i, j, slope, per_query)`, s the scores
+    times 1/8, slope one number per head, per_query one per query (an input with `per_query`);
+    LSE out; with `sink`, the slope is also a sink logit."""
+    def body(q, k, v, slope, per_query=None):
+        s = ws.matmul(q, k.transpose(-1, -2)) * 0.125
+        i, j = ws.positions(s)
+        s = ws.causal_mask(spelling(s, i, j, slope, per_query), align=align)
+        logit = slope if sink else None
+        return (ws.matmul(ws.softmax(s, dim=-1, sink=logit), v).to(ws.bf16),
+                ws.logsumexp(s, dim=-1, sink=logit))
+
+    x_spec = ws.Tensor[(ws.bf16, "B", "H", "S", d)]
+    kv_spec = ws.Tensor[(ws.bf16, "B", "H", "T", d)]
+    if per_query:
+        def attention(q: x_spec, k: kv_spec, v: kv_spec, slope: ws.Tensor[ws.f32, "H", 1, 1],
+                      per_query: ws.Tensor[ws.f32, "B", "H", "S", 1]):
+            return body(q, k, v, slope, per_query)
+    else:
+        def attention(q: x_spec, k: kv_spec, v: kv_spec, slope: ws.Tensor[ws.f32, "H", 1, 1]):
+            return body(q, k, v, slope)
+    return ws.fusion(attention)
+
+
+def biased_inputs(B, H, S, T, d=64, seed=0, per_query=False, device="cpu"):
+    """Q, K, V and the inputs of `make_biased`: ALiBi slopes 2^(-8 h / H), a number per query."""
+    q, k, v = attention_inputs(B, H, S, T, d, seed=seed, device=device)
+    gen = torch.Generator().manual_seed(seed)
+    slope = 2.0 ** (-8 * torch.arange(1, H + 1, dtype=torch.float32) / H)
+    extra = [slope.reshape(H, 1, 1)] + ([torch.randn(B, H, S, 1, generator=gen)] if per_query else [])
+    return [q, k, v, *(x.to(device) for x in extra)]

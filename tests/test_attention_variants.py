@@ -19,7 +19,8 @@ from wsched.lowering.printer import print_kernel
 from wsched.names import K_COUNT, K_FIRST
 from wsched.schedule import ScheduleError
 
-from attention_fusions import VARIANTS, attention_inputs, make_attention, make_variant, variant_inputs
+from attention_fusions import (VARIANTS, attention_inputs, biased_inputs, make_attention, make_biased, make_variant,
+                               variant_inputs)
 from wsched.workloads.attention.schedule import SCORE_FUNCTION_KEYS_PER_BLOCK, VALUE_DIMS
 
 
@@ -164,6 +165,82 @@ def test_several_interleavings():
     inputs = variant_inputs(f, 1, 1, 260, 260, 64, seed=1)
     for seed in range(3):
         check(f, inputs, num_sms=2, seed=seed)
+
+
+# ---------------------------------------------------------------------------------------------
+# A bias along the diagonal: c * slope[h] * (j - i), its row part on the LSE
+# ---------------------------------------------------------------------------------------------
+
+
+SPELLINGS = {   # name: (spelling, [(coef, factors)] of the bias peeled from the top)
+    "alibi": (lambda s, i, j, u, p: s + u * (j - i), [(1.0, ("slope",))]),
+    "minus i - j": (lambda s, i, j, u, p: s - u * (i - j), [(1.0, ("slope",))]),
+    "scaled inside": (lambda s, i, j, u, p: (s * 8 + (j - i).to(ws.f32) / 4 * u) * 0.5, [(0.125, ("slope",))]),
+    "two terms": (lambda s, i, j, u, p: s + u * (j - i) - 0.5 * (i - j), [(0.5, ()), (1.0, ("slope",))]),
+    "negated": (lambda s, i, j, u, p: -(u * (i - j)) + s, [(1.0, ("slope",))]),
+    "offset": (lambda s, i, j, u, p: s + u * (j - i + 1), []),
+    "squared": (lambda s, i, j, u, p: s - u * ((j - i) * (j - i)) * 0.01, []),
+    "per query": (lambda s, i, j, u, p: s + u * p * (j - i), []),
+    "j alone": (lambda s, i, j, u, p: s + u * j, []),
+}
+
+
+@pytest.mark.parametrize("name", SPELLINGS)
+def test_a_bias_along_the_diagonal_is_peeled_from_the_top(name):
+    """`c * u * (j - i)` terms added around the top, u per head, leave the inner score; any other
+    term (an offset, (j - i)^2, a per-query factor, j alone) stays in it."""
+    spelling, want = SPELLINGS[name]
+    f = make_biased(spelling, per_query=name == "per query")
+    sf = ws.partition(f, ws.schedule_for(f)).payload.score
+    assert [(pytest.approx(b.coef), tuple(f.node(x).id for x in b.factors)) for b in sf.bias] == want
+    # peeled: the scale around the scores is folded into the exp2 (0.5 * 8 * 0.125 scaled inside)
+    assert (sf.inner == sf.qk) == bool(want)
+    assert sf.scale == pytest.approx((0.5 if name == "scaled inside" else 0.125) if want else 1.0)
+
+
+def test_a_peeled_bias_adds_one_column_tile_per_block_and_its_row_part_to_the_lse():
+    f = make_biased(SPELLINGS["two terms"][0])
+    text = print_kernel(ws.lower(f))
+    # once per tile, the weight: 0.5 and 1 * slope, each over the scale 0.125
+    assert "tile.fill bias_w, 4.0\n      tile.mul bias_u, slope_t, scalar(8.0)\n      tile.add bias_w, bias_w, bias_u\n" in text
+    assert ("tile.iota bias_t, axis(1), start(k * 128 - (m0 + wg * 64))\n"
+            "        tile.mul bias_t, bias_t, bias_w\n"
+            "        tile.add s_acc, s_acc, bias_t\n") in text
+    assert ("tile.iota m_run, axis(0), start(0)\n      tile.mul m_run, m_run, bias_w\n"
+            "      tile.mul m_run, m_run, scalar(-0.125)\n      tile.add l_run, l_run, m_run\n") in text
+
+
+@pytest.mark.parametrize("name", ["alibi", "two terms", "scaled inside", "squared", "per query"])
+def test_a_bias_matches_the_reference(name):
+    f = make_biased(SPELLINGS[name][0], per_query=name == "per query")
+    check(f, biased_inputs(2, 2, 77, 333, seed=len(name), per_query=name == "per query"), num_sms=3)
+
+
+def test_a_bias_with_a_sink_stays_in_the_scores():
+    """A sink's logit does not move with the row: the bias is computed on every score."""
+    f = make_biased(SPELLINGS["alibi"][0], sink=True)
+    sf = ws.partition(f, ws.schedule_for(f)).payload.score
+    assert sf.bias == () and sf.inner != sf.qk
+    check(f, biased_inputs(1, 3, 150, 150, seed=5))
+
+
+@pytest.mark.parametrize("s, t, num_sms", [(1, 2100, 16), (3, 900, 8), (300, 2100, 40)])
+def test_a_bias_through_split_kv_merges_to_the_reference(s, t, num_sms):
+    """Each split's LSE leaves out the row part; the merged LSE gets it once (bottom-right causal:
+    the last query sees every key)."""
+    from wsched.workloads.attention.schedule import MAX_SPLIT_KV
+    f = make_biased(SPELLINGS["two terms"][0], align="bottom_right")
+    tile = (64, 128, 64) if s < 64 else (128, 128, 64)
+    schedule = ws.schedule_for(f, tile=tile, consumer_warpgroups=1 if s < 64 else 2, split_kv=MAX_SPLIT_KV)
+    kernel = ws.CompiledKernel(f, schedule, ws.partition(f, schedule), ws.lower(f, schedule), cuda_source="")
+    inputs = biased_inputs(1, 2, s, t, seed=s)
+    _, scalars, _ = kernel._bind_inputs(inputs)
+    assert kernel._host_params(scalars, num_sms)["splits"] > 1
+    o, lse = kernel.simulate(*inputs, num_sms=num_sms)
+    ro, rlse = f.reference(*inputs)
+    seen = torch.isfinite(rlse)
+    assert rel(o[seen], ro[seen]) < 1e-2 and rel(lse[seen], rlse[seen]) < 1e-3
+    assert (o[~seen] == 0).all() and torch.isneginf(lse[~seen]).all()
 
 
 # ---------------------------------------------------------------------------------------------

@@ -6,7 +6,8 @@ import torch.nn.functional as F
 
 import wsched as ws
 
-from attention_fusions import VARIANTS, attention_inputs, make_attention, make_variant, variant_inputs
+from attention_fusions import (VARIANTS, attention_inputs, biased_inputs, make_attention, make_biased, make_variant,
+                               variant_inputs)
 
 pytestmark = pytest.mark.gpu
 
@@ -174,3 +175,16 @@ def test_rows_of_a_document_no_key_belongs_to():
     q, kk, v, doc_q, doc_k = variant_inputs(f, 2, 4, 900, 900, 128, device="cuda", seed=5)
     doc_q[..., 100:300, :] = 99
     check_variant(f, k, (q, kk, v, doc_q, doc_k))
+
+
+@pytest.mark.parametrize("S, T", [(1, 8193), (5, 3000), (8192, 8192)])
+def test_a_bias_along_the_diagonal(S, T):
+    """ALiBi spelt as two terms, bottom-right causal: the decode shapes run split-KV (each split's
+    LSE without the row part, the merge adds it once); at 8192 positions the scores stay within
+    the bf16 tolerance (the kernel adds w (j - r), small near the diagonal, not w j)."""
+    key = ("biased",)
+    if key not in _variants:
+        f = make_biased(lambda s, i, j, u, p: s + u * (j - i) - 0.5 * (i - j), d=128, align="bottom_right")
+        _variants[key] = (f, ws.compile(f))
+    f, k = _variants[key]
+    check_variant(f, k, biased_inputs(1, 4, S, T, 128, seed=S, device="cuda"))

@@ -27,6 +27,7 @@ from wsched.names import (CONSUMER, PART_L, PART_M, PART_O, SPLITS, TICKET_SLOT,
                           WARPGROUP_BARRIER)
 from wsched.target import WARPGROUP_THREADS
 from wsched.workloads.ticket import take_ticket
+from .loops import bias_lse
 
 
 LN2 = math.log(2.0)
@@ -57,6 +58,7 @@ def epilogue(kernel: ir.Kernel, ctx: LoweringContext) -> ir.Kernel:
         tail += [ir.TileUnary("log", "l_run", "l_run"),
                  ir.TileBinary("mul", "m_run", "m_run", ir.FloatConst(LN2)),
                  ir.TileBinary("add", "l_run", "l_run", "m_run"),
+                 *(bias_lse(a.scale) if a.score.bias else ()),
                  ir.TileStoreGlobal("lse", lse_coords, "l_run", limit)]
 
     decls = [ir.RegDecl("o_t", a.out.dtype.name, (64, d))]

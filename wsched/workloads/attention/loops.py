@@ -113,7 +113,9 @@ def build_loops(kernel: None, ctx: LoweringContext) -> ir.Kernel:
         if a.lse is not None:
             params.append(ir.GlobalParam("lse", "f32", tuple(batch) + (rows, C(1))))
     sf = a.score
-    read = sf.inputs + ((a.sink,) if isinstance(a.sink, SideInput) else ())   # inputs read in the kernel
+    # inputs read in the kernel (the sink's may be one the score function reads too)
+    read = sf.inputs + ((a.sink,) if isinstance(a.sink, SideInput)
+                        and all(x.node.id != a.sink.node.id for x in sf.inputs) else ())
     params += [ir.GlobalParam(x.param, x.node.dtype.name, tuple(C(1) if dim is None else V(dim) for dim in x.dims))
                for x in read]
     if sf.lengths is not None:
@@ -184,6 +186,7 @@ def build_loops(kernel: None, ctx: LoweringContext) -> ir.Kernel:
     # The score function: the inner score in place on every block, then the masks that cannot be
     # analysed; the analysed ones only where a block is cut (beyond the keys, or by a mask).
     inner, _ = ops.lower(sf.inner, "s_acc", {**tiles, sf.qk: ("s_acc", (64, bn))}, positions, _causal_shift)
+    weight, bias_cols, bias_add = _bias(sf, tiles, row, rows0, a.scale)
     every_block = [stmt for m in sf.masks if not m.analysed for stmt in _apply_mask(ops, m, tiles, positions)]
     cut = [stmt for m in sf.masks if m.analysed and m.causal is None for stmt in _apply_mask(ops, m, tiles, positions)]
     causal = [m.causal for m in sf.masks if m.causal is not None] or [None]
@@ -198,7 +201,7 @@ def build_loops(kernel: None, ctx: LoweringContext) -> ir.Kernel:
     softmax = (
         *loads[True],
         ir.Wgmma("s_acc", ir.SmemRef("Q", (C(0), V("wg"))), ir.SmemRef("K", (C(0),)), "k", "k", C(0)),
-        *inner, *every_block,
+        *bias_cols, *inner, *bias_add, *every_block,
         ir.If(_block_is_cut(sf, C(0) if a.packed else rows0, row, bn), tuple(cut)),
         # The row max is taken on the unscaled scores (the scale is positive), so that the
         # scale and the subtraction below fuse into one multiply-add per element.
@@ -229,7 +232,9 @@ def build_loops(kernel: None, ctx: LoweringContext) -> ir.Kernel:
         ir.RegDecl("corr", "f32", (64, 1)),
         *(ir.RegDecl(name, "f32", shape) for name, shape in tiles.values()),
         *ops.decls.values(),
-        tile_loop(ctx, (ir.TileFill("o_acc", f(0.0)), *loads[False], *_running_state(a.sink, tiles),
+        *((ir.RegDecl(BIAS_WEIGHT, "f32", (1, 1)), ir.RegDecl(BIAS_COLS, "f32", (1, bn))) if sf.bias else ()),
+        *((ir.RegDecl(BIAS_TERM, "f32", (1, 1)),) if len(sf.bias) > 1 else ()),
+        tile_loop(ctx, (ir.TileFill("o_acc", f(0.0)), *loads[False], *weight, *_running_state(a.sink, tiles),
                         k_loop(softmax))),
     ))
     units = ir.mul(_heads(nb, 1 if vl else 0), m_blocks_of(a, bm))
@@ -329,6 +334,42 @@ def _running_state(sink, tiles: dict) -> tuple[ir.Stmt, ...]:
     return (ir.TileFill("l_run", f(1.0)), ir.TileFill("m_run", f(0.0)),
             ir.TileBinary("add", "m_run", "m_run", tiles[sink.node.id][0]),
             ir.TileBinary("mul", "m_run", "m_run", f(LOG2E)))
+
+
+BIAS_WEIGHT, BIAS_TERM, BIAS_COLS = "bias_w", "bias_u", "bias_t"
+
+
+def _bias(sf, tiles: dict, row: ir.Expr, rows0: ir.Expr, scale: float):
+    """The diagonal bias (`score.DiagonalBias`) as tile ops: (once per tile, the weight
+    w = sum of coef / scale * u, one number; per kv block before the inner score, w * (j - r) on a
+    [1, BN] tile, r = rows0; after it, that tile added to the scores). The row's rest,
+    w * (r - i), goes to the LSE (`bias_lse`)."""
+    if not sf.bias:
+        return (), (), ()
+    f, weight = ir.FloatConst, []
+    for n, term in enumerate(sf.bias):
+        target = BIAS_WEIGHT if n == 0 else BIAS_TERM
+        factors = [tiles[x][0] for x in term.factors]
+        if factors:
+            weight.append(ir.TileBinary("mul", target, factors[0], f(term.coef / scale)))
+            weight += [ir.TileBinary("mul", target, target, u) for u in factors[1:]]
+        else:
+            weight.append(ir.TileFill(target, f(term.coef / scale)))
+        if n:
+            weight.append(ir.TileBinary("add", BIAS_WEIGHT, BIAS_WEIGHT, BIAS_TERM))
+    cols = (ir.TileIota(BIAS_COLS, 1, ir.sub(row, rows0)),
+            ir.TileBinary("mul", BIAS_COLS, BIAS_COLS, BIAS_WEIGHT))
+    return tuple(weight), cols, (ir.TileBinary("add", "s_acc", "s_acc", BIAS_COLS),)
+
+
+def bias_lse(scale: float) -> tuple[ir.Stmt, ...]:
+    """The diagonal bias's part along a row, scale * w * (r - i), added to the LSE `l_run`; the
+    dead `m_run` holds it."""
+    f = ir.FloatConst
+    return (ir.TileIota("m_run", 0, C(0)),
+            ir.TileBinary("mul", "m_run", "m_run", BIAS_WEIGHT),
+            ir.TileBinary("mul", "m_run", "m_run", f(-scale)),
+            ir.TileBinary("add", "l_run", "l_run", "m_run"))
 
 
 def _causal_shift(align: str | None) -> ir.Expr | None:

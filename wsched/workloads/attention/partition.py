@@ -134,7 +134,7 @@ def describe(part: Partition) -> str:
     bm, bn, d = s.tile
     batch = " x ".join(f"batch{i}" for i in range(a.batch))
     sf = a.score
-    plain = sf.inner == sf.qk and (sf.causal is not None or not sf.masks)
+    plain = sf.inner == sf.qk and not sf.bias and (sf.causal is not None or not sf.masks)
     shift = "+T-S" if a.causal == "bottom_right" else ""
     kv = f"min(ceil(T/{bn}), ceil((m0+{bm}{shift})/{bn}))" if a.causal else f"ceil(T/{bn})"
     if not plain:
@@ -254,6 +254,10 @@ def score_lines(fusion, sf) -> list[str]:
              else "      S = Q K^T"]
     if sf.scale != 1.0:
         lines[0] += f"; * {sf.scale:g} folded into the exp2"
+    for b in sf.bias:
+        factors = "".join(f" * {f}" for f in b.factors)
+        lines.append(f"      bias {b.node.id}: {b.coef:g}{factors} * (j - i) as {b.coef:g}{factors} * (j - r) on "
+                     f"every block, r the row block's first query; the rest, the same along a row, on the LSE")
     for m in sf.masks:
         where = f"{m.node.id} = {m.node.op}(...)"
         lines.append(f"      mask {where}: " + (f"{bounds(m)}: blocks beyond it skipped, masked where cut"
@@ -278,7 +282,7 @@ def sf_plain(sf: ScoreFunction) -> str | None:
     """Why GQA packing cannot take the score function `sf` (None: it can): packed rows are
     (head, query) pairs, so only a scale and a causal mask, whose rows are query positions
     (row mod S), are packed; inputs read per query or per head are not."""
-    if sf.inner != sf.qk:
+    if sf.inner != sf.qk or sf.bias:
         return "it computes on the scores"
     if any(not m.analysed or m.causal is None for m in sf.masks) or len(sf.masks) > 1:
         return "it has masks other than one causal mask"
@@ -375,8 +379,8 @@ def partition_attention(workload, fusion, schedule: AttentionSchedule) -> Partit
     k_broadcast = tuple(k.shape[i] == 1 and q.shape[i] != 1 for i in range(batch))
     # Between Q K^T and the softmax: any elementwise score function and masks (score.py).
     roles = {q.id: "the Q of Q K^T", k.id: "the K of Q K^T", v.id: "the V of P @ V"}
-    function = score.analyse(fusion, scores, qk, roles, batch, fail, param_name)
     sink = score.sink_of(fusion, sm, qk, batch, fail, param_name)
+    function = score.analyse(fusion, scores, qk, roles, batch, fail, param_name, shift_invariant=sink is None)
     costs = function.register_costs(fusion)
     widest = max_keys_per_block(schedule, tuple(kind for kind, _ in costs))
     if schedule.bn > widest:

@@ -19,6 +19,8 @@ apart for the kernel:
     Any other condition (document ids) is applied to every block.
   * scale: positive constant factors around the top, folded into the exp2 of the softmax (the
     row max of the unscaled scores is the scaled one's, divided by the factor).
+  * bias: terms `c * u * (j - i)` added around the top (ALiBi's `slope[h] * (j - i)`), u inputs
+    with one value per tile (per head or batch): `DiagonalBias`. Without a sink only.
   * inner: the rest, the score before the masks and the scale (Q K^T itself for plain
     attention), computed as tile ops on the score accumulator in every block.
 """
@@ -89,6 +91,24 @@ class SideInput:
 
 
 @dataclass(frozen=True)
+class DiagonalBias:
+    """A term `coef * u1 * u2 ... * (j - i)` added to the scores (ALiBi: `slope[h] * (j - i)`),
+    each u an input with one value per tile (per head or batch), `coef` in units of the final
+    score (the scale factors around it applied).
+
+    The kernel adds `coef * u * (j - r)` to each score, r the first query row of the row block,
+    and the rest, `coef * u * (r - i)`, the same for every key of a row, only to the LSE: a
+    row's softmax does not change when one number is added to all its scores. That is one add
+    per score on a [1, BN] tile computed per kv block, where `u * (j - i)` itself takes three;
+    and near the diagonal, where a row's weight is, j - r is small, so the scores keep their
+    fp32 precision at any sequence length (a bias split as `u j - u i` would not)."""
+
+    node: object                 # the add / sub the term was peeled from
+    coef: float
+    factors: tuple[str, ...]     # the ids of the inputs u
+
+
+@dataclass(frozen=True)
 class ScoreFunction:
     qk: str                        # the id of Q K^T
     scale: float                   # positive factor around the top (folded into the exp2)
@@ -96,6 +116,7 @@ class ScoreFunction:
     masks: tuple[Mask, ...]
     inputs: tuple[SideInput, ...]
     lengths: SideInput | None = None   # ws.key_lengths: each sequence's keys (an i32 [B] input)
+    bias: tuple[DiagonalBias, ...] = ()   # added to the scores, outside `inner`
 
     @property
     def causal(self) -> str | None:
@@ -111,8 +132,9 @@ class ScoreFunction:
         window masks measured no narrower than plain attention); a mask that reads a per-key
         input counts as that input."""
         costs = []
-        if self.inner != self.qk:
-            costs.append(("computes on the scores", fusion.node(self.inner)))
+        if self.inner != self.qk or self.bias:
+            costs.append(("computes on the scores", fusion.node(self.inner) if self.inner != self.qk
+                          else self.bias[0].node))
         per_key = next((x for x in self.inputs if x.per_key), None)
         if per_key is not None:
             costs.append(("reads a per-key input", per_key.node))
@@ -125,9 +147,12 @@ class ScoreFunction:
         return self.lengths is not None or any(m.causal != "top_left" for m in self.masks)
 
 
-def analyse(fusion, scores, qk, roles: dict, batch: int, fail, param_name) -> ScoreFunction:
+def analyse(fusion, scores, qk, roles: dict, batch: int, fail, param_name,
+            shift_invariant: bool = True) -> ScoreFunction:
     """Check the nodes from Q K^T (`qk`) to the softmax input (`scores`) and take them apart.
-    `roles` maps the ids of Q, K and V to their names; `fail(message, node)` raises."""
+    `roles` maps the ids of Q, K and V to their names; `fail(message, node)` raises.
+    `shift_invariant`: whether the softmax ignores a number added to a whole row (no sink),
+    which the diagonal bias needs."""
     # First what reads Q, K or V around Q K^T (a mask of V), then what is not a score op.
     around = nx.subgraph_view(fusion.graph, filter_node=lambda n: n != qk.id)
     function = nx.ancestors(around, scores.id) | {scores.id} if scores.id != qk.id else set()
@@ -153,7 +178,8 @@ def analyse(fusion, scores, qk, roles: dict, batch: int, fail, param_name) -> Sc
                      f"{qk.type_str}; take ws.positions(...) of the scores", x)
         _check_exact(node, fail)
 
-    scale, masks, x, lengths = 1.0, [], scores, None
+    uniform = {x.node.id for x in inputs.values() if "S" not in x.dims and "T" not in x.dims}
+    scale, masks, x, lengths, bias = 1.0, [], scores, None, []
     while x.id != qk.id:
         if x.op == "key_lengths":
             lengths = x.inputs[1]
@@ -172,6 +198,10 @@ def analyse(fusion, scores, qk, roles: dict, batch: int, fail, param_name) -> Sc
         elif _positive_factor(fusion, x) is not None:
             factor, x = _positive_factor(fusion, x)
             scale *= factor
+        elif shift_invariant and _peel_bias(fusion, x, uniform) is not None:
+            coef, factors, kept = _peel_bias(fusion, x, uniform)
+            bias.append(DiagonalBias(x, scale * coef, factors))
+            x = kept
         else:
             break
     inner = nx.ancestors(fusion.graph, x.id) | {x.id}
@@ -180,7 +210,7 @@ def analyse(fusion, scores, qk, roles: dict, batch: int, fail, param_name) -> Sc
         fail("ws.key_lengths must wrap the score function from outside (with the masks and the scale, "
              "after every op that computes on the scores)", unpeeled)
     side = None if lengths is None else SideInput(fusion.node(lengths), param_name(lengths), ("batch0",))
-    return ScoreFunction(qk.id, scale, x.id, tuple(masks), tuple(inputs.values()), side)
+    return ScoreFunction(qk.id, scale, x.id, tuple(masks), tuple(inputs.values()), side, tuple(bias))
 
 
 def sink_of(fusion, softmax, qk, batch: int, fail, param_name) -> SideInput | float | None:
@@ -271,6 +301,48 @@ def _positive_factor(fusion, node):
     if not math.isfinite(value) or node.dtype.name != "f32":
         return None
     return (value if node.op == "mul" else 1.0 / value), a
+
+
+def _peel_bias(fusion, node, uniform: set):
+    """(coef, factors, kept) of kept + D, D + kept or kept - D with D = coef * factors * (j - i)
+    (`_diagonal`), computed in f32; else None."""
+    if node.op not in ("add", "sub") or node.dtype.name != "f32":
+        return None
+    a, b = (fusion.node(i) for i in node.inputs)
+    sign = 1.0 if node.op == "add" else -1.0
+    for term, kept in ((b, a), (a, b)) if node.op == "add" else ((b, a),):
+        found = _diagonal(fusion, term, uniform)
+        if found is not None:
+            return sign * found[0], found[1], kept
+    return None
+
+
+def _diagonal(fusion, node, uniform: set) -> tuple[float, tuple[str, ...]] | None:
+    """(coef, factors) with node = coef * (product of the inputs `factors`) * (j - i) exactly
+    (each factor in `uniform`: one value per tile); else None."""
+    linear = _linear(fusion, node)
+    if linear is not None:
+        ci, cj, c = linear
+        return (cj, ()) if cj != 0 and ci == -cj and c == 0 else None
+    if node.dtype.name != "f32" or node.op not in ("neg", "mul", "div"):
+        return None
+    operands = [fusion.node(i) for i in node.inputs]
+    if node.op == "neg":
+        found = _diagonal(fusion, operands[0], uniform)
+        return None if found is None else (-found[0], found[1])
+    a, b = operands
+    if node.op == "mul" and (a.op == "const" or a.id in uniform) and not (b.op == "const" or b.id in uniform):
+        a, b = b, a
+    if b.op == "const":
+        value = float(b.attr("value"))
+        if not math.isfinite(value) or value == 0.0:
+            return None
+        found = _diagonal(fusion, a, uniform)
+        return None if found is None else (found[0] * (value if node.op == "mul" else 1.0 / value), found[1])
+    if node.op == "mul" and b.id in uniform:
+        found = _diagonal(fusion, a, uniform)
+        return None if found is None else (found[0], found[1] + (b.id,))
+    return None
 
 
 # -- mask analysis -----------------------------------------------------------------------------
