@@ -150,18 +150,22 @@ def serial_unroll(em: Emitter, body) -> int:
 
 
 def _emit_for(em: Emitter, s: ir.For) -> None:
-    # verifier _For: the iteration is serial, persistent or unroll
-    assert s.iteration in ("serial", "persistent", "unroll"), s
+    # verifier _For: the iteration is one of ir.LOOP_KINDS
+    assert s.iteration in ir.LOOP_KINDS, s
     start, stop = em.expr(s.start), em.expr(s.stop)
     var = em.c(s.var)
-    step = "++" + var if s.step == ir.IntConst(1) else f"{var} += {em.expr(s.step)}"
+    if s.iteration == "dynamic":   # the next tile: the var the body set
+        step = f"{var} = {em.expr(s.step)}"
+    else:
+        step = "++" + var if s.step == ir.IntConst(1) else f"{var} += {em.expr(s.step)}"
     if s.iteration == "unroll":
         em.line("#pragma unroll")
     elif s.iteration == "serial" and _register_work_only(s.body):
         # A loop of register tile work and global loads (split-KV's merge): unrolled as far as its
         # loads fit the registers the role has spare (SERIAL_UNROLL_RESERVED).
         em.line(f"#pragma unroll {serial_unroll(em, s.body)}")
-    note = "  // persistent: this CTA's tiles" if s.iteration == "persistent" else ""
+    note = {"persistent": "  // persistent: this CTA's tiles",
+            "dynamic": "  // dynamic: the tiles this CTA takes from the counter"}.get(s.iteration, "")
     with em.block(f"for (int {var} = {start}; {var} < {stop}; {step}) {{{note}"):
         em.scope.declare(s.var, "int")
         if em.trace is not None:

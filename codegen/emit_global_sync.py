@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from wsched.lowering import ir
 
-from .emit_context import ELECT, EmitError, Emitter, describe, paren
+from .emit_context import ELECT, ROLE, EmitError, Emitter, describe, paren
 
 
 def emit_fence_gpu(em: Emitter, s: ir.FenceGpu) -> None:
@@ -49,7 +49,7 @@ def emit_atomic_inc(em: Emitter, s: ir.AtomicInc) -> None:
 
 
 def emit_load_shared(em: Emitter, s: ir.LoadShared) -> None:
-    em.require_warpgroup(s)
+    em.require(s, level=(ROLE, ELECT), what="reads smem into a scalar of the running threads and must be in a role")
     ptr, _, _ = em.smem_ref(s.src)
     em.scope.declare(s.name, "int")
     # volatile: read after the barrier that orders it after the writer, never hoisted above it

@@ -303,8 +303,11 @@ class Assign:
 
 @dataclass(frozen=True)
 class For:
-    """`for k in serial(0, k_tiles, 1) { ... }`. iteration: serial | persistent | unroll.
-    `persistent` marks the tile loop a CTA strides through (start cta_id, step num_ctas)."""
+    """`for k in serial(0, k_tiles, 1) { ... }`. iteration: serial | persistent | unroll | dynamic.
+    `persistent` marks the tile loop a CTA strides through (start cta_id, step num_ctas).
+    `dynamic` is a tile loop whose next tile is not known in advance: `for tile in
+    dynamic(cta_id, num_tiles, tile_next)` runs while tile < stop, and after each iteration sets
+    tile to the value of `step` (a `var` the body sets: the tile taken from a counter)."""
 
     var: str
     start: Expr
@@ -514,7 +517,7 @@ class WgmmaWait:
 # Tile ops compute in fp32 and round the result to the destination tile's dtype; operands of
 # another dtype are read as their (exactly representable) fp32 values.
 
-LOOP_KINDS = ("serial", "persistent", "unroll")
+LOOP_KINDS = ("serial", "persistent", "unroll", "dynamic")
 SETMAXNREG_ACTIONS = ("inc", "dec")
 MMA_MAJORS = ("k", "n")
 
@@ -663,9 +666,10 @@ class AtomicInc:
 
 @dataclass(frozen=True)
 class LoadShared:
-    """`ld.shared ticket = T[wg]`: every thread of the warpgroup reads the i32 smem element `src`
-    and binds it to the immutable scalar `name` (how one thread's result reaches its warpgroup:
-    that thread writes the element, a barrier of the warpgroup, then this)."""
+    """`ld.shared ticket = T[wg]`: every running thread (the warpgroup's; inside elect_one the
+    elected one) reads the i32 smem element `src` and binds it to the immutable scalar `name` (how
+    one thread's result reaches its warpgroup: that thread writes the element, a barrier of the
+    warpgroup, then this; or the elected thread reads what it wrote itself)."""
 
     name: str
     src: SmemRef
@@ -734,7 +738,7 @@ WARPGROUP_COLLECTIVE: tuple[type, ...] = (
     WgmmaFence, Wgmma, WgmmaCommit, WgmmaWait,
     RegDecl, TileFill, TileUnary, TileBinary, TileReduce, TileMask, TileLoadGlobal, TileStoreGlobal,
     TileStoreSmem,
-    TileView, LoadShared,
+    TileView,
     TileIota, TileSelect,
 )
 

@@ -20,7 +20,7 @@ The routes, step by step (`route(workload, schedule)`; a test keeps this list tr
                pingpong (if mode="pingpong"), reg_realloc
     attention: build_loops, circular_buffer, insert_barriers, lower_tma, lower_mma,
                overlap_softmax (if mma_inflight=1), pingpong (if mode="pingpong"), epilogue,
-               reg_realloc
+               dynamic_tiles (if split_kv=1), reg_realloc
 
 The IR after each step is kept by name (`kernel.ir_after["insert_barriers"]`); the verifier
 runs after every step when `WSCHED_DEBUG` is on (always in tests), with the load/compute

@@ -122,6 +122,14 @@ class Text:
                 found[m.group(1)] = int(m.group(2))
         return found
 
+    def role_of(self, s: Stmt) -> str:
+        """The name of the role `s` is in ("" at kernel level)."""
+        for line in reversed(self.lines[:s.start + 1]):
+            m = re.match(r"  role (\w+) ", line)
+            if m:
+                return m.group(1)
+        return ""
+
     def stage_lets(self) -> dict[str, int]:
         """Lets used as a barrier slot (`let s = it % 3` for `full[s]`), with their stage count."""
         used = {name for line in self.lines for bar, name in re.findall(r"(\w+)\[(\w+)\]", line)
@@ -200,9 +208,10 @@ def wait_after_use(t):
 def producer_waits_reordered(t):
     """A later acquire in the producer's block hoisted above an earlier one on another barrier:
     waiting for a stage earlier only delays the loads (the release it waits for comes from a
-    consumer step that needs only loads issued before, with two or more stages)."""
+    consumer step that needs only loads issued before, with two or more stages). In a consumer
+    the same move can wait for the producer's next tile before the stages this tile needs."""
     for block in t.blocks:
-        waits = [s for s in block if s.head.startswith("mbarrier.wait ")]
+        waits = [s for s in block if s.head.startswith("mbarrier.wait ") and t.role_of(s) == "producer"]
         for first, later in zip(waits, waits[1:]):
             if first.head.split("[")[0] != later.head.split("[")[0]:
                 yield t.move_before(later, first, f"moved before `{first.head}`")

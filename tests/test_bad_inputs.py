@@ -354,7 +354,7 @@ PARSE = [
     ("glued-keyword", HEADER + "letx = 1 }", r"unknown word `letx`; did you mean `let`\?"),
     ("bad-character", HEADER + "@ }", r"unexpected character `@`"),
     ("nul-character", HEADER + "\x00 }", r"unexpected character"),
-    ("unknown-loop-kind", HEADER + "for i in bogus(0, 1, 1) { } }", r"unknown loop kind `bogus`; expected `serial`, `persistent` or `unroll`"),
+    ("unknown-loop-kind", HEADER + "for i in bogus(0, 1, 1) { } }", r"unknown loop kind `bogus`; expected `serial`, `persistent`, `unroll` or `dynamic`"),
     ("unknown-tile-op", HEADER + "tile.frob a, b }", r"unknown tile op `tile\.frob`"),
     ("unknown-setmaxnreg", HEADER + "setmaxnreg.up 40 }", r"unknown instruction `setmaxnreg\.up`"),
     ("let-without-value", HEADER + "let x = }", r"unexpected `}`; expected an expression"),

@@ -418,7 +418,7 @@ def test_error_declaration_after_statements():
      "unknown reduction `tile.reduce.mean`; expected `tile.reduce.sum` or `tile.reduce.max`; "
      "did you mean `tile.reduce.max`?"),
     ("serial", "sequential", (3, 12),
-     "unknown loop kind `sequential`; expected `serial`, `persistent` or `unroll`; "
+     "unknown loop kind `sequential`; expected `serial`, `persistent`, `unroll` or `dynamic`; "
      "did you mean `serial`?"),
     ("tile.exp x, x", "setmaxnreg.add 40", (6, 5),
      "unknown instruction `setmaxnreg.add`; expected `setmaxnreg.inc` or `setmaxnreg.dec`; "

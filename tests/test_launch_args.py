@@ -15,6 +15,7 @@ import pytest
 import torch
 from cuda.bindings import driver
 
+from wsched.kernel import CompiledKernel
 from wsched.codegen import cuda_driver, launch
 from wsched.codegen.cuda_driver import CudaError, check_cuda
 from wsched.codegen.launch import (
@@ -632,6 +633,8 @@ class FakeGpu:
         monkeypatch.setattr(launch, "check_tensor", functools.partial(check_tensor, require_cuda=False))
         monkeypatch.setattr(launch, "sm_count", lambda device=None: 132)
         monkeypatch.setattr(tma, "tensor_map_for", self._encode)
+        workspace = CompiledKernel._workspace   # scratch tensors (a tile counter) on the CPU
+        monkeypatch.setattr(CompiledKernel, "_workspace", lambda k, p, scalars, device: workspace(k, p, scalars, "cpu"))
 
     def _encode(self, tensor, box, swizzle, name):
         self.encoded.append((name, tensor.data_ptr()))
@@ -687,6 +690,9 @@ def _expected_bytes(k, tensors, out, sizes):
             shape = [s if isinstance(s, int) else sizes[s.name] for s in (getattr(e, "value", e) for e in p.shape)]
             expected.append(_map_with(FakeGpu.map_bytes(p.name, t.data_ptr(), shape, p.box)))
             expected[-1] = ctypes.string_at(expected[-1].getPtr(), PARAM_BYTES["tensor_map"])
+        elif isinstance(p, ir.WorkspaceParam):   # the kernel's own scratch tensor (a causal tile counter)
+            held = next(v[-1] for (name, _), v in k._workspaces.items() if name == p.name)
+            expected.append(held.data_ptr().to_bytes(8, "little"))
         elif isinstance(p, ir.GlobalParam):
             expected.append(by_name[p.name].data_ptr().to_bytes(8, "little"))
         elif p.name in sizes:

@@ -344,7 +344,7 @@ STRUCTURAL = [
         f"IR line 50 ({WHERE_TILE} > let x): min() takes 2 arguments, not 1",
     ], id="call-arity"),
     pytest.param(lambda: edit(matmul(), CAST, ir.For("j", C(0), C(4), C(0), "parallel", ())), [
-        f"IR line 50 ({WHERE_TILE} > for j): loop kind `parallel` is not one of serial, persistent, unroll",
+        f"IR line 50 ({WHERE_TILE} > for j): loop kind `parallel` is not one of serial, persistent, unroll, dynamic",
         f"IR line 50 ({WHERE_TILE} > for j): step 0: a loop counts up; use a step >= 1",
     ], id="loop-kind-and-step"),
     # references
@@ -963,19 +963,19 @@ def test_equivalent_producer_wait_orders_verify(order):
 
 
 WHERE_PRODUCER_K = "role producer > elect_one > for tile > for k"
-FIRST_SAMPLE = "at tile=0, k=0 (batch0=256, batch1=384, S=320, T=192, section=1, cta_id=0, num_ctas=2)"
+FIRST_SAMPLE = "at tile=0, k=0 (batch0=256, batch1=384, S=320, T=192, section=8, cta_id=0, num_ctas=2)"
 
 
 def test_wait_after_the_fill_names_the_acquire_rule():
     late = attention_text().replace(V_WAIT, "").replace(V_EXPECT, V_EXPECT + V_WAIT)
     assert attention_problems(late) == [
-        f"IR line 53 ({WHERE_PRODUCER_K} > mbarrier.arrive_expect_tx): {FIRST_SAMPLE} the producer fills stage 0 "
-        f"without waiting on v_empty first: its wait on v_empty (IR line 54) comes after the fill, move it above; "
+        f"IR line 62 ({WHERE_PRODUCER_K} > mbarrier.arrive_expect_tx): {FIRST_SAMPLE} the producer fills stage 0 "
+        f"without waiting on v_empty first: its wait on v_empty (IR line 63) comes after the fill, move it above; "
         f"every fill waits for the stage to be free",
     ]
     both_late = attention_text().replace(K_WAIT, "").replace(V_WAIT, V_WAIT + K_WAIT)
     assert attention_problems(both_late) == [
-        f"IR line 49 ({WHERE_PRODUCER_K} > mbarrier.arrive_expect_tx): the producer announces k_full[s] without first "
+        f"IR line 58 ({WHERE_PRODUCER_K} > mbarrier.arrive_expect_tx): the producer announces k_full[s] without first "
         f"waiting for the stage to be free; put `mbarrier.wait empty[...] phase(ph ^ 1)` (producer_acquire) before it",
     ]
 
@@ -983,7 +983,7 @@ def test_wait_after_the_fill_names_the_acquire_rule():
 def test_a_repeated_wait_with_the_other_parity_is_a_use():
     text = attention_text().replace(K_WAIT, K_WAIT + K_WAIT.replace("ph ^ 1", "ph"))
     assert attention_problems(text) == [
-        f"IR line 50 ({WHERE_PRODUCER_K} > mbarrier.wait): {FIRST_SAMPLE} the producer waits on k_empty stage 0 with "
+        f"IR line 59 ({WHERE_PRODUCER_K} > mbarrier.wait): {FIRST_SAMPLE} the producer waits on k_empty stage 0 with "
         f"phase(0), its 1st use of the stage; the parity must be 1, the consumer's phase 0 XOR 1 (the first pass "
         f"through a stage is free, each later one waits for the previous release)",
     ]
@@ -993,8 +993,8 @@ def test_a_release_counted_twice_is_caught_on_a_long_sample():
     """Only a stage the producer fills again shows its release count: the long sample reuses them."""
     release = "        mbarrier.arrive v_empty[last_s]\n"
     assert attention_problems(attention_text().replace(release, release * 2)) == [
-        "IR line 102 (role consumer > for tile > for k > if > mbarrier.wait): the consumer releases its stages 1 or 2 "
-        "times per use (batch0=1000, batch1=1030, S=968, T=1100, section=1, cta_id=1, num_ctas=2); release every use exactly "
+        "IR line 121 (role consumer > for tile > for k > if > mbarrier.wait): the consumer releases its stages 1 or 2 "
+        "times per use (batch0=1000, batch1=1030, S=968, T=1100, section=8, cta_id=1, num_ctas=2); release every use exactly "
         "the same number of times",
     ]
 
@@ -1009,9 +1009,9 @@ def test_a_release_by_one_thread_needs_the_warpgroup_past_its_wait():
     unsynced = text.replace("      bar.sync 1 + wg, 128\n      mbarrier.arrive q_empty[0]\n", "      mbarrier.arrive q_empty[0]\n")
     assert unsynced != text
     assert problems(parse_kernel(unsynced)) == [
-        "IR line 138 (role consumer > for tile > mbarrier.arrive): at wg=0, tile=2 (batch0=256, batch1=384, S=320, "
-        "T=192, section=1, cta_id=0, num_ctas=2) one thread releases q_empty stage 0 while the other warps of its "
-        "warpgroup may not have passed the wait on q_full (IR line 85): no wgmma or bar.sync between them on this path, so the "
+        "IR line 157 (role consumer > for tile > mbarrier.arrive): at wg=0, tile=2 (batch0=1, batch1=1, S=320, "
+        "T=192, section=8, cta_id=0, num_ctas=2) one thread releases q_empty stage 0 while the other warps of its "
+        "warpgroup may not have passed the wait on q_full (IR line 104): no wgmma or bar.sync between them on this path, so the "
         "producer can complete q_full's next phase too and a late warp waits a phase behind for ever; put the "
         "warpgroup's `bar.sync 1 + wg, 128` before the release",
     ]

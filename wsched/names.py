@@ -41,12 +41,22 @@ PART_ROWS = "part_rows"   # host param: the rows of a tile queries fill (GQA-pac
 WARPGROUP_BARRIER = 1
 TOKEN_BARRIER = 3
 
+# A dynamic tile order (lowering/passes/dynamic_tiles.py): the next tile of a CTA from a global
+# counter (a zeroed workspace), handed from the producer to the consumers through a smem ring.
+TILE_COUNTER = "tile_counter"
+TILE_SLOT = "tile_slot"
+TILE_FULL = "tile_full"
+TILE_EMPTY = "tile_empty"
+TILE_NEXT = "tile_next"
+TILE_COUNT = "tile_count"
+
 OFFSETS = "offsets"   # attention with packed sequences (ws.varlen): the entries of cu_seqlens
 
 LOWERING_NAMES = frozenset({
     PRODUCER, CONSUMER, TILE_VAR, K_VAR, ACC, K_BASE, K_COUNT, K_FIRST,
     # circular buffer and wgmma protocol
-    "s", "ph", "it", "tile_iter", "prev_s", "last_s", "prev_it", "prev_ph", "last_it", "last_ph",
+    "s", "ph", "it", "tile_iter", "prev_s",
+    TILE_COUNTER, TILE_SLOT, TILE_FULL, TILE_EMPTY, TILE_NEXT, TILE_COUNT, "tile_s", "tile_ph", "fetched", "last_s", "prev_it", "prev_ph", "last_it", "last_ph",
     # tile raster
     "m0", "n0", "tile_m", "tile_n", "tiles_m", "tiles_n", "num_tiles", "k_tiles", "group_size",
     "first_m", "first_n", "group_extent",

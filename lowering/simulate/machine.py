@@ -255,6 +255,8 @@ class Machine(KernelPreparation, BarrierHandlers, AsyncHandlers, TileHandlers, G
 
     def _h_For(self, co, node):
         env = co.env
+        if node.stmt.iteration == "dynamic":
+            return self._dynamic_loop(co, node)
         start, stop, step = (self._int(co, node, f(env), "loop bound") for f in node.ex)
         if step < 1:
             raise ProtocolError(f"loop step is {step}: the CUDA loop `for (int {node.stmt.var} = start; "
@@ -266,6 +268,18 @@ class Machine(KernelPreparation, BarrierHandlers, AsyncHandlers, TileHandlers, G
                                 f"to {iterations[-1] + step}, past the CUDA's 32-bit int maximum {INT_MAX} "
                                 f"(signed overflow is undefined on the GPU): {co.where(node)}")
         return self._for_loop(co, node, iterations)
+
+    def _dynamic_loop(self, co, node):
+        """`for tile in dynamic(start, stop, next)`: while tile < stop, then tile = next."""
+        env, var = co.env, node.stmt.var
+        start_f, stop_f, next_f = node.ex
+
+        def iterations():
+            value = self._int(co, node, start_f(env), "loop start")
+            while value < self._int(co, node, stop_f(env), "loop bound"):
+                yield value
+                value = self._int(co, node, next_f(env), "the dynamic loop's next value")
+        return self._for_loop(co, node, iterations())
 
     def _for_loop(self, co, node, iterations):
         env, var, block, run = co.env, node.stmt.var, node.block, self._exec

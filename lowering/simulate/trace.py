@@ -84,7 +84,7 @@ def probe_for(s: ir.Stmt) -> Probe | None:
         return Probe(STORE, True, f"tile.store {s.tensor}")
     if isinstance(s, ir.TileStoreSmem):
         return Probe(STORE, True, f"tile.store_smem {s.dst.buffer}")
-    if isinstance(s, ir.For) and s.iteration == "persistent":
+    if isinstance(s, ir.For) and s.iteration in ("persistent", "dynamic"):
         return Probe(TILE, False, "tile {}", ir.Var(s.var))
     return None
 

@@ -248,7 +248,8 @@ class ContractCheck:
                 p_bounds = [subst(e, p_lets) for e in (pf.start, pf.stop, pf.step)]
                 c_bounds = [subst(e, c_lets) for e in (cf.start, cf.stop, cf.step)]
                 same = ([subst(e, p_rename) for e in p_bounds] == [subst(e, c_rename) for e in c_bounds]
-                        and (pf.iteration == "persistent") == (cf.iteration == "persistent"))
+                        and (pf.iteration in _TILE_LOOPS) == (cf.iteration in _TILE_LOOPS)
+                        and (pf.iteration == "dynamic") == (cf.iteration == "dynamic"))
                 if not same:
                     spell = lambda f, b: f"{f.iteration}({', '.join(expr_text(e) for e in b)})"  # noqa: E731
                     self.r.at(cpath, f"the consumer's for {cf.var} runs {spell(cf, c_bounds)} but the "
@@ -338,6 +339,9 @@ def _samples(kernel: ir.Kernel) -> list[_Sample]:
 _SAMPLE_SMS = 132   # the SM count host params are computed for (an H100 / H200)
 
 
+_TILE_LOOPS = ("persistent", "dynamic")   # a CTA's tile loop: strided or taken from a counter
+
+
 @dataclass(frozen=True)
 class _Event:
     op: str                            # wait | arrive | expect_tx | mma | commit | mma_wait |
@@ -391,6 +395,15 @@ class _Tracer:
                 env[s.name] = self._eval(s.value, env)
             elif isinstance(s, ir.Assign):
                 env[s.name] = self._eval(s.value, env)
+            elif isinstance(s, ir.For) and s.iteration == "dynamic":
+                # the next tile is the body's `var` (a counter's value: a ld.shared reads 0 here)
+                v, stop = self._eval(s.start, env), self._eval(s.stop, env)
+                for n in range(self.PERSISTENT_TILES):
+                    if v >= stop:
+                        break
+                    env[s.var] = v
+                    self._exec(s.body, path, env, point + ((s.var, v),), out)
+                    v = self._eval(s.step, env)
             elif isinstance(s, ir.For):
                 start, stop, step = (self._eval(e, env) for e in (s.start, s.stop, s.step))
                 if step <= 0:

@@ -311,7 +311,14 @@ class StructureCheck(TileChecks, GlobalSyncChecks, RoleChecks):
         if s.iteration not in ir.LOOP_KINDS:
             self.r.at(path, f"loop kind `{s.iteration}` is not one of {', '.join(ir.LOOP_KINDS)}")
         step = constant(s.step)
-        if isinstance(step, (int, float)) and step <= 0:
+        if s.iteration == "dynamic":
+            b = scope.get(s.step.name) if isinstance(s.step, ir.Var) else None
+            if b is None or b.what != "var" or not any(isinstance(x, ir.Assign) and x.name == s.step.name
+                                                       for x in ir.walk(s.body)):
+                self.r.at(path, f"dynamic({expr_text(s.start)}, {expr_text(s.stop)}, {expr_text(s.step)}): the "
+                                f"next value of a dynamic loop is a `var` declared before the loop that its body "
+                                f"sets (`set {expr_text(s.step)} = ...`)")
+        elif isinstance(step, (int, float)) and step <= 0:
             self.r.at(path, f"step {expr_text(s.step)}: a loop counts up; use a step >= 1")
         inner = dict(scope)
         self._declare(s.var, "loop variable", path, inner, s)

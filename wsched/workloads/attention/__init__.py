@@ -11,6 +11,7 @@ Its own passes: overlap_softmax (mma_inflight=1) and pingpong (mode="pingpong").
 from __future__ import annotations
 
 from wsched.lowering.context import Step
+from wsched.lowering.passes import dynamic_tiles
 from wsched.schedule import ScheduleError, is_int
 from wsched.workloads.base import Workload
 
@@ -33,6 +34,9 @@ class AttentionWorkload(Workload):
         # Token passing around the GEMM issue that overlap_softmax grouped together.
         Step("pingpong", pingpong.run, True, lambda s: s.mode == "pingpong", 'mode="pingpong"'),
     )
+    # Tiles of unequal work (a mask bounds the keys by the row; packed sequences) are dealt out
+    # from a counter (build_loops declares it): the shared pass reads the workspace.
+    late_passes = (Step("dynamic_tiles", dynamic_tiles.run, True, lambda s: not s.splits_kv, "split_kv=1"),)
 
     def check_values(self, part, tensors: dict) -> None:
         partition.check_cache_values(part, tensors)

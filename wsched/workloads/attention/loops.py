@@ -38,11 +38,11 @@ import math
 from wsched.lowering import ir
 from wsched.lowering.context import LoweringContext
 from wsched.names import (CONSUMER, K_COUNT, K_FIRST, K_VAR, OFFSETS, PART_L, PART_M, PART_O, PART_ROWS, PRODUCER, SPLITS, TICKETS,
-                          TILE_VAR)
+                          TILE_COUNTER, TILE_VAR)
 from wsched.workloads.batch import batch_index_lets
 
 from .score import Bound, SideInput
-from .schedule import FEW_SPLIT_TILES, MIN_KV_BLOCKS_PER_SPLIT, chunk_columns
+from .schedule import FEW_SPLIT_TILES, MIN_KV_BLOCKS_PER_SPLIT, THIN_MARGIN_VALUE_DIM, chunk_columns
 from .score_ops import ScoreOps
 
 LOG2E = 1.0 / math.log(2.0)
@@ -88,8 +88,11 @@ def build_loops(kernel: None, ctx: LoweringContext) -> ir.Kernel:
         params.append(ir.ScalarParam(a.keys, "i32"))
     if s.splits_kv:
         params.append(ir.HostParam(SPLITS, "i32", split_count(s, nb, rows, a.keys)))
+    if takes_tiles_from_counter(a, s):
+        params.append(ir.WorkspaceParam(TILE_COUNTER, "i32", (C(1),), zeroed=True))
     if _rows_bound_keys(a.score):
-        params.append(ir.HostParam(SECTION, "i32", section_heads(m_blocks_of(a, bm))))
+        params.append(ir.HostParam(SECTION, "i32", dynamic_section_heads() if takes_tiles_from_counter(a, s)
+                                   else section_heads(m_blocks_of(a, bm))))
     ones = (1,) * nb
     q_name, k_name, v_name = (c.loads[0].tensor for c in part.channels)
     if vl:   # packed [N, *heads, D] read as [N, heads x D]: a tile's head is a run of columns
@@ -309,6 +312,29 @@ def split_count(s, nb: int, rows: ir.Expr, keys: str = "T") -> ir.Expr:
     units = ir.emax(1, ir.div("num_sms", ir.mul(tiles, ir.add(1, few))))
     wanted = ir.emin(ir.emin(s.split_kv, longest), units)
     return ir.ceil_div(blocks, ir.ceil_div(blocks, wanted))
+
+
+def takes_tiles_from_counter(a, s) -> bool:
+    """Whether each CTA takes its next tile from a counter (passes/dynamic_tiles.py): where tiles
+    differ in work (a mask bounds the keys by the row; packed sequences of their own lengths), so
+    that the CTAs end together, unless split-KV (its units are even) or at the value dim with no
+    register margin (the counter's scalars spilled 12 bytes beside a paged producer at 256, nvcc
+    2026-11-24)."""
+    return (not s.splits_kv and s.value_dim != THIN_MARGIN_VALUE_DIM
+            and (_rows_bound_keys(a.score) or a.varlen is not None))
+
+
+# With the tiles taken from a counter, a section of heads walked heaviest m-block first has
+# num_sms / DYNAMIC_SECTION_SMS heads (8 on 132 SMs: some 16 tiles of each head in flight, which
+# share its K and V in L2). Measured on an H100 against sections of 1, 4, 16 heads and the static
+# rule (2026-11-24, causal D128 TFLOP/s, one head / 8 heads): B4 H16 S4096 555 / 573, S2000 412 /
+# 452, B1 H16 S8192 574 / 622, S16384 612 / 645, GQA B4 H32/8 S4096 579 / 591; 4 heads within 2%
+# of 8, 16 lower at D96 and S16384; all heads at once (64) 405 at S4096 (K and V out of L2).
+DYNAMIC_SECTION_SMS = 16
+
+
+def dynamic_section_heads() -> ir.Expr:
+    return ir.emax(1, ir.div("num_sms", DYNAMIC_SECTION_SMS))
 
 
 def section_heads(m_blocks: ir.Expr) -> ir.Expr:
