@@ -139,17 +139,17 @@ def test_split_partials_keep_only_the_rows_queries_fill(g, s, rows, bm, num_sms)
     check(kernel, fusion, inputs, num_sms=num_sms)
 
 
-@pytest.mark.parametrize("head_dim, num_sms, section", [(256, 3, 1), (256, 12, 4), (256, 24, 1),
-                                                        (64, 3, 1), (64, 40, 2), (64, 64, 4)])
-def test_long_causal_sequences_walk_sections_heaviest_first(head_dim, num_sms, section):
-    """6 m-blocks a head. The static order (head dim 256): on 12 SMs (m-blocks >= half the SMs)
-    sections of 4 heads then 2, each heaviest m-block first across its heads; on 3 SMs two waves
-    are one head's tiles, on 24 the heads are short: one head after another. Tiles taken from a
-    counter (head dim 64) walk sections of num_sms / 16 heads."""
-    fusion = make_attention(head_dim, causal=True, lse=True)
-    kernel = compiled(fusion)
-    assert ("tile_counter" in {p.name for p in kernel.kernel.params}) == (head_dim != 256)
-    inputs = attention_inputs(2, 3, 700, 700, head_dim, seed=num_sms)
+@pytest.mark.parametrize("split, num_sms, section", [(True, 3, 1), (True, 12, 4), (True, 24, 1),
+                                                    (False, 3, 1), (False, 40, 2), (False, 64, 4)])
+def test_long_causal_sequences_walk_sections_heaviest_first(split, num_sms, section):
+    """6 m-blocks a head. The static order (a split-KV kernel): on 12 SMs (m-blocks >= half the
+    SMs) sections of 4 heads then 2, each heaviest m-block first across its heads; on 3 SMs two
+    waves are one head's tiles, on 24 the heads are short: one head after another. Tiles taken
+    from a counter walk sections of num_sms / 16 heads."""
+    fusion = make_attention(64, causal=True, lse=True)
+    kernel = compiled(fusion, **({"split_kv": MAX_SPLIT_KV} if split else {}))
+    assert ("tile_counter" in {p.name for p in kernel.kernel.params}) == (not split)
+    inputs = attention_inputs(2, 3, 700, 700, 64, seed=num_sms)
     _, scalars, _ = kernel._bind_inputs(inputs)
     assert kernel._host_params(scalars, num_sms)["section"] == section
     check(kernel, fusion, inputs, num_sms=num_sms)

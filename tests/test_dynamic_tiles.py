@@ -16,7 +16,7 @@ from wsched.lowering.printer import print_kernel
 from wsched.lowering.verify import VerifyError, verify
 from wsched.workloads.attention.schedule import MAX_SPLIT_KV
 
-from attention_fusions import attention_inputs, make_attention, make_variant
+from attention_fusions import attention_inputs, make_attention, make_paged_attention, make_variant
 
 
 def compiled(fusion, **overrides):
@@ -42,8 +42,8 @@ def test_causal_tiles_come_from_the_counter_in_both_roles():
 @pytest.mark.parametrize("fusion, overrides", [
     (make_attention(64), {}),                                                   # tiles of equal work
     (make_attention(64, causal="bottom_right", lse=True), {"split_kv": MAX_SPLIT_KV}),   # split-KV units
-    (make_attention(256, causal=True), {}),                                     # no register margin
-], ids=["not-causal", "split-kv", "d256"])
+    (make_paged_attention(256, 16, causal=True, lse=True), {}),                 # no register margin
+], ids=["not-causal", "split-kv", "paged-d256"])
 def test_static_tile_loops_where_the_counter_does_not_apply(fusion, overrides):
     kernel = ws.lower(fusion, **overrides)
     assert {loop.iteration for _, loop in tile_loops(kernel)} == {"persistent"}
@@ -56,6 +56,7 @@ def test_ctas_take_tiles_from_the_counter_and_match_the_reference(variant, num_s
     heads. Outputs poisoned (the simulator's fresh outputs are NaN); the counter is left at 0."""
     f = make_variant(64, variant, window=200)
     k = compiled(f)
+    assert {loop.iteration for _, loop in tile_loops(k.kernel)} == {"dynamic"}
     q, kk, v = attention_inputs(3, 4, 500, 500, 64, seed=seed)   # 12 heads x 4 m-blocks = 48 tiles
     o, lse = k.simulate(q, kk, v, num_sms=num_sms, seed=seed)
     ro, rlse = f.reference(q, kk, v)

@@ -21,7 +21,8 @@ and hands it to the consumer warpgroups through a two-slot ring in shared memory
                   mbarrier.arrive tile_full[tile_s]
       consumers:  mbarrier.wait tile_full[tile_s] phase(tile_ph)
       both:       ld.shared fetched = tile_slot[tile_s]
-      consumers:  mbarrier.arrive tile_empty[tile_s]
+      consumers:  bar.sync 1 + wg, 128            every warp has read before one thread releases
+                  mbarrier.arrive tile_empty[tile_s]
       both:       set tile_next = fetched + num_ctas
       set tile_count = tile_count + 1
     }
@@ -43,7 +44,8 @@ from __future__ import annotations
 from dataclasses import replace
 
 from wsched.names import (CONSUMER, PRODUCER, TILE_COUNT, TILE_COUNTER, TILE_EMPTY, TILE_FULL, TILE_NEXT,
-                          TILE_SLOT, TILE_VAR)
+                          TILE_SLOT, TILE_VAR, WARPGROUP_BARRIER)
+from wsched.target import WARPGROUP_THREADS
 
 from .. import ir
 from ..context import LoweringContext
@@ -73,6 +75,8 @@ def run(kernel: ir.Kernel, ctx: LoweringContext) -> ir.Kernel:
     consumer = (
         ir.MbarrierWait(ir.BarRef(TILE_FULL, V("tile_s")), V("tile_ph")),
         ir.LoadShared("fetched", slot),
+        # one thread releases the slot for its warpgroup: every warp past its wait and read first
+        ir.NamedBarrierSync(ir.add(WARPGROUP_BARRIER, "wg"), WARPGROUP_THREADS),
         ir.MbarrierArrive(ir.BarRef(TILE_EMPTY, V("tile_s"))),
         take,
     )

@@ -58,7 +58,7 @@ def epilogue(kernel: ir.Kernel, ctx: LoweringContext) -> ir.Kernel:
         tail += [ir.TileUnary("log", "l_run", "l_run"),
                  ir.TileBinary("mul", "m_run", "m_run", ir.FloatConst(LN2)),
                  ir.TileBinary("add", "l_run", "l_run", "m_run"),
-                 *(bias_lse(a.scale) if a.score.bias else ()),
+                 *(bias_lse(a.score, a.scale) if a.score.bias else ()),
                  ir.TileStoreGlobal("lse", lse_coords, "l_run", limit)]
 
     decls = [ir.RegDecl("o_t", a.out.dtype.name, (64, d))]

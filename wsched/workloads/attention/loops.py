@@ -317,10 +317,11 @@ def split_count(s, nb: int, rows: ir.Expr, keys: str = "T") -> ir.Expr:
 def takes_tiles_from_counter(a, s) -> bool:
     """Whether each CTA takes its next tile from a counter (passes/dynamic_tiles.py): where tiles
     differ in work (a mask bounds the keys by the row; packed sequences of their own lengths), so
-    that the CTAs end together, unless split-KV (its units are even) or at the value dim with no
-    register margin (the counter's scalars spilled 12 bytes beside a paged producer at 256, nvcc
-    2026-11-24)."""
-    return (not s.splits_kv and s.value_dim != THIN_MARGIN_VALUE_DIM
+    that the CTAs end together, unless split-KV (its units are even) or beside a paged producer at
+    the value dim with no register margin (the counter's scalars spilled 12 bytes there, nvcc
+    2026-11-24; the 28 unpaged causal, softcap-window, ALiBi and GQA schedules of the search space
+    at 256 build without spills)."""
+    return (not s.splits_kv and (s.value_dim != THIN_MARGIN_VALUE_DIM or a.paged is None)
             and (_rows_bound_keys(a.score) or a.varlen is not None))
 
 
@@ -365,11 +366,17 @@ def _running_state(sink, tiles: dict) -> tuple[ir.Stmt, ...]:
 BIAS_WEIGHT, BIAS_TERM, BIAS_COLS = "bias_w", "bias_u", "bias_t"
 
 
+def _bottom_right(sf) -> bool:
+    """Whether a mask aligns the diagonal bottom-right (query i sees the keys up to T - S + i)."""
+    return any(b.shifted for m in sf.masks if m.analysed for b in m.upper + m.lower)
+
+
 def _bias(sf, tiles: dict, row: ir.Expr, rows0: ir.Expr, scale: float):
     """The diagonal bias (`score.DiagonalBias`) as tile ops: (once per tile, the weight
     w = sum of coef / scale * u, one number; per kv block before the inner score, w * (j - r) on a
-    [1, BN] tile, r = rows0; after it, that tile added to the scores). The row's rest,
-    w * (r - i), goes to the LSE (`bias_lse`)."""
+    [1, BN] tile; after it, that tile added to the scores). r is the warpgroup's first row, and
+    T - S further where the diagonal is aligned bottom-right (a decode step), so that j - r is
+    small where a row's weight lies. The row's rest, w * (r - i), goes to the LSE (`bias_lse`)."""
     if not sf.bias:
         return (), (), ()
     f, weight = ir.FloatConst, []
@@ -383,16 +390,17 @@ def _bias(sf, tiles: dict, row: ir.Expr, rows0: ir.Expr, scale: float):
             weight.append(ir.TileFill(target, f(term.coef / scale)))
         if n:
             weight.append(ir.TileBinary("add", BIAS_WEIGHT, BIAS_WEIGHT, BIAS_TERM))
-    cols = (ir.TileIota(BIAS_COLS, 1, ir.sub(row, rows0)),
+    r = ir.add(rows0, ir.sub("T", "S")) if _bottom_right(sf) else rows0
+    cols = (ir.TileIota(BIAS_COLS, 1, ir.sub(row, r)),
             ir.TileBinary("mul", BIAS_COLS, BIAS_COLS, BIAS_WEIGHT))
     return tuple(weight), cols, (ir.TileBinary("add", "s_acc", "s_acc", BIAS_COLS),)
 
 
-def bias_lse(scale: float) -> tuple[ir.Stmt, ...]:
-    """The diagonal bias's part along a row, scale * w * (r - i), added to the LSE `l_run`; the
-    dead `m_run` holds it."""
+def bias_lse(sf, scale: float) -> tuple[ir.Stmt, ...]:
+    """The diagonal bias's part along a row, scale * w * (r - i) (r as `_bias` takes it), added to
+    the LSE `l_run`; the dead `m_run` holds i - r first."""
     f = ir.FloatConst
-    return (ir.TileIota("m_run", 0, C(0)),
+    return (ir.TileIota("m_run", 0, ir.sub("S", "T") if _bottom_right(sf) else C(0)),
             ir.TileBinary("mul", "m_run", "m_run", BIAS_WEIGHT),
             ir.TileBinary("mul", "m_run", "m_run", f(-scale)),
             ir.TileBinary("add", "l_run", "l_run", "m_run"))

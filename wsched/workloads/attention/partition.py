@@ -145,10 +145,12 @@ def describe(part: Partition) -> str:
                *(["      (bottom-right: rows with no visible key keep m = -1e30, store O = 0, LSE = -inf)"]
                  if a.causal == "bottom_right" else [])]
               if plain else score_lines(part.fusion, sf))
+    from .loops import takes_tiles_from_counter   # (loops reads this module's payload)
+    order = "dynamic" if takes_tiles_from_counter(a, s) else "persistent"   # tiles from a counter
     lines = [f"partition of {part.fusion.name} (attention {s.short()})", "",
              "load sub-DAG  (producer: 1 warp of 1 warpgroup, elected thread)",
-             (f"  for tile in persistent({batch} x ceil(S/{bm}) tiles):" if a.varlen is None else
-              f"  for tile in persistent(batch1.. x (S_packed/{bm} + batch0) blocks, each sequence's own):"),
+             (f"  for tile in {order}({batch} x ceil(S/{bm}) tiles):" if a.varlen is None else
+              f"  for tile in {order}(batch1.. x (S_packed/{bm} + batch0) blocks, each sequence's own):"),
              f"    tma.load {(a.varlen or a).q.id} -> Q   {bm} x {d} once per tile   (channel q)",
              *([f"    T = min({sf.lengths.node.id}[b0], T_cache)   (this sequence's keys)"] if sf.lengths else []),
              *([f"    sequence b0 of the tile's block (a binary search over {a.varlen.cu_q.id}); S, T its queries and "
@@ -156,7 +158,7 @@ def describe(part: Partition) -> str:
              f"    for k in range({kv}):",
              *(_load_lines(a, bn, d, s.value_dim)), "",
              f"compute sub-DAG  (consumers: {s.consumer_warpgroups} warpgroups x 64 query rows)",
-             "  for tile in persistent(same tiles, same order):",
+             f"  for tile in {order}(same tiles, same order{', the producer hands each next tile over' if order == 'dynamic' else ''}):",
              f"    for k in range({kv}):",
              *scores,
              *([f"      attention sink {a.sink if not isinstance(a.sink, SideInput) else a.sink.node.id}: the online "
