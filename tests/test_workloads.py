@@ -16,7 +16,7 @@ from wsched.workloads import ATTENTION, MATMUL, WORKLOADS, workload_for, workloa
 from wsched.workloads.attention.schedule import AttentionSchedule
 from wsched.workloads.matmul.schedule import MatmulSchedule
 
-from attention_fusions import make_attention
+from attention_fusions import make_attention, make_biased
 from fusions import linear_relu_residual, matmul, mlp, scaled_silu_f32
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -75,7 +75,8 @@ def test_pipeline_docstring_lists_every_route():
 @pytest.mark.parametrize("fusion, overrides", [
     (matmul, {}), (mlp, dict(epilogue="direct")), (linear_relu_residual, {}), (scaled_silu_f32, {}),
     (make_attention(128, causal=True, lse=True), {}), (make_attention(64, causal="bottom_right", gqa=True), {}),
-    (make_attention(64), dict(mode="pingpong"))], ids=lambda x: getattr(x, "name", str(x)))
+    (make_attention(64), dict(mode="pingpong")),
+    (make_biased(lambda s, i, j, u, p: s + u * (j - i) + 0.5 * (j - i)), {})], ids=lambda x: getattr(x, "name", str(x)))
 def test_every_name_the_lowering_declares_is_reserved(fusion, overrides):
     """A fusion input named like any of these is renamed (`param_name`), so the set must hold
     every name a pass invents."""

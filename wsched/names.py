@@ -50,13 +50,20 @@ TILE_EMPTY = "tile_empty"
 TILE_NEXT = "tile_next"
 TILE_COUNT = "tile_count"
 
+# Attention's diagonal bias (score.DiagonalBias): its weight per tile, a term of it, and the
+# [1, BN] tile of w * (j - r) a kv block adds to the scores.
+BIAS_WEIGHT = "bias_w"
+BIAS_TERM = "bias_u"
+BIAS_COLS = "bias_t"
+
 OFFSETS = "offsets"   # attention with packed sequences (ws.varlen): the entries of cu_seqlens
 
 LOWERING_NAMES = frozenset({
     PRODUCER, CONSUMER, TILE_VAR, K_VAR, ACC, K_BASE, K_COUNT, K_FIRST,
     # circular buffer and wgmma protocol
-    "s", "ph", "it", "tile_iter", "prev_s",
-    TILE_COUNTER, TILE_SLOT, TILE_FULL, TILE_EMPTY, TILE_NEXT, TILE_COUNT, "tile_s", "tile_ph", "fetched", "last_s", "prev_it", "prev_ph", "last_it", "last_ph",
+    "s", "ph", "it", "tile_iter", "prev_s", "last_s", "prev_it", "prev_ph", "last_it", "last_ph",
+    # dynamic tile order
+    TILE_COUNTER, TILE_SLOT, TILE_FULL, TILE_EMPTY, TILE_NEXT, TILE_COUNT, "tile_s", "tile_ph", "fetched",
     # tile raster
     "m0", "n0", "tile_m", "tile_n", "tiles_m", "tiles_n", "num_tiles", "k_tiles", "group_size",
     "first_m", "first_n", "group_extent",
@@ -64,7 +71,7 @@ LOWERING_NAMES = frozenset({
     "wg", "cta_id", "num_ctas", "num_sms", "M", "N", "K", "S", "T",
     # attention
     "m_blocks", "m_block", "kv_blocks", "rest", "s_acc", "p", "o_acc", "m_run", "l_run", "m_blk",
-    "corr", "o_t", "o", "lse", "heads", "G", "work", "kv_all", "kv_per", "kv_skip", PART_O, PART_M, PART_L, PART_ROWS, "o_j", "l_blk", "section", "first_head", "section_heads", "in_section",
+    "corr", "o_t", "o", "lse", BIAS_WEIGHT, BIAS_TERM, BIAS_COLS, "heads", "G", "work", "kv_all", "kv_per", "kv_skip", PART_O, PART_M, PART_L, PART_ROWS, "o_j", "l_blk", "section", "first_head", "section_heads", "in_section",
     # attention: packed sequences (ws.varlen)
     OFFSETS, "S_packed", "T_packed", "search_steps", "v_block", "seq", "span", "step", "half", "mid", "cu_mid",
     "q_start", "q_end", "k_start", "head", "kv_head", "go", "q_off0", "q_off1", "k_off0", "k_off1",

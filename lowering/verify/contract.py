@@ -248,8 +248,7 @@ class ContractCheck:
                 p_bounds = [subst(e, p_lets) for e in (pf.start, pf.stop, pf.step)]
                 c_bounds = [subst(e, c_lets) for e in (cf.start, cf.stop, cf.step)]
                 same = ([subst(e, p_rename) for e in p_bounds] == [subst(e, c_rename) for e in c_bounds]
-                        and (pf.iteration in _TILE_LOOPS) == (cf.iteration in _TILE_LOOPS)
-                        and (pf.iteration == "dynamic") == (cf.iteration == "dynamic"))
+                        and _tile_kind(pf) == _tile_kind(cf))
                 if not same:
                     spell = lambda f, b: f"{f.iteration}({', '.join(expr_text(e) for e in b)})"  # noqa: E731
                     self.r.at(cpath, f"the consumer's for {cf.var} runs {spell(cf, c_bounds)} but the "
@@ -339,7 +338,10 @@ def _samples(kernel: ir.Kernel) -> list[_Sample]:
 _SAMPLE_SMS = 132   # the SM count host params are computed for (an H100 / H200)
 
 
-_TILE_LOOPS = ("persistent", "dynamic")   # a CTA's tile loop: strided or taken from a counter
+def _tile_kind(loop: ir.For) -> str:
+    """A CTA's tile loop, strided (`persistent`) or taken from a counter (`dynamic`), or another
+    loop (serial and unroll walk the same iterations)."""
+    return loop.iteration if loop.iteration in ("persistent", "dynamic") else "serial"
 
 
 @dataclass(frozen=True)

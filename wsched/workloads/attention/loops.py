@@ -37,7 +37,7 @@ import math
 
 from wsched.lowering import ir
 from wsched.lowering.context import LoweringContext
-from wsched.names import (CONSUMER, K_COUNT, K_FIRST, K_VAR, OFFSETS, PART_L, PART_M, PART_O, PART_ROWS, PRODUCER, SPLITS, TICKETS,
+from wsched.names import (BIAS_COLS, BIAS_TERM, BIAS_WEIGHT, CONSUMER, K_COUNT, K_FIRST, K_VAR, OFFSETS, PART_L, PART_M, PART_O, PART_ROWS, PRODUCER, SPLITS, TICKETS,
                           TILE_COUNTER, TILE_VAR)
 from wsched.workloads.batch import batch_index_lets
 
@@ -88,10 +88,11 @@ def build_loops(kernel: None, ctx: LoweringContext) -> ir.Kernel:
         params.append(ir.ScalarParam(a.keys, "i32"))
     if s.splits_kv:
         params.append(ir.HostParam(SPLITS, "i32", split_count(s, nb, rows, a.keys)))
-    if takes_tiles_from_counter(a, s):
+    counter = takes_tiles_from_counter(a, s)
+    if counter:
         params.append(ir.WorkspaceParam(TILE_COUNTER, "i32", (C(1),), zeroed=True))
     if _rows_bound_keys(a.score):
-        params.append(ir.HostParam(SECTION, "i32", dynamic_section_heads() if takes_tiles_from_counter(a, s)
+        params.append(ir.HostParam(SECTION, "i32", dynamic_section_heads() if counter
                                    else section_heads(m_blocks_of(a, bm))))
     ones = (1,) * nb
     q_name, k_name, v_name = (c.loads[0].tensor for c in part.channels)
@@ -361,9 +362,6 @@ def _running_state(sink, tiles: dict) -> tuple[ir.Stmt, ...]:
     return (ir.TileFill("l_run", f(1.0)), ir.TileFill("m_run", f(0.0)),
             ir.TileBinary("add", "m_run", "m_run", tiles[sink.node.id][0]),
             ir.TileBinary("mul", "m_run", "m_run", f(LOG2E)))
-
-
-BIAS_WEIGHT, BIAS_TERM, BIAS_COLS = "bias_w", "bias_u", "bias_t"
 
 
 def _bottom_right(sf) -> bool:

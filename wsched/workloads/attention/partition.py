@@ -28,6 +28,7 @@ from wsched.target import PAGE_ROWS_ALIGN, WGMMA_OPERAND_DTYPES
 from . import score
 from .schedule import (VALUE_DIMS, AttentionSchedule, chunk_columns, head_dims_text, max_keys_per_block,
                        PAGED_SPLIT_KV_SPILLS, paged_producer_registers)
+from .loops import takes_tiles_from_counter
 from .score import ScoreFunction, SideInput
 
 
@@ -145,8 +146,8 @@ def describe(part: Partition) -> str:
                *(["      (bottom-right: rows with no visible key keep m = -1e30, store O = 0, LSE = -inf)"]
                  if a.causal == "bottom_right" else [])]
               if plain else score_lines(part.fusion, sf))
-    from .loops import takes_tiles_from_counter   # (loops reads this module's payload)
     order = "dynamic" if takes_tiles_from_counter(a, s) else "persistent"   # tiles from a counter
+    handed = ", the producer hands each next tile over" if order == "dynamic" else ""
     lines = [f"partition of {part.fusion.name} (attention {s.short()})", "",
              "load sub-DAG  (producer: 1 warp of 1 warpgroup, elected thread)",
              (f"  for tile in {order}({batch} x ceil(S/{bm}) tiles):" if a.varlen is None else
@@ -158,7 +159,7 @@ def describe(part: Partition) -> str:
              f"    for k in range({kv}):",
              *(_load_lines(a, bn, d, s.value_dim)), "",
              f"compute sub-DAG  (consumers: {s.consumer_warpgroups} warpgroups x 64 query rows)",
-             f"  for tile in {order}(same tiles, same order{', the producer hands each next tile over' if order == 'dynamic' else ''}):",
+             f"  for tile in {order}(same tiles, same order{handed}):",
              f"    for k in range({kv}):",
              *scores,
              *([f"      attention sink {a.sink if not isinstance(a.sink, SideInput) else a.sink.node.id}: the online "

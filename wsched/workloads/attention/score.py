@@ -96,12 +96,13 @@ class DiagonalBias:
     each u an input with one value per tile (per head or batch), `coef` in units of the final
     score (the scale factors around it applied).
 
-    The kernel adds `coef * u * (j - r)` to each score, r the first query row of the row block,
-    and the rest, `coef * u * (r - i)`, the same for every key of a row, only to the LSE: a
-    row's softmax does not change when one number is added to all its scores. That is one add
-    per score on a [1, BN] tile computed per kv block, where `u * (j - i)` itself takes three;
-    and near the diagonal, where a row's weight is, j - r is small, so the scores keep their
-    fp32 precision at any sequence length (a bias split as `u j - u i` would not)."""
+    The kernel adds `coef * u * (j - r)` to each score, r the first query row of the row block
+    (T - S further where the diagonal is aligned bottom-right), and the rest, `coef * u * (r - i)`,
+    the same for every key of a row, only to the LSE: a row's softmax does not change when one
+    number is added to all its scores. That is one add per score on a [1, BN] tile computed per
+    kv block, where `u * (j - i)` itself takes three; and near the diagonal, where a row's weight
+    is, j - r is small, so the scores keep their fp32 precision at any sequence length (a bias
+    split as `u j - u i` would not)."""
 
     node: object                 # the add / sub the term was peeled from
     coef: float
@@ -198,8 +199,8 @@ def analyse(fusion, scores, qk, roles: dict, batch: int, fail, param_name,
         elif _positive_factor(fusion, x) is not None:
             factor, x = _positive_factor(fusion, x)
             scale *= factor
-        elif shift_invariant and _peel_bias(fusion, x, uniform) is not None:
-            coef, factors, kept = _peel_bias(fusion, x, uniform)
+        elif shift_invariant and (peeled := _peel_bias(fusion, x, uniform)) is not None:
+            coef, factors, kept = peeled
             bias.append(DiagonalBias(x, scale * coef, factors))
             x = kept
         else:
