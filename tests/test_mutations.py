@@ -224,8 +224,8 @@ MERGE_START = ("the merge's max starts at -1e30 (a row no split sees a key from 
 # is equivalent: (family, operator, statement, the statement after it) -> why.
 EQUIVALENT_AT = {
     ("attention_decode_split.ir", "drop_named_barrier", "bar.sync 1 + wg, 128", "mbarrier.arrive q_empty[0]"):
-        "the sync before the one-thread release of q_empty: a split with kv steps has converged the "
-        "warpgroup in its wgmma, and one with none never reads Q",
+        "the sync before the release of q_empty by a unit with no kv step: the split rule leaves no split "
+        "of this family empty, so the branch never runs",
     # (with key lengths too: a row that sees any key of its sequence sees key 0, in the first split)
     **{(family, "drop_tile_fill", "tile.fill m_run, -1e+30", "for src_split in serial(0, splits, 1) {"):
        MERGE_START for family in ("attention_decode_split.ir", "attention_paged_decode.ir")},
@@ -233,6 +233,18 @@ EQUIVALENT_AT = {
     # text are all equivalent, in EQUIVALENT)
     ("attention_bottom_right", "drop_named_barrier", "bar.sync 1 + wg, 128", "mbarrier.arrive tile_empty[tile_s]"):
         TILE_RING_ORDERED_BY_Q,
+}
+
+# The same, told apart by the statement before it: (family, operator, statement, the statement
+# before it) -> why.
+NO_EMPTY_TILE = ("Q's release for a tile whose kv loop runs no step (after the warpgroup's bar.sync): every "
+                 "tile (and split) of this family has a kv block, so the branch never runs (the bottom-right "
+                 "family, S > T, and the paged one, an empty sequence, run it)")
+EQUIVALENT_BELOW = {
+    (name, op, "mbarrier.arrive q_empty[0]", "bar.sync 1 + wg, 128"): NO_EMPTY_TILE
+    for name in ("attention_causal_d128.ir", "attention_d64", "attention_gqa_lse", "attention_pingpong",
+                 "attention_softcap_window_d128.ir", "attention_decode_split.ir")
+    for op in ("drop_arrive", "duplicate_arrive")
 }
 
 # Harmful mutants the CPU layers cannot catch yet: the simulator's CUDA semantics (issue 13,
@@ -254,8 +266,10 @@ def mutants(sample: bool = True):
                 edits = [edits[i] for i in sorted(picked)]
             for edit in edits:
                 after = text.lines[edit.line].strip() if edit.line < len(text.lines) else ""
+                prior = text.lines[edit.line - 2].strip() if edit.line >= 2 else ""
                 yield family, op, edit, (op.harmful and (family.name, op.name, edit.before) not in EQUIVALENT
-                                         and (family.name, op.name, edit.before, after) not in EQUIVALENT_AT)
+                                         and (family.name, op.name, edit.before, after) not in EQUIVALENT_AT
+                                         and (family.name, op.name, edit.before, prior) not in EQUIVALENT_BELOW)
 
 
 def judge_all(sample: bool = True) -> list[Verdict]:
@@ -306,6 +320,7 @@ def test_every_operator_applies_to_every_family_it_fits():
     assert sorted(key for key in fits if not made[key]) == []
     assert sorted(op.name for op in OPERATORS if not any(made[f.name, op.name] for f in FAMILIES)) == []
     assert [key for key in {**NOT_JUDGED, **EQUIVALENT} if key[2] not in made[key[:2]]] == []
+    assert [key for key in {**EQUIVALENT_AT, **EQUIVALENT_BELOW} if key[2] not in made[key[:2]]] == []
 
 
 def family(name: str) -> Family:

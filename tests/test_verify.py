@@ -1006,10 +1006,10 @@ def test_a_release_by_one_thread_needs_the_warpgroup_past_its_wait():
     from wsched.lowering.parser import parse_kernel
     text = print_kernel(ws.lower(make_attention(64, causal="bottom_right", lse=True)))
     assert problems(parse_kernel(text)) == []
-    unsynced = text.replace("      bar.sync 1 + wg, 128\n      mbarrier.arrive q_empty[0]\n", "      mbarrier.arrive q_empty[0]\n")
+    unsynced = text.replace("        bar.sync 1 + wg, 128\n        mbarrier.arrive q_empty[0]\n", "        mbarrier.arrive q_empty[0]\n")
     assert unsynced != text
     assert problems(parse_kernel(unsynced)) == [
-        "IR line 157 (role consumer > for tile > mbarrier.arrive): at wg=0, tile=2 (batch0=1, batch1=1, S=320, "
+        "IR line 161 (role consumer > for tile > if > mbarrier.arrive): at wg=0, tile=2 (batch0=1, batch1=1, S=320, "
         "T=192, section=8, cta_id=0, num_ctas=2) one thread releases q_empty stage 0 while the other warps of its "
         "warpgroup may not have passed the wait on q_full (IR line 104): no wgmma or bar.sync between them on this path, so the "
         "producer can complete q_full's next phase too and a late warp waits a phase behind for ever; put the "

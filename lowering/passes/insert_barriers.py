@@ -77,6 +77,8 @@ def _producer(body: tuple[ir.Stmt, ...], channels, level) -> tuple[ir.Stmt, ...]
 def _consumer(body: tuple[ir.Stmt, ...], channels, level) -> tuple[ir.Stmt, ...]:
     waits: dict[int, list[ir.Stmt]] = {}
     releases: dict[int, list[ir.Stmt]] = {}
+    early: dict[int, list[ir.Stmt]] = {}     # loops whose last step frees a tile-level buffer
+    buffers_of: dict[int, set[str]] = {}
     for c in channels:
         readers = [i for i, s in enumerate(body) if _reads(s, set(c.buffers))]
         if not readers:
@@ -84,13 +86,44 @@ def _consumer(body: tuple[ir.Stmt, ...], channels, level) -> tuple[ir.Stmt, ...]
         slot, phase = _slot(c, level)
         waits.setdefault(readers[0], []).append(ir.MbarrierWait(ir.BarRef(c.full, slot), phase))
         release = releases.setdefault(readers[-1], [])
-        if isinstance(body[readers[-1]], ir.For) and not release:
+        arrive = ir.MbarrierArrive(ir.BarRef(c.empty, slot))
+        last = body[readers[-1]]
+        if isinstance(last, ir.For) and _reads_every_step(last, set(c.buffers)):
+            # Free the buffer in the loop's last step, once its wgmma has read it, so the producer
+            # loads the next tile's while this one's last steps and epilogue run; a loop that runs
+            # no step frees it after the warpgroup's own barrier.
+            early.setdefault(readers[-1], []).append(arrive)
+            buffers_of.setdefault(readers[-1], set()).update(c.buffers)
+            release += [ir.If(ir.BinOp("==", last.stop, C(0)), (
+                ir.NamedBarrierSync(ir.add(WARPGROUP_BARRIER, "wg"), WARPGROUP_THREADS), arrive))]
+            continue
+        if isinstance(last, ir.For) and not release:
             release.append(ir.NamedBarrierSync(ir.add(WARPGROUP_BARRIER, "wg"), WARPGROUP_THREADS))
-        release.append(ir.MbarrierArrive(ir.BarRef(c.empty, slot)))
+        release.append(arrive)
     out: list[ir.Stmt] = []
     for i, s in enumerate(body):
+        if i in early:
+            s = _release_in_last_step(s, early[i], buffers_of[i])
         out += waits.get(i, []) + [s] + releases.get(i, [])
     return tuple(out)
+
+
+def _reads_every_step(loop: ir.For, buffers: set[str]) -> bool:
+    """Whether a statement at the top of the loop's body (not under an `if`) reads the buffers:
+    then every step reads them, and the last step's read is the loop's last."""
+    return loop.step == C(1) and any(_reads(s, buffers) and isinstance(s, ir.Wgmma) for s in loop.body)
+
+
+def _release_in_last_step(loop: ir.For, arrives: list[ir.Stmt], buffers: set[str]) -> ir.For:
+    """`if k + 1 == stop { <arrives> }` after the loop body's last wgmma reading the buffers and
+    the releases that follow it (lower_mma puts that wgmma's wait before them)."""
+    body = list(loop.body)
+    at = max(i for i, s in enumerate(body) if isinstance(s, ir.Wgmma) and _reads(s, buffers))
+    at += 1
+    while at < len(body) and isinstance(body[at], ir.MbarrierArrive):
+        at += 1
+    last = ir.If(ir.BinOp("==", ir.add(loop.var, 1), loop.stop), tuple(arrives))
+    return replace(loop, body=tuple(body[:at]) + (last,) + tuple(body[at:]))
 
 
 def run(kernel: ir.Kernel, ctx: LoweringContext) -> ir.Kernel:
