@@ -17,6 +17,7 @@ precomputed swizzled offsets out of the tile loop and spilled.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, replace
 from typing import Callable
 
@@ -173,9 +174,57 @@ def emit_tile_store_global(em: Emitter, s: ir.TileStoreGlobal) -> None:
         checks = addressing.checks[:1] + (f"row < {paren(text, prec, 12)}",) + addressing.checks[1:]
         addressing = replace(addressing, checks=checks)
         limit = f" row_limit({em.expr(s.row_limit)})"
+    if _stores_by_quads(t, p):
+        _quad_store(em, s, t, p, addressing, value, limit)
+        return
     with em.block(f"{head}  // tile.store {p.name}[{em.coords_text(s.coords)}] <- {t.name}{limit}, "
                   "bounds-checked"):
         _global_loop(em, t, addressing, p, True, access)
+
+
+def _stores_by_quads(t: Tile, p: ir.GlobalParam) -> bool:
+    """A [64, N] tile stored into 16-bit values with N a multiple of 32: each quad's pairs of
+    four 8-column groups are transposed so that a lane holds 16 consecutive bytes of its row."""
+    return t.layout == FULL and DTYPE_BYTES[p.dtype] == 2 and t.cols % 32 == 0
+
+
+def _quad_store(em: Emitter, s: ir.TileStoreGlobal, t: Tile, p: ir.GlobalParam, a: _Addressing,
+                value: str, limit: str) -> None:
+    """`tile.store` with 16-byte stores (`wsp::quad_transpose`, include/global_access.cuh): per
+    fragment row, the row's words are transposed within the quad (every lane, unconditionally:
+    the shuffles), then one 16-byte store per 8 columns where the row is 16-byte aligned and its
+    length a multiple of 8, else element by element, each bounds-checked. A warp's store then
+    writes 64 bytes of each of its 8 rows, not 16: four times fewer store requests."""
+    groups = t.cols // 32
+    element = ELEMENT_TYPES[p.dtype]
+
+    def word(k: int) -> str:   # the bits of the pair of 8-column group 4J + k at this fragment row
+        pair = re.sub(r"\bfj\b", f"(4 * J + {k})", value)
+        return f"wsp::bit_cast<uint32_t>({pair})"
+
+    with em.block(f"{{  // tile.store {p.name}[{em.coords_text(s.coords)}] <- {t.name}{limit}, "
+                  "bounds-checked, 16 bytes a lane (a quad's pairs transposed)"):
+        em.line(f"const int row0 = {a.row0};")
+        base_col = a.col0.replace(" + wsp::frag_col()", "")
+        em.line(f"const int col0 = {base_col} + 8 * (threadIdx.x % 4);   // this lane's chunk of each 4 groups")
+        with fragment_loop(em, COL, 1):
+            em.line("const int row = row0 + 8 * fi;")
+            em.line(f"const bool row_ok = {' && '.join(a.checks) or 'true'};")
+            em.line(f"{element.cuda}* const ptr = {em.c(p.name)} + {a.base};")
+            em.line(f"uint4 chunk[{groups}];")
+            em.line("#pragma unroll")
+            em.line(f"for (int J = 0; J < {groups}; ++J) chunk[J] = wsp::quad_transpose("
+                    f"{', '.join(word(k) for k in range(4))});")
+            # (ptr is 16-byte aligned for every lane of the quad or for none: 8 values apart)
+            em.line(f"if (wsp::rows16_aligned(ptr, {a.cols}) && col0 % 8 == 0) {{")
+            em.line("#pragma unroll")
+            em.line(f"  for (int J = 0; J < {groups}; ++J) "
+                    f"wsp::store_eight(ptr + 32 * J, row_ok && col0 + 32 * J + 8 <= {a.cols}, chunk[J]);")
+            em.line("} else {  // a row not 16-byte aligned, or of a length no multiple of 8")
+            em.line("#pragma unroll")
+            em.line(f"  for (int J = 0; J < {groups}; ++J) "
+                    f"wsp::store_eight_split(ptr + 32 * J, row_ok, col0 + 32 * J, {a.cols}, chunk[J]);")
+            em.line("}")
 
 
 def emit_tile_store_smem(em: Emitter, s: ir.TileStoreSmem) -> None:

@@ -183,9 +183,14 @@ def test_fused_epilogues_are_spelled_from_their_tile_ops():
     direct = emit(linear_relu_residual, epilogue="direct").source
     assert "slice_t[4 * fj + 2 * fi + 0] = fmaxf(slice_t[4 * fj + 2 * fi + 0], 0.0f);" in direct
     assert "const bool row_ok = row < M;" in direct
-    # stores round f32 to the tensor's dtype: the pair is packed at the store
-    assert re.search(r"wsp::store_pair\(ptr \+ 8 \* fj, row_ok && col0 \+ 8 \* fj < N, "
-                     r"__floats2bfloat162_rn\(slice_t\[4 \* fj \+ 2 \* fi \+ 0\], ", direct)
+    # stores round f32 to the tensor's dtype: the pair is packed at the store, and a quad's pairs
+    # of 4 column groups are transposed into 16 bytes a lane (one 16-byte store per 8 columns
+    # where the row is aligned, else element by element, each bounds-checked)
+    assert ("chunk[J] = wsp::quad_transpose(wsp::bit_cast<uint32_t>(__floats2bfloat162_rn("
+            "slice_t[4 * (4 * J + 0) + 2 * fi + 0], slice_t[4 * (4 * J + 0) + 2 * fi + 1])), ") in direct
+    assert "if (wsp::rows16_aligned(ptr, N) && col0 % 8 == 0) {" in direct
+    assert "wsp::store_eight(ptr + 32 * J, row_ok && col0 + 32 * J + 8 <= N, chunk[J]);" in direct
+    assert "wsp::store_eight_split(ptr + 32 * J, row_ok, col0 + 32 * J, N, chunk[J]);" in direct
     assert "tma_store" not in direct.split('extern "C"')[1]
 
 
@@ -409,7 +414,7 @@ def test_the_split_merges_loads_are_issued_together_and_o_is_divided_by_row_reci
     assert "o_acc[4 * fj + 2 * fi + 0] = wsp::div_shared(o_acc[4 * fj + 2 * fi + 0], corr[fi]);" in decode
     assert " / " not in decode[decode.index("tile.div o_acc"):decode.index("tile.store o[")]
     store = decode[decode.index("tile.store o["):]
-    assert "wsp::pairs_aligned(ptr, 128)" in store          # a user's tensor: tested per row
+    assert "wsp::rows16_aligned(ptr, 128) && col0 % 8 == 0" in store   # a user's tensor: tested per row
     assert_helpers_come_from_the_headers(decode)
     for schedule, unroll in ((dict(split_k=4), "1"), (dict(tile=(64, 128, 64), consumer_warpgroups=1, split_k=4), "2")):
         split_k = emit(matmul, **schedule).source

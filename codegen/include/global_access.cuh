@@ -138,4 +138,62 @@ WSP_DEVICE void store_split(T* p, bool ok0, bool ok1, typename pair_of<T>::type 
   pair_of<T>::st(p + 1, b, 1, ok1);
 }
 
+// 16-byte stores of a [64, N] 16-bit fragment tile. The 4 lanes of a quad (lane q = lane % 4)
+// hold the pairs of columns 8j + 2q of their row for every 8-column group j. For groups
+// 4J .. 4J + 3, `quad_transpose` gives lane q the 4 pairs of group 4J + q (columns 8(4J + q) ..
+// + 7, 16 consecutive bytes), from word k of each lane being its pair of group 4J + k: one
+// shuffle per word within the quad, so a warp's store writes 64 bytes of each of 8 rows instead
+// of 16 (four times fewer store requests than a 32-bit store per pair). Every lane of the warp
+// must call it (the shuffles), whatever it then stores.
+
+// (no PTX) whether a row of 16-bit values can take 16-byte stores: a 16-byte aligned row
+// pointer and a row length that is a multiple of 8 (each 8-column chunk wholly inside or outside)
+template <typename T>
+WSP_DEVICE bool rows16_aligned(const T* row_ptr, int cols) {
+  return reinterpret_cast<uintptr_t>(row_ptr) % 16 == 0 && cols % 8 == 0;
+}
+
+// shfl.sync.idx.b32 (x4, within the quad): lane q gets word q of lanes 0..3 of its quad
+WSP_DEVICE uint4 quad_transpose(uint32_t w0, uint32_t w1, uint32_t w2, uint32_t w3) {
+  const int q = threadIdx.x & 3;
+  uint32_t y0 = 0, y1 = 0, y2 = 0, y3 = 0;
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    // round k: lane s sends its word (s - k) & 3; lane q reads lane (q + k) & 3, whose word q that is
+    const int send = (q - k) & 3;
+    const uint32_t v = send == 0 ? w0 : send == 1 ? w1 : send == 2 ? w2 : w3;
+    const uint32_t r = __shfl_sync(0xffffffffu, v, (q + k) & 3, 4);
+    const int at = (q + k) & 3;
+    y0 = at == 0 ? r : y0;
+    y1 = at == 1 ? r : y1;
+    y2 = at == 2 ? r : y2;
+    y3 = at == 3 ? r : y3;
+  }
+  return make_uint4(y0, y1, y2, y3);
+}
+
+// @ok st.global.v4.b32 [p], v  (p 16-byte aligned)
+WSP_DEVICE void st_b128_if(void* p, uint4 v, bool ok) {
+  asm volatile("{\n .reg .pred q;\n setp.ne.b32 q, %5, 0;\n @q st.global.v4.b32 [%0], {%1, %2, %3, %4};\n}\n"
+               :: "l"(p), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w), "r"(int(ok)) : "memory");
+}
+
+// p[0 .. 7] = the 8 16-bit values of v with one 16-byte store, when ok
+template <typename T>
+WSP_DEVICE void store_eight(T* p, bool ok, uint4 v) {
+  static_assert(sizeof(T) == 2, "16-byte stores of 16-bit elements");
+  st_b128_if(p, v, ok);
+}
+
+// p[e] = value e of v for e in 0 .. 7, each when ok and col + e < cols (a row not 16-byte aligned)
+template <typename T>
+WSP_DEVICE void store_eight_split(T* p, bool ok, int col, int cols, uint4 v) {
+  static_assert(sizeof(T) == 2, "16-bit elements");
+  const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+  for (int e = 0; e < 8; ++e) {
+    st_b16_if(p + e, uint16_t(w[e / 2] >> (16 * (e % 2))), ok && col + e < cols);
+  }
+}
+
 }  // namespace wsp
