@@ -226,6 +226,22 @@ def test_instrumented_cuda_builds_like_the_untraced(fusion, tmp_path):
     assert len(build.warnings) == len(plain.warnings)   # no wgmma serialization or injected fences
 
 
+@pytest.mark.nvcc
+def test_a_traced_build_that_spills_builds_with_a_warning(tmp_path, monkeypatch):
+    """A split-KV decode step builds without spills within its 255 registers; its stamps push the
+    traced build over (~120 bytes): the trace is still taken, the spills named."""
+    from wsched.workloads.attention.schedule import MAX_SPLIT_KV
+
+    monkeypatch.setenv("WSCHED_CACHE_DIR", str(tmp_path))
+    compiled = ws.compile(make_attention(128, gqa=True), tile=(64, 128, 128), consumer_warpgroups=1,
+                          split_kv=MAX_SPLIT_KV, pack_gqa=True, build=False)
+    traced = timeline.TracedKernel(compiled)
+    with pytest.warns(UserWarning, match=r"the traced build of attn_d128_gqa_bf16 spills registers "
+                                         r"\(attn_d128_gqa_bf16: \d+ bytes stored, \d+ loaded\)"):
+        traced.compile_cuda()
+    assert traced.spills["attn_d128_gqa_bf16"][0] > 0
+
+
 # --- decoding a GPU record buffer ---------------------------------------------------------------
 
 

@@ -132,14 +132,28 @@ class TracedKernel:
         self.compiled = compiled
         self.emitted = emit_kernel(compiled.kernel, trace=True)
         self.build = None
+        self.spills: dict[str, tuple[int, int]] = {}   # kernel -> (bytes stored, loaded) of the traced build
         self._loaded = None
 
     def compile_cuda(self):
+        """Build the instrumented kernel. Its stamps keep a few registers live, so a kernel that
+        builds without spills just within its registers (a split-KV decode step) may spill here:
+        that is accepted with a warning (the trace's meta keeps the counts), since the stamps
+        themselves already change its timing; the plain build stays spill-free."""
+        import warnings
+
         from .codegen.build import compile_cuda
 
         kernel = self.compiled.kernel
         self.build = compile_cuda(self.emitted.source, name=f"{kernel.name} (traced)",
-                                  extra_key=repr(self.compiled.schedule))
+                                  extra_key=repr(self.compiled.schedule), allow_spills=True)
+        spills = {name: (r.spill_stores, r.spill_loads) for name, r in self.build.resources.items()
+                  if r.spill_stores or r.spill_loads}
+        if spills:
+            counts = ", ".join(f"{name}: {st} bytes stored, {ld} loaded" for name, (st, ld) in spills.items())
+            warnings.warn(f"the traced build of {kernel.name} spills registers ({counts}); its timeline "
+                          f"shows the spills' cost too", stacklevel=2)
+        self.spills = spills
         return self.build
 
     def launch(self, tensors, capacity: int = 4096, records: torch.Tensor | None = None):
@@ -168,6 +182,9 @@ class TracedKernel:
         torch.cuda.synchronize(records.device)
         kernel = self.compiled.kernel
         trace = decode_gpu_records(records.cpu(), self.emitted.trace_sites, roles_of(kernel), kernel.name)
+        if self.spills:
+            trace.meta["traced_build_spills"] = {name: {"stores": st, "loads": ld}
+                                                 for name, (st, ld) in self.spills.items()}
         return _result(outs), trace
 
 
