@@ -174,12 +174,19 @@ def emit_tile_store_global(em: Emitter, s: ir.TileStoreGlobal) -> None:
         checks = addressing.checks[:1] + (f"row < {paren(text, prec, 12)}",) + addressing.checks[1:]
         addressing = replace(addressing, checks=checks)
         limit = f" row_limit({em.expr(s.row_limit)})"
-    if _stores_by_quads(t, p):
+    if _stores_by_quads(t, p) and em.role.role.warpgroups >= QUAD_STORE_WARPGROUPS:
         _quad_store(em, s, t, p, addressing, value, limit)
         return
     with em.block(f"{head}  // tile.store {p.name}[{em.coords_text(s.coords)}] <- {t.name}{limit}, "
                   "bounds-checked"):
         _global_loop(em, t, addressing, p, True, access)
+
+
+# The 16-byte stores are emitted in roles of at least this many warpgroups. With one consumer
+# warpgroup (the split-KV decode steps, which use all 255 registers a thread may have) ptxas laid
+# out the whole kernel differently and its kv loop ran slower: B1 H32/32 T32768 195 -> 233 us,
+# B1 H32/8 T1024 13.4 -> 15.1 (H100, cold L2, 2026-11-24), where two-warpgroup prefill gained.
+QUAD_STORE_WARPGROUPS = 2
 
 
 def _stores_by_quads(t: Tile, p: ir.GlobalParam) -> bool:

@@ -414,7 +414,8 @@ def test_the_split_merges_loads_are_issued_together_and_o_is_divided_by_row_reci
     assert "o_acc[4 * fj + 2 * fi + 0] = wsp::div_shared(o_acc[4 * fj + 2 * fi + 0], corr[fi]);" in decode
     assert " / " not in decode[decode.index("tile.div o_acc"):decode.index("tile.store o[")]
     store = decode[decode.index("tile.store o["):]
-    assert "wsp::rows16_aligned(ptr, 128) && col0 % 8 == 0" in store   # a user's tensor: tested per row
+    assert "wsp::pairs_aligned(ptr, 128)" in store          # a user's tensor: tested per row
+    assert "quad_transpose" not in store    # one consumer warpgroup: pair stores (QUAD_STORE_WARPGROUPS)
     assert_helpers_come_from_the_headers(decode)
     for schedule, unroll in ((dict(split_k=4), "1"), (dict(tile=(64, 128, 64), consumer_warpgroups=1, split_k=4), "2")):
         split_k = emit(matmul, **schedule).source
