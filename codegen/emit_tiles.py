@@ -250,11 +250,17 @@ def emit_tile_mask(em: Emitter, s: ir.TileMask) -> None:
         text += f" causal({em.expr(s.causal)})"
     if s.period is not None:
         text += f" period({em.expr(s.period)})"
+    if s.lower is not None:
+        text += f" lower({em.expr(s.lower)})"
     with em.block(f"{{  // {text}"):
         # element (r, c) of the tile is at (row0 + r, col0 + c) of the score matrix
         em.line(f"const int row0 = {paren(*em.expr_prec(s.row0)[:2], 12)} + wsp::frag_row();")
         em.line(f"const int col0 = {paren(*em.expr_prec(s.col0)[:2], 12)} + wsp::frag_col();")
         causal = None if s.causal is None else paren(*em.expr_prec(s.causal)[:2], 12)
+        lower = None if s.lower is None else paren(*em.expr_prec(s.lower)[:2], 12)
+        # a constant lower bound is negative (a window's far edge): `row - 255`, not `row + -255`
+        edge = (f"row - {-s.lower.value}" if isinstance(s.lower, ir.IntConst) and s.lower.value < 0
+                else f"row + {lower}")
         limit = paren(*em.expr_prec(s.limit)[:2], 10)
         if s.period is not None:
             em.line(f"const int period = {paren(*em.expr_prec(s.period)[:2], 12)};")
@@ -265,7 +271,8 @@ def emit_tile_mask(em: Emitter, s: ir.TileMask) -> None:
             values = []
             for c in (0, 1):
                 col = f"col + {c}" if c else "col"
-                cond = f"{col} >= {limit}" + (f" || {col} > row + {causal}" if causal else "")
+                cond = (f"{col} >= {limit}" + (f" || {col} > row + {causal}" if causal else "")
+                        + (f" || {col} < {edge}" if lower else ""))
                 values.append(f"({cond}) ? -INFINITY : {t.read(c)}")
             for ln in assignments(t, values):
                 em.line(ln)

@@ -573,11 +573,12 @@ class TileReduce:
 
 @dataclass(frozen=True)
 class TileMask:
-    """`tile.mask s, rows(r0), cols(c0), limit(T) causal(d) period(S)`: element (r, c) of the full
-    tile becomes -inf where c0 + c >= limit (beyond the keys), or, when `causal` is given, where
-    c0 + c > i + causal (above the causal diagonal, shifted by `causal`), with i = r0 + r the
-    element's query position, or (r0 + r) mod period where a `period` is given (GQA-packed
-    rows: the queries of several heads one after another)."""
+    """`tile.mask s, rows(r0), cols(c0), limit(T) causal(d) period(S) lower(e)`: element (r, c) of
+    the full tile becomes -inf where c0 + c >= limit (beyond the keys), or, when `causal` is
+    given, where c0 + c > i + causal (above the causal diagonal, shifted by `causal`), or, when
+    `lower` is given, where c0 + c < i + lower (before a lower diagonal: a sliding window's far
+    edge), with i = r0 + r the element's query position, or (r0 + r) mod period where a `period`
+    is given (GQA-packed rows: the queries of several heads one after another)."""
 
     dst: str
     row0: Expr
@@ -585,6 +586,7 @@ class TileMask:
     limit: Expr
     causal: Union[Expr, None] = None
     period: Union[Expr, None] = None
+    lower: Union[Expr, None] = None
 
 
 @dataclass(frozen=True)

@@ -484,8 +484,8 @@ class _ToIR(Transformer):
                       spell=lambda o: TILE_REDUCE_PREFIX + o)
         return ir.TileReduce(op, str(dst), str(src), axis)
 
-    def tile_mask(self, dst, row0, col0, limit, causal=None, period=None):
-        return ir.TileMask(str(dst), row0, col0, limit, causal, period)
+    def tile_mask(self, dst, row0, col0, limit, causal=None, period=None, lower=None):
+        return ir.TileMask(str(dst), row0, col0, limit, causal, period, lower)
 
     def tile_load(self, dst, tensor, coords):
         return ir.TileLoadGlobal(str(dst), str(tensor), coords)

@@ -206,6 +206,7 @@ def _operands(s: ir.Stmt) -> str:
         case ir.TileMask():
             causal = "" if s.causal is None else f" causal({print_expr(s.causal)})"
             causal += "" if s.period is None else f" period({print_expr(s.period)})"
+            causal += "" if s.lower is None else f" lower({print_expr(s.lower)})"
             return (f"{s.dst}, rows({print_expr(s.row0)}), cols({print_expr(s.col0)}), "
                     f"limit({print_expr(s.limit)}){causal}")
         case ir.TileLoadGlobal():

@@ -304,7 +304,8 @@ def test_the_mask_is_paid_on_cut_blocks_only():
     S, T = 700, 1500
     padded = torch.zeros(math.ceil(S / bm) * bm, math.ceil(T / bn) * bn, dtype=torch.bool)
     padded[:, :T] = _visible(f, padded.shape[0], T)   # the mask reads positions only
-    cut = next(s for s in ir.walk(kernel.body) if isinstance(s, ir.If) and any(isinstance(x, ir.TileSelect) for x in s.then))
+    cut = next(s for s in ir.walk(kernel.body) if isinstance(s, ir.If)
+               and any(isinstance(x, ir.TileMask) and x.lower is not None for x in s.then))
     checked = 0
     for m_block in range(math.ceil(S / bm)):
         env = {"T": T, "S": S, "kv_blocks": math.ceil(T / bn), "m0": m_block * bm}
@@ -324,8 +325,10 @@ def test_masks_that_cannot_be_analysed_apply_on_every_block():
     consumer = next(r for r in kernel.roles() if r.name == "consumer")
     kv = next(s for s in ir.walk(consumer.body) if isinstance(s, ir.For) and s.var == "k")
     every_block = [s for s in kv.body if isinstance(s, ir.TileSelect)]
-    on_cut = [x for s in kv.body if isinstance(s, ir.If) for x in s.then if isinstance(x, ir.TileSelect)]
-    assert len(every_block) == 1 and len(on_cut) == 1      # the document mask, the causal one
+    on_cut = [x for s in kv.body if isinstance(s, ir.If) for x in s.then if isinstance(x, (ir.TileSelect, ir.TileMask))]
+    # the document mask on every block; the causal `where` joins the key-tail mask on cut blocks
+    assert len(every_block) == 1 and [type(x) for x in on_cut] == [ir.TileMask]
+    assert on_cut[0].causal == ir.IntConst(0) and on_cut[0].lower is None
     loads = [s for s in ir.walk(consumer.body) if isinstance(s, ir.TileLoadGlobal)]
     assert [(s.dst, s.tensor, print_kernel_coords(s)) for s in loads] == [
         ("doc_q_t", "doc_q", "b0, 0, m0 + wg * 64, 0"), ("doc_k_t", "doc_k", "b0, 0, 0, k * 128")]
@@ -432,17 +435,17 @@ def test_a_score_function_that_keeps_registers_live_narrows_the_keys_per_block()
 
 def test_score_ops_run_as_one_loop_over_the_fragment():
     """The inner score and each mask are one unrolled loop each: temporaries stay per element.
-    The scale and the softcap's 1 / c are one multiply; the positions are a row and a column
-    tile (an index per row and per key, not per score), each its own small loop."""
+    The scale and the softcap's 1 / c are one multiply; a mask bounded by diagonals only is the
+    key-tail mask's causal(...) and lower(...) bounds."""
     from wsched.codegen.emit import emit_kernel
 
     source = emit_kernel(ws.lower(softcap_window_d128())).source
     assert source.count("wsp::tanh_approx(") == 2      # c = 0, 1 of one fragment position
     assert re.search(r"// tile\.mul s_acc, s_acc, 0\.00294627[0-9]*f; tile\.tanh s_acc, s_acc\n", source)
-    assert re.search(r"// tile\.iota score0_t, axis\(0\), start\(m0 \+ wg \* 64\)\n", source)
-    assert re.search(r"// tile\.iota score1_t, axis\(1\), start\(\(k \+ kv_first\) \* 128\)\n", source)
-    assert re.search(r"// tile\.le score2_t, score1_t, score0_t; [^\n]*; tile\.select s_acc, score2_t, s_acc, -INFINITY\n",
-                     source)
+    # the causal sliding window on cut blocks: one tile.mask, a compare per bound and element
+    assert "// tile.mask s_acc, rows(m0 + wg * 64), cols((k + kv_first) * 128), limit(T) causal(0) lower(-255)" in source
+    assert "(col >= T || col > row + 0 || col < row - 255) ? -INFINITY : s_acc[4 * fj + 2 * fi + 0]" in source
+    assert "tile.iota" not in source and "tile.select" not in source
 
 
 # ---------------------------------------------------------------------------------------------

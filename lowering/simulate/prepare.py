@@ -181,7 +181,7 @@ class KernelPreparation:
             check_verified(s.op in ir.REDUCE_OPS, "a reduction is one of ir.REDUCE_OPS")
         elif isinstance(s, ir.TileMask):
             node.ex = (c(s.row0), c(s.col0), c(s.limit), None if s.causal is None else c(s.causal),
-                       None if s.period is None else c(s.period))
+                       None if s.period is None else c(s.period), None if s.lower is None else c(s.lower))
         elif isinstance(s, (ir.TileLoadGlobal, ir.LoadGlobal)):
             node.ex = tuple(c(e) for e in s.coords)
         elif isinstance(s, ir.TileStoreGlobal):   # (coordinates, row limit or None)

@@ -135,6 +135,8 @@ class TileHandlers:
         masked = (cols >= limit).expand(value.shape)
         if node.ex[3] is not None:
             masked = masked | (cols > rows + int(node.ex[3](co.env)))
+        if node.ex[5] is not None:
+            masked = masked | (cols < rows + int(node.ex[5](co.env)))
         self._write_reg(co, node, s.dst, value.masked_fill(masked, float("-inf")))
 
     def _h_TileReduce(self, co, node):

@@ -299,7 +299,7 @@ class TileChecks:
 
     def _TileMask(self, s: ir.TileMask, path, scope, ctx):
         dst = self._tile(s.dst, path, scope, ctx)
-        for e in (s.row0, s.col0, s.limit) + tuple(x for x in (s.causal, s.period) if x is not None):
+        for e in (s.row0, s.col0, s.limit) + tuple(x for x in (s.causal, s.period, s.lower) if x is not None):
             self._expr(e, path, scope, ctx)
         if dst is not None and len(dst.shape) != 2:
             self.r.at(path, f"tile.mask {s.dst}: {s.dst} is {list(dst.shape)}; the mask applies to a 2-D tile")
