@@ -115,3 +115,26 @@ def test_host_evaluation_uses_the_simulators_semantics():
         evaluate(parse_expr("N + 1"), {})
     with pytest.raises(ValueError, match=r"integer division by zero in M / 0"):
         evaluate(parse_expr("M / 0"), {"M": 3})
+
+
+def test_a_tile_buffer_is_released_in_the_kv_loops_last_step_only_where_that_is_its_last_read():
+    """insert_barriers releases attention's Q in the kv loop's last step, after its Q K^T: only
+    where the loop counts from 0 (`kv_tiles == 0` then means no step ran), the reads are wgmmas
+    at the top of its body, and lower_mma waits for each in its step (no group kept in flight)."""
+    from wsched.lowering.passes import insert_barriers
+
+    C, V = ir.IntConst, ir.Var
+    s = ir.Wgmma("s_acc", ir.SmemRef("Q", (C(0),)), ir.SmemRef("K", (C(0),)), "k", "k", C(0))
+    pv = ir.Wgmma("o_acc", "p", ir.SmemRef("V", (C(0),)), "k", "n", C(1))
+
+    def loop(start, *body):
+        return ir.For("k", C(start), V("kv_tiles"), C(1), "serial", body)
+
+    assert insert_barriers._reads_every_step(loop(0, s, pv), {"Q"})
+    assert not insert_barriers._reads_every_step(loop(1, s, pv), {"Q"})
+    assert not insert_barriers._reads_every_step(loop(0, pv, ir.If(V("x"), (s,))), {"Q"})
+    assert not insert_barriers._reads_every_step(loop(0, s), {"Q"})      # one group, kept in flight
+    released = insert_barriers._release_in_last_step(loop(0, s, ir.MbarrierArrive(ir.BarRef("k_empty", C(0))), pv),
+                                                     [ir.MbarrierArrive(ir.BarRef("q_empty", C(0)))], {"Q"})
+    assert [type(x).__name__ for x in released.body] == ["Wgmma", "MbarrierArrive", "If", "Wgmma"]
+    assert released.body[2].cond == ir.BinOp("==", ir.add("k", 1), V("kv_tiles"))

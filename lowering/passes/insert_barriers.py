@@ -45,6 +45,7 @@ from wsched.target import WARPGROUP_THREADS
 from .. import ir
 from ..context import LoweringContext
 from ..rewrite import map_loop, map_role
+from . import lower_mma
 
 V = ir.Var
 C = ir.IntConst
@@ -120,9 +121,14 @@ def _consumer(body: tuple[ir.Stmt, ...], channels, level) -> tuple[ir.Stmt, ...]
 
 
 def _reads_every_step(loop: ir.For, buffers: set[str]) -> bool:
-    """Whether a statement at the top of the loop's body (not under an `if`) reads the buffers:
-    then every step reads them, and the last step's read is the loop's last."""
-    return loop.step == C(1) and any(_reads(s, buffers) and isinstance(s, ir.Wgmma) for s in loop.body)
+    """Whether the loop's last step holds its last read of the buffers, right after which they
+    may be released: the loop counts 0, 1, ... (so `stop == 0` means no step ran), its body reads
+    them only in wgmmas at its top (not under an `if` or in an inner loop), and lower_mma waits
+    for each of those wgmmas in its step (not one group kept in flight into the next step,
+    `lower_mma.one_group`)."""
+    readers = [s for s in loop.body if _reads(s, buffers)]
+    return (loop.start == C(0) and loop.step == C(1) and bool(readers)
+            and all(isinstance(s, ir.Wgmma) for s in readers) and not lower_mma.one_group(loop.body))
 
 
 def _release_in_last_step(loop: ir.For, arrives: list[ir.Stmt], buffers: set[str]) -> ir.For:

@@ -45,16 +45,23 @@ V = ir.Var
 C = ir.IntConst
 
 
+def one_group(body: tuple[ir.Stmt, ...]) -> bool:
+    """Whether a k step's wgmmas are one group, which may stay in flight across steps: they read
+    only shared memory, each into an accumulator of its own, issued back to back (matmul: one per
+    64-row block of the warpgroup's rows). Otherwise each wgmma is waited for at once."""
+    mmas = [s for s in body if isinstance(s, ir.Wgmma)]
+    at = [i for i, s in enumerate(body) if isinstance(s, ir.Wgmma)]
+    return (bool(mmas) and all(isinstance(m.a, ir.SmemRef) for m in mmas) and len({m.acc for m in mmas}) == len(mmas)
+            and at == list(range(at[0], at[0] + len(at))))
+
+
 def run(kernel: ir.Kernel, ctx: LoweringContext) -> ir.Kernel:
     stages = ctx.schedule.stages
     consumer_role = next(r for r in kernel.roles() if r.name == CONSUMER)
     k_loop = next(s for s in ir.walk(consumer_role.body) if isinstance(s, ir.For) and s.var == K_VAR)
     mmas = [s for s in k_loop.body if isinstance(s, ir.Wgmma)]
     at = [i for i, s in enumerate(k_loop.body) if isinstance(s, ir.Wgmma)]
-    # One group: the k step's wgmmas read only shared memory, each into an accumulator of its own,
-    # issued back to back (matmul: one per 64-row block of the warpgroup's rows).
-    single = (bool(mmas) and all(isinstance(m.a, ir.SmemRef) for m in mmas) and len({m.acc for m in mmas}) == len(mmas)
-              and at == list(range(at[0], at[0] + len(at))))
+    single = one_group(k_loop.body)
     inflight = ctx.schedule.mma_inflight if single else 0
     accs: set[str] = set()
     empty = it_base = None
