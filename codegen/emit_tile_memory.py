@@ -212,7 +212,7 @@ def _quad_store(em: Emitter, s: ir.TileStoreGlobal, t: Tile, p: ir.GlobalParam, 
     with em.block(f"{{  // tile.store {p.name}[{em.coords_text(s.coords)}] <- {t.name}{limit}, "
                   "bounds-checked, 16 bytes a lane (a quad's pairs transposed)"):
         em.line(f"const int row0 = {a.row0};")
-        base_col = a.col0.replace(" + wsp::frag_col()", "")
+        base_col = paren(*em.expr_prec(s.coords[-1])[:2], 12)   # the tile's first column (a.col0 less frag_col)
         em.line(f"const int col0 = {base_col} + 8 * (threadIdx.x % 4);   // this lane's chunk of each 4 groups")
         with fragment_loop(em, COL, 1):
             em.line("const int row = row0 + 8 * fi;")

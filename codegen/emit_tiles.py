@@ -257,10 +257,11 @@ def emit_tile_mask(em: Emitter, s: ir.TileMask) -> None:
         em.line(f"const int row0 = {paren(*em.expr_prec(s.row0)[:2], 12)} + wsp::frag_row();")
         em.line(f"const int col0 = {paren(*em.expr_prec(s.col0)[:2], 12)} + wsp::frag_col();")
         causal = None if s.causal is None else paren(*em.expr_prec(s.causal)[:2], 12)
-        lower = None if s.lower is None else paren(*em.expr_prec(s.lower)[:2], 12)
-        # a constant lower bound is negative (a window's far edge): `row - 255`, not `row + -255`
-        edge = (f"row - {-s.lower.value}" if isinstance(s.lower, ir.IntConst) and s.lower.value < 0
-                else f"row + {lower}")
+        edge = None   # the lower bound's column: a negative constant (a window's far edge) as `row - 255`
+        if isinstance(s.lower, ir.IntConst) and s.lower.value < 0:
+            edge = f"row - {-s.lower.value}"
+        elif s.lower is not None:
+            edge = f"row + {paren(*em.expr_prec(s.lower)[:2], 12)}"
         limit = paren(*em.expr_prec(s.limit)[:2], 10)
         if s.period is not None:
             em.line(f"const int period = {paren(*em.expr_prec(s.period)[:2], 12)};")
@@ -272,7 +273,7 @@ def emit_tile_mask(em: Emitter, s: ir.TileMask) -> None:
             for c in (0, 1):
                 col = f"col + {c}" if c else "col"
                 cond = (f"{col} >= {limit}" + (f" || {col} > row + {causal}" if causal else "")
-                        + (f" || {col} < {edge}" if lower else ""))
+                        + (f" || {col} < {edge}" if edge else ""))
                 values.append(f"({cond}) ? -INFINITY : {t.read(c)}")
             for ln in assignments(t, values):
                 em.line(ln)

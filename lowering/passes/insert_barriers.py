@@ -13,7 +13,8 @@ per tile (attention's Q, one slot) uses slot 0 and phase tile_iter & 1, around t
 release comes as early as its last read allows: where a wgmma at the top of the k loop's body
 reads it, in the loop's last step after that wgmma's own releases (`if k + 1 == kv_tiles`), so
 the producer loads the next tile's Q while the last block's softmax, its P V and the epilogue
-run (measured on an H100: 1.02-1.08x at 8..32 kv blocks a tile); a tile whose loop runs no step
+run (measured on an H100: 1.00-1.08x on plain prefill, 0.94-1.04x with score functions;
+docs/benchmarks.md, tenth session); a tile whose loop runs no step
 releases it after the loop (`if kv_tiles == 0`).
 
 The release is one thread's arrival, so every thread of the warpgroup must have passed the wait
@@ -89,8 +90,7 @@ def _producer(body: tuple[ir.Stmt, ...], channels, level) -> tuple[ir.Stmt, ...]
 def _consumer(body: tuple[ir.Stmt, ...], channels, level) -> tuple[ir.Stmt, ...]:
     waits: dict[int, list[ir.Stmt]] = {}
     releases: dict[int, list[ir.Stmt]] = {}
-    early: dict[int, list[ir.Stmt]] = {}     # loops whose last step frees a tile-level buffer
-    buffers_of: dict[int, set[str]] = {}
+    early: dict[int, tuple[list[ir.Stmt], set[str]]] = {}   # loop -> (its last step's releases, their buffers)
     for c in channels:
         readers = [i for i, s in enumerate(body) if _reads(s, set(c.buffers))]
         if not readers:
@@ -104,8 +104,9 @@ def _consumer(body: tuple[ir.Stmt, ...], channels, level) -> tuple[ir.Stmt, ...]
             # Free the buffer in the loop's last step, once its wgmma has read it, so the producer
             # loads the next tile's while this one's last steps and epilogue run; a loop that runs
             # no step frees it after the warpgroup's own barrier.
-            early.setdefault(readers[-1], []).append(arrive)
-            buffers_of.setdefault(readers[-1], set()).update(c.buffers)
+            arrives, buffers = early.setdefault(readers[-1], ([], set()))
+            arrives.append(arrive)
+            buffers.update(c.buffers)
             release += [ir.If(ir.BinOp("==", last.stop, C(0)), (
                 ir.NamedBarrierSync(ir.add(WARPGROUP_BARRIER, "wg"), WARPGROUP_THREADS), arrive))]
             continue
@@ -115,7 +116,7 @@ def _consumer(body: tuple[ir.Stmt, ...], channels, level) -> tuple[ir.Stmt, ...]
     out: list[ir.Stmt] = []
     for i, s in enumerate(body):
         if i in early:
-            s = _release_in_last_step(s, early[i], buffers_of[i])
+            s = _release_in_last_step(s, *early[i])
         out += waits.get(i, []) + [s] + releases.get(i, [])
     return tuple(out)
 

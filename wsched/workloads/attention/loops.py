@@ -27,8 +27,8 @@ With a score function (score.py, score_ops.py) the block runs its inner score in
 right after the first wgmma, then the masks that cannot be analysed, and puts the analysed masks'
 tile ops inside the `if` beside the key-tail mask (the `if` then asks whether the block is cut by
 a mask, not only by T); masks bounded by diagonals only (causal, sliding windows) become that
-mask's causal(...) and lower(...) bounds instead of tile ops. Inputs it reads are loaded per tile or at the top of the kv block. The
-analysed masks also give the tile loop its kv range (`kv_range`): both roles skip the blocks no
+mask's causal(...) and lower(...) bounds instead of tile ops. Inputs it reads are loaded per
+tile or at the top of the kv block. The analysed masks also give the tile loop its kv range (`kv_range`): both roles skip the blocks no
 row of the tile sees, addressing block k + kv_first.
 """
 
@@ -193,13 +193,12 @@ def build_loops(kernel: None, ctx: LoweringContext) -> ir.Kernel:
     inner, _ = ops.lower(sf.inner, "s_acc", {**tiles, sf.qk: ("s_acc", (64, bn))}, positions, _causal_shift)
     weight, bias_cols, bias_add = _bias(sf, tiles, row, rows0, a.scale)
     every_block = [stmt for m in sf.masks if not m.analysed for stmt in _apply_mask(ops, m, tiles, positions)]
-    # Analysed masks bounded only by diagonals (causal, sliding windows) join the key-tail mask as
-    # its causal(...) and lower(...) bounds: one compare per bound and element, on cut blocks only.
-    diagonal = [m for m in sf.masks if m.analysed and m.causal is None and not (m.key_upper or m.key_lower)]
-    cut = [stmt for m in sf.masks if m.analysed and m.causal is None and m not in diagonal
-           for stmt in _apply_mask(ops, m, tiles, positions)]
-    uppers = [_causal_shift(m.causal) for m in sf.masks if m.causal is not None]
-    uppers += [_diagonal(b) for m in diagonal for b in m.upper]
+    # Analysed masks bounded only by diagonals (causal_mask, causal and sliding-window `where`s)
+    # join the key-tail mask as its causal(...) and lower(...) bounds: one compare per bound and
+    # element, on cut blocks only; the other analysed masks' tile ops run there too.
+    diagonal = [m for m in sf.masks if m.analysed and not (m.key_upper or m.key_lower)]
+    cut = [stmt for m in sf.masks if m.analysed and m not in diagonal for stmt in _apply_mask(ops, m, tiles, positions)]
+    uppers = [_diagonal(b) for m in diagonal for b in m.upper]
     lowers = [_diagonal(b) for m in diagonal for b in m.lower]
     cut.append(ir.TileMask("s_acc", rows0, row, V("T"), _fold(ir.emin, uppers) if uppers else None,
                            V("S") if a.packed else None, _fold(ir.emax, lowers) if lowers else None))
