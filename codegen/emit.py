@@ -340,6 +340,10 @@ def _header(kernel: ir.Kernel, em: Emitter) -> list[str]:
         elif isinstance(p, ir.WorkspaceParam):
             dims = ", ".join(_host_expr(em, d) for d in p.shape)
             out.append(f"//   workspace {p.name}: {p.dtype}[{dims}]{' zeroed' if p.zeroed else ''} (kept by the host)")
+        elif isinstance(p, ir.SpanParam):
+            dims = ", ".join(_host_expr(em, d) for d in p.shape)
+            out.append(f"//   spans     {p.name}: {p.dtype}[{dims}] = overlap({p.query}, {p.key}) rows({p.rows}) "
+                       f"cols({p.cols}) (computed per call)")
     for buf in kernel.smem:
         out.append(f"//   smem      {buf.name}: {buf.dtype}{list(buf.shape)} swizzle({buf.swizzle}) "
                    f"at +{em.smem_offsets[buf.name]} ({buf.nbytes} bytes)")

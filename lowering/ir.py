@@ -229,8 +229,28 @@ class WorkspaceParam(GlobalParam):
     zeroed: bool = False
 
 
+@dataclass(frozen=True)
+class SpanParam(GlobalParam):
+    """`spans doc_spans: i32[batch0, 1, ceil_div(S, 128), 4] = overlap(doc_q, doc_k) rows(128) cols(128)`:
+    a table the host computes per call from two i32 global inputs, `query` ([..., S, 1]: an id
+    per query row) and `key` ([..., 1, T]: an id per key), broadcast over their leading (batch)
+    dims. For each batch index and each block of `rows` query rows (the last one may be
+    shorter): [..., r, 0] the first and [..., r, 1] the count of the blocks of `cols` keys
+    whose ids' range [min, max] meets the range of the row block's ids (outside them no key's
+    id equals a row's: a document mask hides them; count 0: no block); [..., r, 2] the first
+    and [..., r, 3] the count of the key blocks that hold only the one id all the block's rows
+    have (a document mask hides nothing there), where those blocks are one run, else count 0.
+    `lowering/block_spans.py` defines it; the simulator computes it there, the host on the GPU
+    (codegen/block_spans.py)."""
+
+    query: str = ""
+    key: str = ""
+    rows: int = 1
+    cols: int = 1
+
+
 # A subclass first: the type check takes the first class of a Union that a value is an instance of.
-Param = Union[HostParam, ScalarParam, TensorMapParam, WorkspaceParam, GlobalParam]
+Param = Union[HostParam, ScalarParam, TensorMapParam, WorkspaceParam, SpanParam, GlobalParam]
 
 
 @dataclass(frozen=True)

@@ -336,6 +336,9 @@ class _ToIR(Transformer):
     def global_param(self, name, dtype, shape):
         return ir.GlobalParam(str(name), str(dtype), shape)
 
+    def span_param(self, name, dtype, shape, query, key, rows, cols):
+        return ir.SpanParam(str(name), str(dtype), shape, str(query), str(key), rows, cols)
+
     def smem_decls(self, *decls):
         return decls
 

@@ -105,6 +105,9 @@ def _param(p: ir.Param) -> str:
         case ir.TensorMapParam():
             return (f"tensormap {p.name}: {p.dtype}[{_join(p.shape)}] box({_join(p.box)}) "
                     f"swizzle({p.swizzle})")
+        case ir.SpanParam():        # before GlobalParam, its base class
+            return (f"spans {p.name}: {p.dtype}[{_join(p.shape)}] = overlap({p.query}, {p.key}) "
+                    f"rows({p.rows}) cols({p.cols})")
         case ir.WorkspaceParam():   # before GlobalParam, its base class
             return f"workspace {p.name}: {p.dtype}[{_join(p.shape)}]" + (" zeroed" if p.zeroed else "")
         case ir.GlobalParam():

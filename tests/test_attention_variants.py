@@ -15,7 +15,7 @@ import wsched as ws
 from wsched.lowering import ir
 from wsched.lowering.evaluate import evaluate
 from wsched.lowering.parser import parse_kernel
-from wsched.lowering.printer import print_kernel
+from wsched.lowering.printer import print_expr, print_kernel
 from wsched.names import K_COUNT, K_FIRST
 from wsched.schedule import ScheduleError
 
@@ -321,18 +321,144 @@ def test_the_mask_is_paid_on_cut_blocks_only():
 
 
 def test_masks_that_cannot_be_analysed_apply_on_every_block():
+    """A mask of ids that is not a document mask (`!=`) applies to every block."""
+    def other(q, k, v, doc_q, doc_k):
+        s = ws.matmul(q, k.transpose(-1, -2))
+        return ws.matmul(ws.softmax(ws.where(doc_q != doc_k, s, -ws.inf), dim=-1), v).to(ws.bf16)
+    kernel = ws.lower(ws.fusion(_typed(other, make_variant(64, "document").inputs)))
+    consumer = next(r for r in kernel.roles() if r.name == "consumer")
+    kv = next(s for s in ir.walk(consumer.body) if isinstance(s, ir.For) and s.var == "k")
+    assert [type(s) for s in kv.body if isinstance(s, (ir.TileSelect, ir.TileLoadGlobal))] == \
+        [ir.TileLoadGlobal, ir.TileSelect]
+
+
+def test_a_document_mask_applies_on_the_blocks_the_table_does_not_call_full():
+    """doc_q == doc_k (with causal): the mask and the per-key ids' load only where a block is not
+    in the table's full run; the causal `where` joins the key-tail mask on cut blocks."""
     kernel = ws.lower(make_variant(64, "document_causal", lse=False))
     consumer = next(r for r in kernel.roles() if r.name == "consumer")
     kv = next(s for s in ir.walk(consumer.body) if isinstance(s, ir.For) and s.var == "k")
-    every_block = [s for s in kv.body if isinstance(s, ir.TileSelect)]
-    on_cut = [x for s in kv.body if isinstance(s, ir.If) for x in s.then if isinstance(x, (ir.TileSelect, ir.TileMask))]
-    # the document mask on every block; the causal `where` joins the key-tail mask on cut blocks
-    assert len(every_block) == 1 and [type(x) for x in on_cut] == [ir.TileMask]
+    partial = "k + kv_first < span_full || k + kv_first >= span_full + span_fulls"
+    ifs = [s for s in kv.body if isinstance(s, ir.If)]
+    assert [type(s) for s in kv.body if isinstance(s, (ir.TileSelect, ir.TileLoadGlobal, ir.TileMask))] == []
+    ((load, eq, select),) = [s.then for s in ifs if print_expr(s.cond) == partial]
+    assert isinstance(select, ir.TileSelect) and (load.dst, load.tensor, print_kernel_coords(load)) == \
+        ("doc_k_t", "doc_k", "b0, 0, 0, (k + kv_first) * 128")
+    on_cut = [x for s in ifs if print_expr(s.cond) != partial for x in s.then if isinstance(x, (ir.TileSelect, ir.TileMask))]
+    assert [type(x) for x in on_cut] == [ir.TileMask]
     assert on_cut[0].causal == ir.IntConst(0) and on_cut[0].lower is None
-    loads = [s for s in ir.walk(consumer.body) if isinstance(s, ir.TileLoadGlobal)]
-    assert [(s.dst, s.tensor, print_kernel_coords(s)) for s in loads] == [
-        ("doc_q_t", "doc_q", "b0, 0, m0 + wg * 64, 0"), ("doc_k_t", "doc_k", "b0, 0, 0, k * 128")]
-    assert loads[1] in kv.body    # per kv block; doc_q once per tile
+    loads = [(s.name, s.tensor, print_kernel_coords(s)) for s in ir.walk(consumer.body) if isinstance(s, ir.LoadGlobal)]
+    assert loads == [("span_first", "id_spans", "b0, 0, m_block, 0"), ("span_count", "id_spans", "b0, 0, m_block, 1"),
+                     ("span_full", "id_spans", "b0, 0, m_block, 2"), ("span_fulls", "id_spans", "b0, 0, m_block, 3")]
+
+
+# ---------------------------------------------------------------------------------------------
+# Document masks: the kv blocks the ids cannot see are skipped (ir.SpanParam)
+# ---------------------------------------------------------------------------------------------
+
+
+def _spans_of(kernel):
+    return [p for p in kernel.params if isinstance(p, ir.SpanParam)]
+
+
+def test_a_document_mask_bounds_each_tile_by_the_spans_table(golden):
+    """doc_q == doc_k gives the kernel a spans table of its ids; both roles read their tile's row
+    and intersect it with the analysed masks' range (the causal one here)."""
+    kernel = ws.lower(make_variant(128, "document_causal"))
+    golden.check("attention_document_causal_d128.ir", print_kernel(kernel))
+    assert parse_kernel(print_kernel(kernel)) == kernel
+    (spans,) = _spans_of(kernel)
+    assert (spans.query, spans.key, spans.rows, spans.cols) == ("doc_q", "doc_k", 128, 128)
+    assert "spans id_spans: i32[batch0, 1, ceil_div(S, 128), 4] = overlap(doc_q, doc_k) rows(128) cols(128)" \
+        in print_kernel(kernel)
+    for role in ("producer", "consumer"):
+        lets = {x.name: f"{x.name} = {print_expr(x.value)}" for x in _tile_lets(kernel, role)}
+        assert lets[K_FIRST] == "kv_first = span_first"
+        assert lets[K_COUNT] == ("kv_tiles = max(min(min(kv_blocks, ceil_div(m0 + 128, 128)), span_first + span_count)"
+                                 " - kv_first, 0)")
+    # a mask of `!=`, or ids of another kind, keeps every block
+    def other(q, k, v, doc_q, doc_k):
+        s = ws.matmul(q, k.transpose(-1, -2))
+        return ws.matmul(ws.softmax(ws.where(doc_q != doc_k, s, -ws.inf), dim=-1), v).to(ws.bf16)
+    spec = make_variant(64, "document").inputs
+    f = ws.fusion(_typed(other, spec))
+    assert not _spans_of(ws.lower(f))
+
+
+def _typed(fn, inputs):
+    """`fn` with the annotations of a fusion's inputs (the same parameter names)."""
+    names = [n.id for n in inputs]
+    fn.__annotations__ = {name: ws.Tensor[(n.dtype, *n.shape)] for name, n in zip(names, inputs)}
+    return fn
+
+
+def test_a_document_mask_visits_exactly_the_blocks_its_ids_see():
+    """With ids that grow along the sequence (packed documents) a tile's kv range is exactly the
+    blocks holding a key of one of its rows' documents."""
+    from wsched.lowering.block_spans import block_spans
+
+    f = make_variant(64, "document", lse=False)
+    kernel = ws.lower(f)
+    bm, bn, _ = ws.schedule_for(f).tile
+    S, T = 1000, 1500
+    _, _, _, doc_q, doc_k = variant_inputs(f, 2, 1, S, T, 64, seed=3, documents=9)
+    table = block_spans(doc_q, doc_k, bm, bn, (2, 1, math.ceil(S / bm), 4))
+    lets = _tile_lets(kernel)
+    checked = 0
+    for b in range(2):
+        for m_block in range(math.ceil(S / bm)):
+            env = {"T": T, "S": S, "kv_blocks": math.ceil(T / bn), "m0": m_block * bm,
+                   "span_first": int(table[b, 0, m_block, 0]), "span_count": int(table[b, 0, m_block, 1])}
+            for let in [x for x in lets if x.name in (K_FIRST, K_COUNT)]:
+                env[let.name] = evaluate(let.value, env)
+            rows = doc_q[b, 0, m_block * bm:(m_block + 1) * bm, 0]
+            seen = (rows[:, None] == doc_k[b, 0, 0][None, :]).any(0)
+            blocks = {j // bn for j in torch.nonzero(seen).flatten().tolist()}
+            assert set(range(env[K_FIRST], env[K_FIRST] + env[K_COUNT])) == blocks, (b, m_block)
+            full, fulls = table[b, 0, m_block, 2:].tolist()
+            every = (rows[:, None] == doc_k[b, 0, 0][None, :]).all(0)
+            whole = {c for c in range(math.ceil(T / bn)) if bool(every[c * bn:(c + 1) * bn].all())}
+            assert set(range(full, full + fulls)) == whole, (b, m_block)
+            checked += len(whole)
+    assert checked > 0
+
+
+def test_block_spans_hold_every_equal_pair_for_ids_in_any_order():
+    """The table is a hull: ids in any order, broadcast over batch dims, ragged last blocks."""
+    from wsched.lowering.block_spans import block_spans
+
+    g = torch.Generator().manual_seed(0)
+    for S, T, rows, cols in ((1, 1, 128, 128), (130, 257, 128, 64), (300, 129, 64, 128), (64, 700, 128, 128)):
+        q = torch.randint(0, 5, (3, 1, S, 1), generator=g, dtype=torch.int32)
+        k = torch.randint(0, 5, (1, 2, 1, T), generator=g, dtype=torch.int32)
+        table = block_spans(q, k, rows, cols, (3, 2, math.ceil(S / rows), 4))
+        assert table.dtype == torch.int32 and table.is_contiguous()
+        for b in range(3):
+            for h in range(2):
+                for r in range(math.ceil(S / rows)):
+                    first, count, full, fulls = table[b, h, r].tolist()
+                    equal = q[b, 0, r * rows:(r + 1) * rows, 0, None] == k[0, h, 0, None, :]
+                    blocks = {j // cols for j in torch.nonzero(equal.any(0)).flatten().tolist()}
+                    assert blocks <= set(range(first, first + count)) and first + count <= math.ceil(T / cols)
+                    for c in range(full, full + fulls):   # the full run: every pair equal
+                        assert bool(equal[:, c * cols:(c + 1) * cols].all())
+
+
+@pytest.mark.parametrize("order", ["sorted", "shuffled", "unseen"])
+def test_document_masks_match_the_reference_with_blocks_skipped(order):
+    """Many short documents (most kv blocks skipped), ids in no order (the hull keeps blocks a
+    row may not see), and rows whose document has no key (a block of rows with nothing to see:
+    O = 0, LSE = -inf)."""
+    f = make_variant(64, "document_causal" if order == "sorted" else "document")
+    q, k, v, doc_q, doc_k = variant_inputs(f, 2, 2, 300, 420, 64, seed=5, documents=7)
+    if order == "shuffled":
+        doc_k = doc_k[..., torch.randperm(420, generator=torch.Generator().manual_seed(1))].contiguous()
+    if order == "unseen":   # the last query block's documents appear in no key
+        doc_q = doc_q.clone()
+        doc_q[:, :, 256:] = 100
+    o, lse = check(f, [q, k, v, doc_q, doc_k], num_sms=3)
+    if order == "unseen":
+        assert (o[:, :, 256:] == 0).all() and torch.isneginf(lse[:, :, 256:]).all()
 
 
 def print_kernel_coords(s):
@@ -528,3 +654,36 @@ def test_an_input_that_does_not_broadcast_dim_by_dim_is_named():
             "f32[B, S, S] dim by dim, each dim 1 or the scores' own (e.g. [H, 1, 1] per head, [B, 1, S, 1] "
             "per query, [B, 1, 1, T] per key)")):
         ws.lower(bad)
+
+
+@pytest.mark.parametrize("edit, message", [
+    (("overlap(doc_q, doc_k)", "overlap(o, doc_k)"),
+     "spans id_spans: its query ids `o` are bf16[4 dims]; they must be i32 [..., S, 1], at most the table's rank (4)"),
+    (("overlap(doc_q, doc_k)", "overlap(doc_q, ids)"),
+     "spans id_spans reads `ids` as its key ids, which is not a global param declared before it; name an i32 "
+     "global input [..., 1, T]"),
+    (("rows(128) cols(128)", "rows(0) cols(128)"), "spans id_spans: rows(0) cols(128) must both be >= 1")])
+def test_a_spans_param_that_reads_no_ids_is_named(edit, message):
+    from wsched.lowering.verify import VerifyError, verify
+
+    text = print_kernel(ws.lower(make_variant(64, "document"))).replace(*edit)
+    with pytest.raises(VerifyError) as error:
+        verify(parse_kernel(text))
+    assert message in str(error.value)
+
+
+def test_document_ids_shared_by_every_sequence():
+    """Ids [S, 1] and [1, T] (one packing for the whole batch): a table of one row per block."""
+    def shared(q: ws.Tensor[ws.bf16, "B", "H", "S", 64], k: ws.Tensor[ws.bf16, "B", "H", "T", 64],
+               v: ws.Tensor[ws.bf16, "B", "H", "T", 64], doc_q: ws.Tensor[ws.i32, "S", 1],
+               doc_k: ws.Tensor[ws.i32, 1, "T"]):
+        s = ws.matmul(q, k.transpose(-1, -2)) * 0.125
+        s = ws.where(doc_q == doc_k, s, -ws.inf)
+        return ws.matmul(ws.softmax(s, dim=-1), v).to(ws.bf16), ws.logsumexp(s, dim=-1)
+
+    f = ws.fusion(shared)
+    (spans,) = _spans_of(ws.lower(f))
+    assert [print_expr(d) for d in spans.shape] == ["1", "1", "ceil_div(S, 128)", "4"]
+    q, k, v = attention_inputs(2, 2, 260, 390, 64, seed=4)
+    ids = torch.arange(390, dtype=torch.int32) // 70
+    check(f, [q, k, v, ids[:260, None].contiguous(), ids[None, :].contiguous()])

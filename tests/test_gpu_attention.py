@@ -177,6 +177,55 @@ def test_rows_of_a_document_no_key_belongs_to():
     check_variant(f, k, (q, kk, v, doc_q, doc_k))
 
 
+@pytest.mark.parametrize("order", ["sorted", "shuffled"])
+def test_document_masks_skip_the_blocks_their_ids_cannot_see(order):
+    """Many documents of 1..~400 tokens (most kv blocks outside a tile's span table), and keys
+    whose ids are shuffled (the table's hull keeps blocks no row sees: still masked right)."""
+    f, k = compiled_variant(128, "document_causal" if order == "sorted" else "document")
+    q, kk, v, doc_q, doc_k = variant_inputs(f, 2, 4, 3000, 2900, 128, device="cuda", seed=11, documents=24)
+    if order == "shuffled":
+        doc_k = doc_k[..., torch.randperm(2900, device="cuda")].contiguous()
+    check_variant(f, k, (q, kk, v, doc_q, doc_k))
+
+
+@pytest.mark.parametrize("S, T, rows, cols", [(1, 1, 128, 128), (300, 129, 64, 128), (4096, 4000, 128, 128),
+                                         (130, 70000, 128, 128)])
+def test_the_spans_table_on_the_gpu_is_the_simulators(S, T, rows, cols):
+    """The helper kernel's table (codegen/block_spans.py) equals the definition the simulator
+    runs (lowering/block_spans.py): ids in any order, sorted ids, broadcast batch dims, strided."""
+    import math
+
+    from wsched.codegen.block_spans import block_spans_cuda
+    from wsched.lowering.block_spans import block_spans
+
+    for order in ("random", "sorted"):
+        q = torch.randint(0, 6, (3, 1, S, 1), dtype=torch.int32, device="cuda")
+        k = torch.randint(0, 6, (1, 2, 2 * T, 1), dtype=torch.int32, device="cuda")[:, :, ::2].transpose(-1, -2)
+        if order == "sorted":
+            q, k = q.sort(dim=-2).values, k.sort(dim=-1).values
+        shape = (3, 2, math.ceil(S / rows), 4)
+        assert torch.equal(block_spans_cuda(q, k, rows, cols, shape), block_spans(q, k, rows, cols, shape))
+
+
+def test_a_bound_call_reads_the_document_ids_as_they_are_at_each_launch():
+    """k.bind(...) computes the spans table again per launch: ids refilled in place between
+    launches change which blocks are visited."""
+    f, k = compiled_variant(128, "document")
+    q, kk, v, doc_q, doc_k = variant_inputs(f, 1, 2, 1024, 1024, 128, device="cuda", seed=2, documents=8)
+    call = k.bind(q, kk, v, doc_q, doc_k)
+    for documents in (8, 2, 16):
+        _, _, _, new_q, new_k = variant_inputs(f, 1, 2, 1024, 1024, 128, device="cuda", seed=documents,
+                                               documents=documents)
+        doc_q.copy_(new_q)
+        doc_k.copy_(new_k)
+        for t in call.outputs.values():
+            t.fill_(float("nan"))
+        o, lse = call()
+        call.synchronize()
+        ro, rlse = f.reference(q, kk, v, doc_q, doc_k)
+        assert rel(o, ro) < 1e-2 and rel(lse, rlse) < 1e-3, documents
+
+
 @pytest.mark.parametrize("S, T", [(1, 8193), (5, 3000), (8192, 8192)])
 def test_a_bias_along_the_diagonal(S, T):
     """ALiBi spelt as two terms, bottom-right causal: the decode shapes run split-KV (each split's

@@ -383,7 +383,7 @@ def test_error_message_in_full(old, new, message):
 def test_error_lists_expected_terminals_in_readable_spellings():
     error = parse_error(SMALL.replace("i32 n", "n"))
     assert error.detail == \
-        "unexpected `n`; expected `)`, `global`, `tensormap`, `workspace` or a dtype (bf16, f16, f32, i32)"
+        "unexpected `n`; expected `)`, `global`, `spans`, `tensormap`, `workspace` or a dtype (bf16, f16, f32, i32)"
     error = parse_error(SMALL.replace("phase(s & 1)", "phase(s & 1 $)"))
     assert (error.line, error.column) == (4, 39)
     assert error.detail == ("unexpected character `$`; expected `!=`, `%`, `&`, `&&`, `)`, `*`, "

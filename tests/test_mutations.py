@@ -30,7 +30,7 @@ from wsched.lowering.printer import print_kernel
 from wsched.lowering.simulate import SimulationError
 from wsched.lowering.verify import VerifyError, verify
 
-from attention_fusions import attention_inputs, make_attention, make_paged_attention, make_variant, paged_inputs
+from attention_fusions import attention_inputs, make_attention, make_paged_attention, make_variant, paged_inputs, variant_inputs
 from fusions import inputs_for, linear_relu_residual, matmul, matmul_f16, mlp, scaled_silu_f32
 from mutations import OPERATORS, Edit, Text
 from test_batched_matmul import batched_linear_b2
@@ -87,6 +87,9 @@ class Family:
             s, t = (700, 300) if "_br" in self.fusion.name else (450, 450) if "causal" in self.fusion.name else (300, 520)
             # a tile counter: 2 heads, so that a CTA takes 3 or more tiles (the ring's slots reused)
             heads = 2 if gqa or "tile_counter" in self.text else 1
+            if len(self.fusion.inputs) > 3:   # document ids
+                return [variant_inputs(self.fusion, 1, heads, s, t, self.fusion.inputs[0].shape[-1], seed=1,
+                                       documents=5)]
             return [attention_inputs(1, heads, s, t, self.fusion.inputs[0].shape[-1], seed=1,
                                      gqa_groups=2 if gqa else None)]
         return [inputs_for(self.fusion, *shape, seed=1)    # TMA rows: 16-byte aligned
@@ -117,6 +120,10 @@ FAMILIES = [
     Family("attention_softcap_window_d128.ir",
            make_variant(128, "softcap_window", window=256, name="attn_d128_softcap_window_causal"),
            golden="attention_softcap_window_d128.ir"),
+    # A document mask and causal: each tile's kv blocks bounded by the spans table of 5 documents
+    # (tiles skip blocks at both ends), the mask applied on every block
+    Family("attention_document_causal_d128.ir", make_variant(128, "document_causal"),
+           golden="attention_document_causal_d128.ir"),
     # On 4 SMs: 2 output tiles of 10 k steps, split in 2 (the last unit of a tile sums them); and 9
     # tiles, more than the SMs, not split (each CTA walks several tiles and reuses its staging tile)
     Family("matmul_split_k.ir", matmul, (("split_k", 4),), golden="matmul_split_k.ir",
@@ -199,8 +206,9 @@ NOT_JUDGED: dict = {}
 
 # Mutants of a harmful operator that are equivalent to their kernel, so benign controls there:
 # (family, operator, statement) -> why.
-ALWAYS_CONVERGED = ("the kv loop runs at least once on every tile (ceil_div(m0 + 128, 128) >= 1 kv blocks), "
-                    "so its wgmma has converged the warpgroup before the one-thread release of q_empty")
+ALWAYS_CONVERGED = ("the kv loop runs at least once on every tile (ceil_div(m0 + 128, 128) >= 1 kv blocks; with "
+                    "the document mask every row sees its own key), so its wgmma has converged the warpgroup "
+                    "before the one-thread release of q_empty")
 # The tile ring's empty barrier where Q has one slot: the producer writes a slot again only two
 # tiles later, after Q's empty barrier has let it load the next tile's Q, which the consumers
 # release only once they have read the slot (the ring is generic; attention's Q orders it too).
@@ -210,10 +218,10 @@ TILE_RING_ORDERED_BY_Q = ("the producer's next write of the slot comes after it 
 EQUIVALENT = {
     **{(name, "drop_named_barrier", "bar.sync 1 + wg, 128"): ALWAYS_CONVERGED
        for name in ("attention_causal_d128.ir", "attention_d64", "attention_gqa_lse", "attention_pingpong",
-                    "attention_softcap_window_d128.ir")},
+                    "attention_softcap_window_d128.ir", "attention_document_causal_d128.ir")},
     **{(name, "drop_wait", "mbarrier.wait tile_empty[tile_s] phase(tile_ph ^ 1)"): TILE_RING_ORDERED_BY_Q
        for name in ("attention_causal_d128.ir", "attention_pingpong", "attention_bottom_right",
-                    "attention_softcap_window_d128.ir")},
+                    "attention_softcap_window_d128.ir", "attention_document_causal_d128.ir")},
 }
 
 MERGE_START = ("the merge's max starts at -1e30 (a row no split sees a key from keeps a finite max); without "
@@ -243,7 +251,7 @@ NO_EMPTY_TILE = ("Q's release for a tile whose kv loop runs no step (after the w
 EQUIVALENT_BELOW = {
     (name, op, "mbarrier.arrive q_empty[0]", "bar.sync 1 + wg, 128"): NO_EMPTY_TILE
     for name in ("attention_causal_d128.ir", "attention_d64", "attention_gqa_lse", "attention_pingpong",
-                 "attention_softcap_window_d128.ir", "attention_decode_split.ir")
+                 "attention_softcap_window_d128.ir", "attention_decode_split.ir", "attention_document_causal_d128.ir")
     for op in ("drop_arrive", "duplicate_arrive")
 }
 

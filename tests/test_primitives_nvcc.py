@@ -244,3 +244,15 @@ def test_wgmma_function_text():
     name, _ = wgmma_function(128, "bf16", "smem", True)
     assert name == "wgmma_m64n128k16_bf16_ss_tb"
     assert PTX_FLAGS != NVCC_FLAGS and "-ptx" in PTX_FLAGS
+
+
+@pytest.mark.nvcc
+@needs_nvcc
+def test_the_spans_table_kernel_builds_without_spills():
+    """codegen/block_spans.py's helper (a spans param's table on the GPU) builds for sm_90a."""
+    from wsched.codegen.block_spans import KERNEL, SOURCE
+    from wsched.codegen.build import compile_cuda
+
+    result = compile_cuda(SOURCE, name=KERNEL)
+    r = result.resources[KERNEL]
+    assert r.spill_stores == 0 and r.spill_loads == 0

@@ -18,6 +18,8 @@ from .codegen.launch import PackedArguments, check_base_alignment
 from .codegen.nvcc import BuildError, nvcc_available
 from .errors import ArgumentError, FusionError, check_argument, short_repr
 from .fusion import check_fusion
+from .lowering import ir
+from .codegen.block_spans import SpansLaunch
 from .lowering.pipeline import lower_partition
 from .partition import Partition, param_name
 from .schedule import Schedule, ScheduleError, check_schedule
@@ -207,10 +209,13 @@ class CompiledKernel:
         outs = out if out is not None else self._outputs(sizes, device)
         views = self._kernel_views({**inputs, **outs}, scalars)
         scalars = self._host_params(scalars, sm_count(device))   # split-K: host params from the sizes
-        params = []
+        params, span_shapes = [], {}
         for p in self.kernel.params:
             if isinstance(p, ir.WorkspaceParam):   # split-K scratch: kept by this kernel, a fixed pointer
                 params.append(("ptr", self._workspace(p, scalars, device).data_ptr()))
+            elif isinstance(p, ir.SpanParam):        # computed per call from its id inputs
+                params.append(("ptr", p))
+                span_shapes[p.name] = tuple(evaluate(d, scalars) for d in p.shape)
             elif isinstance(p, ir.TensorMapParam):   # TMA: 16-byte aligned base and rows
                 check_tensor(p.name, views[p.name], device=device)
                 params.append(("tensor_map", p))
@@ -228,6 +233,7 @@ class CompiledKernel:
         # (type, value) for a value the layout fixes (a size, anything computed from the sizes)
         view_shapes = {name: tuple(t.shape) for name, t in views.items()
                        if name in inputs or name in outs}
+        view_shapes.update(span_shapes)
         out_specs = [(name, tuple(t.shape), t.dtype) for name, t in outs.items()]
         grid = max(1, evaluate(self.kernel.grid, {**scalars, "num_sms": sm_count(device)}))
         _grid3(grid)   # within the CUDA limit: the eager launch does not check it again
@@ -310,6 +316,7 @@ class CompiledKernel:
         traced build appends its record buffer) through `LoadedKernel.launch(grid, args,
         device=<the tensors' device>)`. A plain call or a repeated launch: `k(...)`, `k.bind(...)`."""
         plan, packed, outputs = self._prepare(tensors, out, private=True)
+        self._held_tables = getattr(packed, "held", None)   # a spans table, alive until the next call
         return plan.grid, packed.pairs(), out if out is not None else plan.by_name(outputs)
 
     def __call__(self, *tensors, out: dict[str, torch.Tensor] | None = None):
@@ -348,8 +355,9 @@ class CompiledKernel:
 
         loaded = self._loaded
         function, context = loaded._functions.get(plan.device_index), _primary_handles.get(plan.device_index)
-        if function is None or context is None or len(tensors) > native.MAX_TENSORS:
-            return   # not launched through the primary context yet, or more tensors than a plan takes
+        if function is None or context is None or len(tensors) > native.MAX_TENSORS or plan.span_slots:
+            return   # not launched through the primary context yet, more tensors than a plan takes, or
+            # a spans table to compute per call (torch ops the native launcher does not run)
         key = None if out is None else tuple(out)
         launcher = natives.get(key)
         if launcher is None:
@@ -421,7 +429,12 @@ class _LaunchPlan:
         where = {name: i for i, name in enumerate([*inputs, *(name for name, _, _ in outputs)])}
         per_call = [(i, arg_type, p) for i, (arg_type, p) in enumerate(params)
                     if not isinstance(p, (int, float))]
-        self.pointer_slots = tuple((i, where[p.name]) for i, arg_type, p in per_call if arg_type == "ptr")
+        self.pointer_slots = tuple((i, where[p.name]) for i, arg_type, p in per_call
+                                   if arg_type == "ptr" and not isinstance(p, ir.SpanParam))
+        # a spans table (ir.SpanParam): computed per call from its id inputs, on the call's stream
+        self.span_slots = tuple((i, where[p.query], where[p.key], p) for i, arg_type, p in per_call
+                                if isinstance(p, ir.SpanParam))
+        self.span_launches: dict = {}   # position -> its codegen.block_spans.SpansLaunch
         # with each map param, its maps encoded so far by data address
         self.map_slots = tuple((i, where[p.name], p, {}) for i, arg_type, p in per_call
                                if arg_type == "tensor_map")
@@ -447,6 +460,8 @@ class _LaunchPlan:
                 self._thread.packed = packed
         for position, source in self.pointer_slots:
             packed.set_pointer(position, tensors[source].data_ptr())
+        if self.span_slots:
+            self.pack_spans(packed, tensors)
         for position, source, p, maps in self.map_slots:
             data_ptr = tensors[source].data_ptr()
             if data_ptr % TMA_GLOBAL_ADDRESS_ALIGNMENT:
@@ -459,6 +474,22 @@ class _LaunchPlan:
                 tensor_map = self._encode(maps, tensors[source], p)
             packed.set_tensor_map(position, tensor_map)
         return packed
+
+    def pack_spans(self, packed: PackedArguments, tensors: tuple) -> None:
+        """Compute each spans table from this call's id inputs (one launch of the helper kernel,
+        codegen/block_spans.py) and point `packed` at it. The
+        tables live as long as `packed` does (until its next call): a launch enqueued before
+        that reads them, and torch's allocator reuses their memory only after the launch on
+        this stream."""
+        tables = []
+        for position, query, key, p in self.span_slots:
+            ids = [tensors[source].view(self.views[name]) for source, name in ((query, p.query), (key, p.key))]
+            launch = self.span_launches.get(position)
+            if launch is None:   # the layout's launch, packed once (the plan fixes the ids' layout)
+                launch = self.span_launches[position] = SpansLaunch(*ids, p.rows, p.cols, self.views[p.name])
+            tables.append(launch(*ids))
+            packed.set_pointer(position, tables[-1].data_ptr())
+        packed.held = tables
 
     def _encode(self, maps: dict, tensor: torch.Tensor, p) -> driver.CUtensorMap:
         from .codegen.tma import tensor_map_for
@@ -483,11 +514,14 @@ class BoundCall:
         self.outputs = outputs          # output name -> tensor, filled by each launch
         self._tensors = tensors         # kept alive: the packed arguments hold their addresses
         self._packed = packed
+        self._plan = plan
         self._launch = kernel._loaded.launch_packed
         self._index = plan.device_index
         self._result = kernel._result(outputs)
 
     def __call__(self):
+        if self._plan.span_slots:   # tables from the ids as they are now (a loop may refill them)
+            self._plan.pack_spans(self._packed, self._tensors)
         self._launch(self.grid, self._packed, self._index)
         return self._result
 

@@ -57,6 +57,7 @@ BIAS_TERM = "bias_u"
 BIAS_COLS = "bias_t"
 
 OFFSETS = "offsets"   # attention with packed sequences (ws.varlen): the entries of cu_seqlens
+ID_SPANS = "id_spans"  # attention with a document mask: each row block's run of kv blocks (ir.SpanParam)
 
 LOWERING_NAMES = frozenset({
     PRODUCER, CONSUMER, TILE_VAR, K_VAR, ACC, K_BASE, K_COUNT, K_FIRST,
@@ -73,6 +74,7 @@ LOWERING_NAMES = frozenset({
     "m_blocks", "m_block", "kv_blocks", "rest", "s_acc", "p", "o_acc", "m_run", "l_run", "m_blk",
     "corr", "o_t", "o", "lse", BIAS_WEIGHT, BIAS_TERM, BIAS_COLS, "heads", "G", "work", "kv_all", "kv_per", "kv_skip", PART_O, PART_M, PART_L, PART_ROWS, "o_j", "l_blk", "section", "first_head", "section_heads", "in_section",
     # attention: packed sequences (ws.varlen)
+    ID_SPANS, "span_first", "span_count", "span_full", "span_fulls",
     OFFSETS, "S_packed", "T_packed", "search_steps", "v_block", "seq", "span", "step", "half", "mid", "cu_mid",
     "q_start", "q_end", "k_start", "head", "kv_head", "go", "q_off0", "q_off1", "k_off0", "k_off1",
     # outputs, buffers, barriers

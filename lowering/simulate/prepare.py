@@ -13,6 +13,7 @@ import torch
 from wsched.target import FLOAT_DTYPES, TORCH_DTYPES
 
 from .. import ir
+from ..block_spans import block_spans
 from ..evaluate import INT_MAX, INT_MIN, ExprError, Undefined, compile_expr, f32
 from ..printer import expr_text
 from ..verify.lines import statement_lines
@@ -43,8 +44,8 @@ class KernelPreparation:
             if isinstance(p, ir.HostParam) and p.name not in args:
                 args = {**args, p.name: self._host_value(p)}
             if p.name not in args:
-                if isinstance(p, ir.WorkspaceParam):
-                    continue      # allocated below, once its shape's scalars are bound
+                if isinstance(p, (ir.WorkspaceParam, ir.SpanParam)):
+                    continue      # allocated or computed below, once its shape's scalars are bound
                 raise SimulationError(f"missing argument {p.name!r} for kernel {self.kernel.name}")
             value = args[p.name]
             if isinstance(p, ir.ScalarParam):
@@ -62,6 +63,8 @@ class KernelPreparation:
                 continue
             if isinstance(p, ir.WorkspaceParam) and p.name not in args:
                 args = {**args, p.name: self._workspace(p)}
+            if isinstance(p, ir.SpanParam) and p.name not in args:   # as the host computes it per call
+                args = {**args, p.name: self._spans(p)}
             value = args[p.name]
             if not isinstance(value, torch.Tensor) or value.device.type != "cpu":
                 raise SimulationError(f"argument {p.name!r} must be a CPU torch tensor, got {type(value).__name__}")
@@ -90,6 +93,15 @@ class KernelPreparation:
         except ExprError as error:
             raise SimulationError(f"host param {p.name} = {expr_text(p.value)} has no value with these "
                                   f"arguments: {error}") from None
+
+    def _spans(self, p: ir.SpanParam) -> torch.Tensor:
+        """A spans table the caller did not give: computed from its id inputs, bound before it."""
+        try:
+            shape = tuple(compile_expr(d)(self.scalars) for d in p.shape)
+        except (Undefined, ExprError) as error:
+            raise SimulationError(f"the shape of spans {p.name} has no value with these arguments: {error}") from None
+        check_verified(p.query in self.tensors and p.key in self.tensors, "a spans param follows its id inputs")
+        return block_spans(self.tensors[p.query][1], self.tensors[p.key][1], p.rows, p.cols, shape)
 
     def _workspace(self, p: ir.WorkspaceParam) -> torch.Tensor:
         """A workspace the caller did not give, as the host allocates it: zeros where the kernel

@@ -439,7 +439,11 @@ class _Tracer:
             elif isinstance(s, ir.LoadShared):
                 env[s.name] = 0     # smem values are not traced: a ticket reads as the first arrival
             elif isinstance(s, ir.LoadGlobal):
-                env[s.name] = self.loaded   # nor global ones: every element reads as the sample's size
+                # nor global ones: every element reads as the sample's size, but a spans table's
+                # first kv block reads 0 (so that its count, the size, bounds a tile of many steps)
+                first_of_span = (isinstance(self.k.param(s.tensor), ir.SpanParam)
+                                 and s.coords[-1] == ir.IntConst(0))
+                env[s.name] = 0 if first_of_span else self.loaded
             elif out is not None:
                 event = self._event(s, path, env, point)
                 if event is not None:

@@ -140,7 +140,7 @@ class StructureCheck(TileChecks, GlobalSyncChecks, RoleChecks):
         for p in self.k.params:
             what = {ir.ScalarParam: "scalar param", ir.TensorMapParam: "tensormap param",
                     ir.GlobalParam: "global param", ir.HostParam: "scalar param",
-                    ir.WorkspaceParam: "global param"}[type(p)]
+                    ir.WorkspaceParam: "global param", ir.SpanParam: "global param"}[type(p)]
             where = f"{what.split()[0]} {p.name}"
             report = lambda problem, where=where: self.r.header(problem, where)  # noqa: E731
             if isinstance(p, ir.HostParam):   # computed on the host from the params before it
@@ -154,6 +154,8 @@ class StructureCheck(TileChecks, GlobalSyncChecks, RoleChecks):
                     self._host_expr(d, scalars, report, "a tensor shape")
             if isinstance(p, ir.TensorMapParam):
                 self._tensormap(p, report)
+            if isinstance(p, ir.SpanParam):
+                self._spans(p, report)
         for i, b in enumerate(self.k.smem):
             report = lambda problem, i=i: self.r.smem_decl(i, problem)  # noqa: E731
             declare(b.name, "smem buffer", 2 + i, b, report)
@@ -168,6 +170,24 @@ class StructureCheck(TileChecks, GlobalSyncChecks, RoleChecks):
             if b.slots < 1:
                 report(f"barrier {b.name}[{b.slots}] has no slots; declare at least one")
         return scope
+
+    def _spans(self, p: ir.SpanParam, report) -> None:
+        """A spans table reads two i32 id inputs declared before it, at most of its rank: [..., S, 1]
+        and [..., 1, T]; it is [..., row blocks, 4]."""
+        params = {q.name: q for q in self.k.params[:self.k.params.index(p)]}
+        for side, name, dims in (("query", p.query, "[..., S, 1]"), ("key", p.key, "[..., 1, T]")):
+            q = params.get(name)
+            if not (isinstance(q, ir.GlobalParam) and type(q) is ir.GlobalParam):
+                report(f"spans {p.name} reads `{name}` as its {side} ids, which is not a global param declared "
+                       f"before it; name an i32 global input {dims}")
+            elif q.dtype != "i32" or not 2 <= len(q.shape) <= len(p.shape):
+                report(f"spans {p.name}: its {side} ids `{name}` are {q.dtype}[{len(q.shape)} dims]; they must be "
+                       f"i32 {dims}, at most the table's rank ({len(p.shape)})")
+        if p.dtype != "i32" or not p.shape or p.shape[-1] != ir.IntConst(4):
+            report(f"spans {p.name} is {p.dtype}[...]; a spans table is i32[..., row blocks, 4] (first, count, "
+                   f"full first, full count)")
+        if p.rows < 1 or p.cols < 1:
+            report(f"spans {p.name}: rows({p.rows}) cols({p.cols}) must both be >= 1")
 
     def _dtype(self, dtype, report) -> None:
         if dtype not in ir.DTYPES:

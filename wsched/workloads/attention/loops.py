@@ -38,7 +38,7 @@ import math
 
 from wsched.lowering import ir
 from wsched.lowering.context import LoweringContext
-from wsched.names import (BIAS_COLS, BIAS_TERM, BIAS_WEIGHT, CONSUMER, K_COUNT, K_FIRST, K_VAR, OFFSETS, PART_L, PART_M, PART_O, PART_ROWS, PRODUCER, SPLITS, TICKETS,
+from wsched.names import (BIAS_COLS, BIAS_TERM, BIAS_WEIGHT, CONSUMER, ID_SPANS, K_COUNT, K_FIRST, K_VAR, OFFSETS, PART_L, PART_M, PART_O, PART_ROWS, PRODUCER, SPLITS, TICKETS,
                           TILE_COUNTER, TILE_VAR)
 from wsched.workloads.batch import batch_index_lets
 
@@ -125,6 +125,12 @@ def build_loops(kernel: None, ctx: LoweringContext) -> ir.Kernel:
                for x in read]
     if sf.lengths is not None:
         params.append(ir.GlobalParam(sf.lengths.param, "i32", (V("batch0"),)))
+    spans = id_spans(a, s)
+    if spans is not None:   # a document mask: the host's table of each row block's kv blocks
+        q_ids, k_ids = spans
+        varies = [any(f"batch{i}" in x.dims for x in spans) for i in range(nb)]
+        params.append(ir.SpanParam(ID_SPANS, "i32", tuple(V(f"batch{i}") if varies[i] else C(1) for i in range(nb))
+                                   + (ir.ceil_div(rows, bm), C(4)), q_ids.param, k_ids.param, bm, bn))
     if pc:
         params.append(ir.GlobalParam(pc.table_param, "i32", (V("batch0"), V("MP"))))
     if vl:
@@ -165,7 +171,8 @@ def build_loops(kernel: None, ctx: LoweringContext) -> ir.Kernel:
                                    b_idx + (_plus("m0", w * 64), C(c * qk_width)), q_full)
                         for w in range(nwg) for c in range(chunks))
     # The kv block's first key: k counts this tile's blocks from its first visible one.
-    row = ir.mul(ir.add(K_VAR, K_FIRST), bn) if _lower_bounds(sf) or s.splits_kv else ir.mul(K_VAR, bn)
+    row = (ir.mul(ir.add(K_VAR, K_FIRST), bn) if _lower_bounds(sf) or s.splits_kv or spans is not None
+           else ir.mul(K_VAR, bn))
     if vl and vl.k:
         kv_loads = tuple(ir.TmaLoad(ir.SmemRef(buf, (C(0), C(c))), name,
                                     (ir.add("k_start", row), _plus_mul("kv_head", dim, c * width)), bar)
@@ -188,11 +195,30 @@ def build_loops(kernel: None, ctx: LoweringContext) -> ir.Kernel:
     positions = {-2: rows0, -1: row}
     loads = {per_key: tuple(ir.TileLoadGlobal(tiles[x.node.id][0], x.param, _side_coords(x, rows0, row))
                             for x in read if x.per_key == per_key) for per_key in (False, True)}
+    spans = id_spans(a, s)
     # The score function: the inner score in place on every block, then the masks that cannot be
     # analysed; the analysed ones only where a block is cut (beyond the keys, or by a mask).
     inner, _ = ops.lower(sf.inner, "s_acc", {**tiles, sf.qk: ("s_acc", (64, bn))}, positions, _causal_shift)
     weight, bias_cols, bias_add = _bias(sf, tiles, row, rows0, a.scale)
-    every_block = [stmt for m in sf.masks if not m.analysed for stmt in _apply_mask(ops, m, tiles, positions)]
+    # A document mask whose ids give the spans table: only on the blocks the table does not call
+    # full (one id in all their keys, the rows' one id), its per-key ids loaded there, right
+    # before it, where nothing else reads them.
+    id_mask = next((m for m in sf.masks if spans is not None and m.ids == spans), None)
+    every_block = [stmt for m in sf.masks if not m.analysed and m is not id_mask
+                   for stmt in _apply_mask(ops, m, tiles, positions)]
+    partial_block = ir.BinOp("||", ir.lt(ir.add(K_VAR, K_FIRST), "span_full"),
+                             ir.BinOp(">=", ir.add(K_VAR, K_FIRST), ir.add("span_full", "span_fulls")))
+    if id_mask is not None:
+        late = ()
+        if not _read_elsewhere(ctx.partition.fusion, sf, id_mask, spans[1]):
+            # loaded where it is used: no [1, BN] tile live across the wgmma (H100, one document
+            # B4 H16 S4096: D128 537 vs 481 TFLOP/s loaded before it; 4 documents D64 211 vs 191)
+            late = tuple(x for x in loads[True] if x.tensor == spans[1].param)
+            loads[True] = tuple(x for x in loads[True] if x not in late)
+        every_block.append(ir.If(partial_block, late + tuple(_apply_mask(ops, id_mask, tiles, positions))))
+    span_fulls = () if id_mask is None else (
+        ir.LoadGlobal("span_full", ID_SPANS, span_row(spans, nb) + (C(2),)),
+        ir.LoadGlobal("span_fulls", ID_SPANS, span_row(spans, nb) + (C(3),)))
     # Analysed masks bounded only by diagonals (causal_mask, causal and sliding-window `where`s)
     # join the key-tail mask as its causal(...) and lower(...) bounds: one compare per bound and
     # element, on cut blocks only; the other analysed masks' tile ops run there too.
@@ -244,7 +270,7 @@ def build_loops(kernel: None, ctx: LoweringContext) -> ir.Kernel:
         *ops.decls.values(),
         *((ir.RegDecl(BIAS_WEIGHT, "f32", (1, 1)), ir.RegDecl(BIAS_COLS, "f32", (1, bn))) if sf.bias else ()),
         *((ir.RegDecl(BIAS_TERM, "f32", (1, 1)),) if len(sf.bias) > 1 else ()),
-        tile_loop(ctx, (ir.TileFill("o_acc", f(0.0)), *loads[False], *weight, *_running_state(a.sink, tiles),
+        tile_loop(ctx, (*span_fulls, ir.TileFill("o_acc", f(0.0)), *loads[False], *weight, *_running_state(a.sink, tiles),
                         k_loop(softmax))),
     ))
     units = ir.mul(_heads(nb, 1 if vl else 0), m_blocks_of(a, bm))
@@ -323,13 +349,14 @@ def split_count(s, nb: int, rows: ir.Expr, keys: str = "T") -> ir.Expr:
 
 def takes_tiles_from_counter(a, s) -> bool:
     """Whether each CTA takes its next tile from a counter (passes/dynamic_tiles.py): where tiles
-    differ in work (a mask bounds the keys by the row; packed sequences of their own lengths), so
+    differ in work (a mask bounds the keys by the row; packed sequences of their own lengths; a
+    document mask's spans: 1.12-1.20x the static order on an H100, 4 and 16 documents), so
     that the CTAs end together, unless split-KV (its units are even) or beside a paged producer at
     the value dim with no register margin (the counter's scalars spilled 12 bytes there, nvcc
     2026-11-24; the 28 unpaged causal, softcap-window, ALiBi and GQA schedules of the search space
     at 256 build without spills)."""
     return (not s.splits_kv and (s.value_dim != THIN_MARGIN_VALUE_DIM or a.paged is None)
-            and (_rows_bound_keys(a.score) or a.varlen is not None))
+            and (_rows_bound_keys(a.score) or a.varlen is not None or id_spans(a, s) is not None))
 
 
 # With the tiles taken from a counter, a section of heads walked heaviest m-block first has
@@ -458,6 +485,16 @@ def _block_is_cut(sf, rows0: ir.Expr, col0: ir.Expr, bn: int) -> ir.Expr:
     return cut
 
 
+def _read_elsewhere(fusion, sf, mask, x: SideInput) -> bool:
+    """Whether input `x` is read by the score function other than through `mask`'s condition
+    (the inner score, another mask, the bias, the sink)."""
+    import networkx as nx
+
+    others = [sf.inner] + [m.cond.id for m in sf.masks if m is not mask and m.cond is not None]
+    others += [factor for b in sf.bias for factor in b.factors]
+    return any(x.node.id == n or x.node.id in nx.ancestors(fusion.graph, n) for n in others)
+
+
 def _apply_mask(ops: ScoreOps, mask, tiles: dict, positions: dict) -> list[ir.Stmt]:
     """The mask's condition as tile ops, then -inf into the scores where it does not hold."""
     stmts, cond = ops.lower(mask.cond.id, None, tiles, positions, _causal_shift)
@@ -516,7 +553,8 @@ def tile_loop(ctx: LoweringContext, body: tuple[ir.Stmt, ...]) -> ir.For:
                  ir.Let("T", ir.emax(ir.emin("T_seq", a.keys), 0)),
                  ir.Let("kv_blocks", ir.ceil_div("T", bn))]
     lets.append(ir.Let("m0", ir.mul("m_block", bm)))
-    kv = kv_range(a.score, bm, bn, a.packed, s.splits_kv)
+    spans = id_spans(a, s)
+    kv = kv_range(a.score, bm, bn, a.packed, s.splits_kv, None if spans is None else span_row(spans, nb))
     if a.varlen:   # a virtual block past its sequence's queries: no kv block, nothing stored
         kv = [ir.Let(x.name, ir.Call("select", (ir.lt("m0", "S"), x.value, C(0)))) if x.name == K_COUNT else x
               for x in kv]
@@ -584,12 +622,28 @@ def _rows_bound_keys(sf) -> bool:
     return any(m.upper for m in sf.masks if m.analysed)
 
 
-def kv_range(sf, bm: int, bn: int, packed: bool = False, split: bool = False) -> list[ir.Let]:
+def span_row(spans: tuple[SideInput, SideInput], nb: int) -> tuple[ir.Expr, ...]:
+    """The tile's row of the spans table: its batch indices where the ids vary, its m-block."""
+    return tuple(V(f"b{i}") if any(f"batch{i}" in x.dims for x in spans) else C(0) for i in range(nb)) \
+        + (V("m_block"),)
+
+
+def id_spans(a, s) -> tuple[SideInput, SideInput] | None:
+    """The (query ids, key ids) of a document mask whose spans table bounds each tile's kv
+    blocks (`ir.SpanParam`): rows of one sequence each (not GQA-packed, not packed sequences,
+    which bound their own keys), one kv range per tile (no split-KV)."""
+    pairs = a.score.id_spans
+    return pairs[0] if pairs and not (a.packed or a.varlen or s.splits_kv) else None
+
+
+def kv_range(sf, bm: int, bn: int, packed: bool = False, split: bool = False,
+             spans: tuple[ir.Expr, ...] | None = None) -> list[ir.Stmt]:
     """The tile's kv blocks [K_FIRST, K_FIRST + K_COUNT): the analysed masks bound the keys its
     rows m0 .. m0 + bm - 1 can see, so both roles skip the blocks no row sees. Packed rows are
     queries 0 .. S - 1 of several heads: the bounds take the whole query range. With split-KV
     the range is cut into `splits` runs of equal length and the unit takes run `split` (empty
-    where the runs outnumber the blocks)."""
+    where the runs outnumber the blocks). `spans`: the tile's row of the spans table (a document
+    mask), whose run of kv blocks bounds the range too."""
     masks = [m for m in sf.masks if m.analysed]
     uppers = [b for m in masks for b in m.upper]
     key_uppers = [v for m in masks for v in m.key_upper]
@@ -608,6 +662,13 @@ def kv_range(sf, bm: int, bn: int, packed: bool = False, split: bool = False) ->
         starts = [_bound(C(0) if packed else V("m0"), b) for m in masks for b in m.lower]
         starts += [C(v) for m in masks for v in m.key_lower]
         first = ir.div(ir.emax(_fold(ir.emax, starts), 0), bn)
+    if spans is not None:
+        assert not split
+        loads = [ir.LoadGlobal("span_first", ID_SPANS, spans + (C(0),)),
+                 ir.LoadGlobal("span_count", ID_SPANS, spans + (C(1),))]
+        start = V("span_first") if first is None else ir.emax(first, "span_first")
+        end = ir.emin(count, ir.add("span_first", "span_count"))
+        return loads + [ir.Let(K_FIRST, start), ir.Let(K_COUNT, ir.emax(ir.sub(end, K_FIRST), 0))]
     if not split:
         if first is None:
             return [ir.Let(K_COUNT, count)]

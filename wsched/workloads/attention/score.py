@@ -28,7 +28,7 @@ apart for the kernel:
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import networkx as nx
 
@@ -65,6 +65,7 @@ class Mask:
     lower: tuple[Bound, ...] = ()
     key_upper: tuple[int, ...] = ()
     key_lower: tuple[int, ...] = ()
+    ids: tuple["SideInput", "SideInput"] | None = None   # (per query, per key): holds only where equal
 
     @property
     def causal(self) -> str | None:
@@ -142,6 +143,12 @@ class ScoreFunction:
         return tuple(costs)
 
     @property
+    def id_spans(self) -> tuple[tuple[SideInput, SideInput], ...]:
+        """(query ids, key ids) of each mask that holds only where they are equal (a document
+        mask): the kernel skips the kv blocks whose ids cannot equal a row block's."""
+        return tuple(m.ids for m in self.masks if m.ids is not None)
+
+    @property
     def rows_may_see_nothing(self) -> bool:
         """Whether a row may see no key in some block (or in all of them): any mask but the
         top-left causal one, which always shows a row its own key and every key before it."""
@@ -194,7 +201,10 @@ def analyse(fusion, scores, qk, roles: dict, batch: int, fail, param_name,
             cond = fusion.node(x.inputs[0])
             if cond.id in data:            # a mask computed from the scores: part of the function
                 break
-            masks.append(_analyse_mask(fusion, x, cond, visible))
+            mask = _analyse_mask(fusion, x, cond, visible)
+            if visible and not mask.analysed:
+                mask = replace(mask, ids=_equal_ids(fusion, cond, inputs))
+            masks.append(mask)
             x = kept
         elif _positive_factor(fusion, x) is not None:
             factor, x = _positive_factor(fusion, x)
@@ -365,6 +375,24 @@ def _analyse_mask(fusion, node, cond, visible: bool) -> Mask:
             key_upper += [high] if high is not None else []
             key_lower += [low] if low is not None else []
     return Mask(node, cond, visible, True, tuple(upper), tuple(lower), tuple(key_upper), tuple(key_lower))
+
+
+def _equal_ids(fusion, cond, inputs: dict) -> tuple[SideInput, SideInput] | None:
+    """(query ids, key ids) where the condition holds only where an i32 input with one value per
+    query row equals an i32 input with one value per key (`doc_q == doc_k`, alone or joined to
+    other conditions by `&`): a document mask. The kernel then visits, per block of rows, only
+    the run of kv blocks whose ids can equal the rows' (ir.SpanParam); else None."""
+    if cond.op == "logical_and":
+        return next(filter(None, (_equal_ids(fusion, fusion.node(i), inputs) for i in cond.inputs)), None)
+    if cond.op != "eq":
+        return None
+    sides = [inputs.get(i) for i in cond.inputs]
+    if any(x is None or x.node.dtype.name != "i32" for x in sides):
+        return None
+    for q, k in (sides, sides[::-1]):
+        if q.per_query and not q.per_key and k.per_key and not k.per_query:
+            return q, k
+    return None
 
 
 _NEGATED = {"lt": "ge", "le": "gt", "gt": "le", "ge": "lt"}
