@@ -41,6 +41,7 @@ class EmitError(ValueError):
 # C++ keywords. An IR name that would is spelled with a trailing underscore (`_cpp_names`).
 _RESERVED = frozenset("""
     smem wsp_smem_raw wg_index fi fj fr row col row0 col0 row_ok row_addr v ptr i J chunk period
+    st_base st_half fj2 st_v st_m st_j
     desc_a desc_b ceil_div bit_length min max fminf fmaxf expf exp2f logf tanhf erff make_float2 memcpy
     wsp threadIdx blockIdx gridDim blockDim warpSize INFINITY NAN uint8_t uint16_t uint32_t
     uint64_t uintptr_t float2 uint2 CUtensorMap

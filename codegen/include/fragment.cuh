@@ -14,6 +14,13 @@ WSP_DEVICE int frag_row() { return 16 * ((threadIdx.x % 128) / 32) + (threadIdx.
 // (no PTX) column of this thread's first fragment element: 2 * (lane % 4)
 WSP_DEVICE int frag_col() { return 2 * (threadIdx.x % 4); }
 
+// (no PTX) the row of the 16-byte row address this lane gives `stmatrix .x4` storing the 16 x 16
+// block of fragment pairs (i, j), (1, j), (0, j + 1), (1, j + 1): row lane % 8 of matrix lane / 8
+WSP_DEVICE int stmatrix_row() { return 16 * ((threadIdx.x % 128) / 32) + threadIdx.x % 8 + 8 * ((threadIdx.x / 8) % 2); }
+
+// (no PTX) which of the two column blocks j, j + 1 this lane's stmatrix row address is in
+WSP_DEVICE int stmatrix_half() { return (threadIdx.x / 16) % 2; }
+
 // (no instruction) empty asm on every packed 16-bit pair of a fragment (a register wgmma A
 // operand), so the compiler cannot move its reads/writes across wgmma issue/wait
 // (wsp::warpgroup_fence_array does the same for float fragments)

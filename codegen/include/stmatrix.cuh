@@ -13,6 +13,12 @@ WSP_DEVICE void stmatrix_x4(void* smem_row_ptr, uint32_t r0, uint32_t r1, uint32
                :: "r"(smem_u32(smem_row_ptr)), "r"(r0), "r"(r1), "r"(r2), "r"(r3) : "memory");
 }
 
+// the same at a shared-memory address (e.g. a swizzled one)
+WSP_DEVICE void stmatrix_x4_at(uint32_t smem_addr, uint32_t r0, uint32_t r1, uint32_t r2, uint32_t r3) {
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n"
+               :: "r"(smem_addr), "r"(r0), "r"(r1), "r"(r2), "r"(r3) : "memory");
+}
+
 // stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [p], {r0, r1, r2, r3}
 WSP_DEVICE void stmatrix_x4_trans(void* smem_row_ptr, uint32_t r0, uint32_t r1, uint32_t r2, uint32_t r3) {
   asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};\n"

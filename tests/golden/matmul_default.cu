@@ -177,14 +177,19 @@ extern "C" __global__ void __launch_bounds__(384, 1) matmul(
             slice_t[4 * fj + 2 * fi + 1] = acc[(j * 64) / 2 + 4 * fj + 2 * fi + 1];
           }
         }
-        {  // tile.store_smem C_bf16[wg, j % 2] <- slice_t: one st.shared per pair (stmatrix is a later optimisation)
-          const uint32_t row_addr = wsp::smem_u32(smem_C_bf16 + wg * 16384 + j % 2 * 8192) + wsp::frag_row() * 128 + wsp::frag_col() * 2;
+        {  // tile.store_smem C_bf16[wg, j % 2] <- slice_t: stmatrix.x4, 16 x 16 a warp
+          const uint32_t st_base = wsp::smem_u32(smem_C_bf16 + wg * 16384 + j % 2 * 8192) + wsp::stmatrix_row() * 128;
+          const int st_half = wsp::stmatrix_half();
           #pragma unroll
-          for (int fj = 0; fj < 8; ++fj) {
+          for (int fj2 = 0; fj2 < 8; fj2 += 2) {
+            uint32_t st_v[4];
             #pragma unroll
-            for (int fi = 0; fi < 2; ++fi) {
-              wsp::st_shared(wsp::swizzle128(row_addr + 1024 * fi + 8192 * (fj / 8) + 16 * (fj % 8)), wsp::bit_cast<uint32_t>(__floats2bfloat162_rn(slice_t[4 * fj + 2 * fi + 0], slice_t[4 * fj + 2 * fi + 1])));
+            for (int st_m = 0; st_m < 4; ++st_m) {
+              const int fi = st_m % 2, fj = fj2 + st_m / 2;
+              st_v[st_m] = wsp::bit_cast<uint32_t>(__floats2bfloat162_rn(slice_t[4 * fj + 2 * fi + 0], slice_t[4 * fj + 2 * fi + 1]));
             }
+            const int st_j = fj2 + st_half;
+            wsp::stmatrix_x4_at(wsp::swizzle128(st_base + 8192 * (st_j / 8) + 16 * (st_j % 8)), st_v[0], st_v[1], st_v[2], st_v[3]);
           }
         }
         wsp::fence_proxy_async();
