@@ -22,10 +22,11 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 import wsched as ws  # noqa: E402
-from attention_fusions import make_attention, make_variant, variant_inputs  # noqa: E402
+from attention_fusions import make_attention, make_variant, union_mask, variant_inputs  # noqa: E402
 from wsched.timing import median_ms, rel_error  # noqa: E402
 
 WINDOW, SOFTCAP = 1024, 30.0
+PREFIX, SINK_TOKENS = 1024, 4   # prefix LM: a bidirectional prefix; streaming: the window and sink tokens
 # (label, our variant, B, H, S, D)
 CASES = [("causal", "causal", 4, 16, 4096, 128), ("window", "window", 4, 16, 4096, 128),
          ("softcap", "softcap", 4, 16, 4096, 128), ("alibi", "alibi", 4, 16, 4096, 128),
@@ -33,7 +34,9 @@ CASES = [("causal", "causal", 4, 16, 4096, 128), ("window", "window", 4, 16, 409
          ("causal_d64", "causal", 4, 16, 4096, 64), ("window_d64", "window", 4, 16, 4096, 64),
          ("softcap_d64", "softcap", 4, 16, 4096, 64), ("alibi_d64", "alibi", 4, 16, 4096, 64),
          ("document_d64", "document", 4, 16, 4096, 64), ("causal_16k", "causal", 1, 16, 16384, 128),
-         ("window_16k", "window", 1, 16, 16384, 128)]
+         ("window_16k", "window", 1, 16, 16384, 128), ("prefix_lm", "prefix_lm", 4, 16, 4096, 128),
+         ("streaming", "streaming", 4, 16, 4096, 128), ("prefix_lm_d64", "prefix_lm", 4, 16, 4096, 64),
+         ("streaming_d64", "streaming", 4, 16, 4096, 64)]
 
 
 def flex_mods(variant, extra):
@@ -59,7 +62,13 @@ def flex_mods(variant, extra):
         def document(b, h, q, kv):
             return doc[b, q] == doc[b, kv]
         return None, document
-    return {"causal": (None, causal), "window": (None, window), "softcap": (softcap, causal)}[variant]
+    def prefix_lm(b, h, q, kv):
+        return (q >= kv) | (kv < PREFIX)
+
+    def streaming(b, h, q, kv):
+        return ((q >= kv) & (q - kv < WINDOW)) | (kv < SINK_TOKENS)
+    return {"causal": (None, causal), "window": (None, window), "softcap": (softcap, causal),
+            "prefix_lm": (None, prefix_lm), "streaming": (None, streaming)}[variant]
 
 
 def visible_pairs(variant, extra, B, S) -> float:
@@ -69,6 +78,9 @@ def visible_pairs(variant, extra, B, S) -> float:
         return B * S * (S + 1) / 2
     if variant == "window":
         return B * float(torch.clamp(i + 1, max=WINDOW).sum())
+    if variant in ("prefix_lm", "streaming"):
+        _, mask_mod = flex_mods(variant, extra)
+        return B * float(mask_mod(0, 0, i[:, None], i[None, :]).sum())
     doc = extra[0].reshape(B, S)
     return float(sum((torch.bincount(doc[b]).double() ** 2).sum() for b in range(B)))
 
@@ -102,6 +114,8 @@ def documents_as_varlen(label, doc, q, k, v, ref, flops, t_flex, iters) -> list:
 
 
 def benchmark_fusion(variant, D):
+    if variant in ("prefix_lm", "streaming"):
+        return union_mask(D, variant, prefix=PREFIX, window=WINDOW, sinks=SINK_TOKENS, lse=False)
     return make_variant(D, variant, lse=False, window=WINDOW, softcap=SOFTCAP) if variant != "causal" \
         else make_attention(D, causal=True)
 

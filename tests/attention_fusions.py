@@ -337,3 +337,22 @@ def biased_inputs(B, H, S, T, d=64, seed=0, per_query=False, device="cpu"):
     slope = 2.0 ** (-8 * torch.arange(1, H + 1, dtype=torch.float32) / H)
     extra = [slope.reshape(H, 1, 1)] + ([torch.randn(B, H, S, 1, generator=gen)] if per_query else [])
     return [q, k, v, *(x.to(device) for x in extra)]
+
+
+def union_mask(head_dim: int, kind: str, prefix: int = 300, window: int = 256, sinks: int = 4, lse: bool = True):
+    """prefix_lm: (j <= i) | (j < prefix), a causal mask with a bidirectional prefix;
+    streaming: ((j <= i) & (i - j < window)) | (j < sinks), a sliding window that also keeps
+    the first `sinks` keys (StreamingLLM); prefix_window: the prefix LM and, as a second mask,
+    i - j < window."""
+    def attention(q: ws.Tensor[ws.bf16, "B", "H", "S", head_dim], k: ws.Tensor[ws.bf16, "B", "H", "T", head_dim],
+                  v: ws.Tensor[ws.bf16, "B", "H", "T", head_dim]):
+        s = ws.matmul(q, k.transpose(-1, -2)) * head_dim ** -0.5
+        i, j = ws.positions(s)
+        keep = ((j <= i) & (i - j < window)) | (j < sinks) if kind == "streaming" else (j <= i) | (j < prefix)
+        s = ws.where(keep, s, -ws.inf)
+        if kind == "prefix_window":   # and a window of its own: the union's hull, bounded by the window
+            s = ws.where(i - j < window, s, -ws.inf)
+        o = ws.matmul(ws.softmax(s, dim=-1), v).to(ws.bf16)
+        return (o, ws.logsumexp(s, dim=-1)) if lse else o
+    attention.__name__ = f"attn_{kind}_d{head_dim}{'_lse' if lse else ''}"
+    return ws.fusion(attention)

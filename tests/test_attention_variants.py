@@ -20,7 +20,7 @@ from wsched.names import K_COUNT, K_FIRST
 from wsched.schedule import ScheduleError
 
 from attention_fusions import (VARIANTS, attention_inputs, biased_inputs, make_attention, make_biased, make_variant,
-                               variant_inputs)
+                               union_mask, variant_inputs)
 from wsched.workloads.attention.schedule import SCORE_FUNCTION_KEYS_PER_BLOCK, VALUE_DIMS
 
 
@@ -687,3 +687,57 @@ def test_document_ids_shared_by_every_sequence():
     q, k, v = attention_inputs(2, 2, 260, 390, 64, seed=4)
     ids = torch.arange(390, dtype=torch.int32) // 70
     check(f, [q, k, v, ids[:260, None].contiguous(), ids[None, :].contiguous()])
+
+
+# ---------------------------------------------------------------------------------------------
+# Masks `A | B` of analysable conjunctions (prefix LM, a window with sink tokens)
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind, S, T", [("prefix_lm", 1000, 1000), ("prefix_lm", 200, 700),
+                                        ("streaming", 1000, 1000), ("streaming", 700, 300), ("streaming", 300, 1000)])
+def test_a_union_of_analysed_masks_visits_exactly_the_blocks_some_row_sees(kind, S, T):
+    """Each tile's kv blocks are exactly those (below ceil(T / 128)) some row of the tile sees —
+    a prefix LM's one run from key 0, a window with sink tokens as two runs (the sinks' block,
+    then the window's) — and the mask runs on exactly the blocks of a warpgroup's 64 rows that
+    hold a hidden score."""
+    f = union_mask(64, kind)
+    kernel = ws.lower(f)
+    (mask,) = ws.partition(f, ws.schedule_for(f)).payload.score.masks
+    assert len(mask.alternatives) == 2 and not mask.analysed
+    bm, bn, _ = ws.schedule_for(f).tile
+    kv_blocks = math.ceil(T / bn)
+    visible = _visible(f, math.ceil(S / bm) * bm, kv_blocks * bn + S)
+    lets = _tile_lets(kernel)
+    consumer = next(r for r in kernel.roles() if r.name == "consumer")
+    kv = next(s for s in ir.walk(consumer.body) if isinstance(s, ir.For) and s.var == "k")
+    (union_if,) = [s for s in kv.body if isinstance(s, ir.If) and any(isinstance(x, ir.TileSelect) for x in s.then)]
+    two_runs = any(x.name == "run_first" for x in lets)
+    assert two_runs == (kind == "streaming")   # a prefix LM's two runs both start at key 0: one range
+
+    def block(env, k):
+        if two_runs:
+            return k + env["run_first"] if k < env["run_count"] else k + env["run_next"] - env["run_count"]
+        return k + env.get(K_FIRST, 0)
+
+    for m_block in range(math.ceil(S / bm)):
+        env = {"T": T, "S": S, "kv_blocks": kv_blocks, "m0": m_block * bm}
+        for let in [x for x in lets if x.name in (K_FIRST, K_COUNT) or x.name.startswith("run_")]:
+            env[let.name] = evaluate(let.value, env)
+        rows = visible[m_block * bm:(m_block + 1) * bm]
+        blocks = {j // bn for j in torch.nonzero(rows.any(0)).flatten().tolist() if j // bn < kv_blocks}
+        walked = [block(env, k) for k in range(env[K_COUNT])]
+        assert sorted(walked) == sorted(blocks) and len(set(walked)) == len(walked), (m_block, walked)
+        for wg in (0, 1):
+            for k in range(env[K_COUNT]):
+                r0, c0 = m_block * bm + wg * 64, block(env, k) * bn
+                hidden = not bool(visible[r0:r0 + 64, c0:c0 + bn].all())
+                assert bool(evaluate(union_if.cond, {**env, "wg": wg, "k": k})) == hidden, (m_block, wg, k)
+
+
+@pytest.mark.parametrize("kind, S, T", [("prefix_lm", 333, 333), ("prefix_lm", 130, 500), ("streaming", 400, 400),
+                                        ("streaming", 300, 200), ("prefix_window", 450, 450)])
+def test_a_union_of_analysed_masks_matches_the_reference(kind, S, T):
+    f = union_mask(64, kind, prefix=150, window=100, sinks=5)
+    q, k, v = attention_inputs(2, 2, S, T, 64, seed=S + T)
+    check(f, [q, k, v], num_sms=3)

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 import wsched as ws
 
 from attention_fusions import (VARIANTS, attention_inputs, biased_inputs, make_attention, make_biased, make_variant,
-                               variant_inputs)
+                               union_mask, variant_inputs)
 
 pytestmark = pytest.mark.gpu
 
@@ -224,6 +224,19 @@ def test_a_bound_call_reads_the_document_ids_as_they_are_at_each_launch():
         call.synchronize()
         ro, rlse = f.reference(q, kk, v, doc_q, doc_k)
         assert rel(o, ro) < 1e-2 and rel(lse, rlse) < 1e-3, documents
+
+
+@pytest.mark.parametrize("kind, D, S, T", [("prefix_lm", 128, 2000, 2000), ("prefix_lm", 64, 700, 3001),
+                                           ("streaming", 128, 3000, 3000), ("streaming", 64, 3000, 1000),
+                                           ("prefix_window", 128, 1500, 1500)])
+def test_a_union_of_analysed_masks(kind, D, S, T):
+    """A prefix LM and a sliding window with sink tokens (two runs of kv blocks per tile)."""
+    key = ("union", kind, D)
+    if key not in _variants:
+        f = union_mask(D, kind, prefix=700, window=512, sinks=4)
+        _variants[key] = (f, ws.compile(f))
+    f, k = _variants[key]
+    check_variant(f, k, attention_inputs(2, 4, S, T, D, device="cuda", seed=S + D))
 
 
 @pytest.mark.parametrize("S, T", [(1, 8193), (5, 3000), (8192, 8192)])

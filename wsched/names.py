@@ -75,6 +75,7 @@ LOWERING_NAMES = frozenset({
     "corr", "o_t", "o", "lse", BIAS_WEIGHT, BIAS_TERM, BIAS_COLS, "heads", "G", "work", "kv_all", "kv_per", "kv_skip", PART_O, PART_M, PART_L, PART_ROWS, "o_j", "l_blk", "section", "first_head", "section_heads", "in_section",
     # attention: packed sequences (ws.varlen)
     ID_SPANS, "span_first", "span_count", "span_full", "span_fulls",
+    "run_a0", "run_a1", "run_b0", "run_b1", "run_first", "run_count", "run_next",
     OFFSETS, "S_packed", "T_packed", "search_steps", "v_block", "seq", "span", "step", "half", "mid", "cu_mid",
     "q_start", "q_end", "k_start", "head", "kv_head", "go", "q_off0", "q_off1", "k_off0", "k_off1",
     # outputs, buffers, barriers

@@ -51,7 +51,8 @@ LOG2E = 1.0 / math.log(2.0)
 V = ir.Var
 C = ir.IntConst
 SECTION = "section"   # host param: heads walked together, heaviest first (tile_loop)
-SEARCH_STEPS = "search_steps"   # host param: steps of the binary search for a packed tile's sequence
+SEARCH_STEPS = "search_steps"
+RUN_FIRST, RUN_COUNT, RUN_NEXT = "run_first", "run_count", "run_next"   # two runs of kv blocks (union_runs)   # host param: steps of the binary search for a packed tile's sequence
 
 
 def build_loops(kernel: None, ctx: LoweringContext) -> ir.Kernel:
@@ -171,8 +172,13 @@ def build_loops(kernel: None, ctx: LoweringContext) -> ir.Kernel:
                                    b_idx + (_plus("m0", w * 64), C(c * qk_width)), q_full)
                         for w in range(nwg) for c in range(chunks))
     # The kv block's first key: k counts this tile's blocks from its first visible one.
-    row = (ir.mul(ir.add(K_VAR, K_FIRST), bn) if _lower_bounds(sf) or s.splits_kv or spans is not None
-           else ir.mul(K_VAR, bn))
+    if two_runs(a, s):   # k walks the first run of kv blocks, then the second (`kv_range`)
+        row = ir.mul(ir.Call("select", (ir.lt(K_VAR, RUN_COUNT), ir.add(K_VAR, RUN_FIRST),
+                                        ir.sub(ir.add(K_VAR, RUN_NEXT), RUN_COUNT))), bn)
+    elif _lower_bounds(sf) or s.splits_kv or spans is not None:
+        row = ir.mul(ir.add(K_VAR, K_FIRST), bn)
+    else:
+        row = ir.mul(K_VAR, bn)
     if vl and vl.k:
         kv_loads = tuple(ir.TmaLoad(ir.SmemRef(buf, (C(0), C(c))), name,
                                     (ir.add("k_start", row), _plus_mul("kv_head", dim, c * width)), bar)
@@ -204,8 +210,11 @@ def build_loops(kernel: None, ctx: LoweringContext) -> ir.Kernel:
     # full (one id in all their keys, the rows' one id), its per-key ids loaded there, right
     # before it, where nothing else reads them.
     id_mask = next((m for m in sf.masks if spans is not None and m.ids == spans), None)
-    every_block = [stmt for m in sf.masks if not m.analysed and m is not id_mask
+    every_block = [stmt for m in sf.masks if not m.analysed and m is not id_mask and not m.alternatives
                    for stmt in _apply_mask(ops, m, tiles, positions)]
+    # a mask `A | B` of analysed conjunctions: on the blocks none of them shows whole
+    every_block += [ir.If(_union_hides_some(m, C(0) if a.packed else rows0, row, bn),
+                          tuple(_apply_mask(ops, m, tiles, positions))) for m in sf.masks if m.alternatives]
     partial_block = ir.BinOp("||", ir.lt(ir.add(K_VAR, K_FIRST), "span_full"),
                              ir.BinOp(">=", ir.add(K_VAR, K_FIRST), ir.add("span_full", "span_fulls")))
     if id_mask is not None:
@@ -399,7 +408,32 @@ def _running_state(sink, tiles: dict) -> tuple[ir.Stmt, ...]:
 
 def _bottom_right(sf) -> bool:
     """Whether a mask aligns the diagonal bottom-right (query i sees the keys up to T - S + i)."""
-    return any(b.shifted for m in sf.masks if m.analysed for b in m.upper + m.lower)
+    return any(b.shifted for m in _bounded_masks(sf) for b in m.upper + m.lower)
+
+
+def _bounded_masks(sf) -> list:
+    """Every analysed mask, and each alternative of a mask `A | B` of analysed conjunctions."""
+    return [m for m in sf.masks if m.analysed] + [x for m in sf.masks for x in m.alternatives]
+
+
+def _union_range(m, row_start: ir.Expr, row_end: ir.Expr) -> tuple[ir.Expr | None, ir.Expr | None]:
+    """(first, end) of the keys a mask `A | B | ...` shows rows row_start .. row_end - 1: the hull
+    of its alternatives' runs [first, end) within [0, T), runs left empty by T left out (None:
+    from key 0, or to T, where no alternative bounds that side)."""
+    runs = []
+    for alt in m.alternatives:
+        starts = [_bound(row_start, b) for b in alt.lower] + [C(v) for v in alt.key_lower]
+        ends = [_bound(row_end, b) for b in alt.upper] + [C(v + 1) for v in alt.key_upper]
+        runs.append((_fold(ir.emax, starts) if starts else None,
+                     ir.emin("T", _fold(ir.emin, ends)) if ends else None))
+    first = end = None
+    if any(a is not None for a, _ in runs):
+        first = _fold(ir.emin, [ir.Call("select", (ir.lt(C(0) if a is None else a, V("T") if e is None else e),
+                                                   C(0) if a is None else a, V("T"))) for a, e in runs])
+    if any(e is not None for _, e in runs):
+        end = _fold(ir.emax, [ir.Call("select", (ir.lt(C(0) if a is None else a, V("T") if e is None else e),
+                                                 V("T") if e is None else e, C(0))) for a, e in runs])
+    return first, end
 
 
 def _bias(sf, tiles: dict, row: ir.Expr, rows0: ir.Expr, scale: float):
@@ -466,23 +500,81 @@ def _fold(combine, exprs: list[ir.Expr]) -> ir.Expr:
     return out
 
 
+def two_runs(a, s) -> bool:
+    """Whether a tile walks the kv blocks of a mask `A | B` as two runs, one per alternative
+    (a sliding window and sink tokens: the blocks between them skipped): the mask is the only
+    one bounding the keys, of two alternatives, one of which may start after key 0, in a kernel
+    of one kv range per tile. H100, B4 H16 S4096, window 1024 and 4 sink tokens: D128 423 vs
+    229 TFLOP/s walking the hull of the two, D64 268 vs 133; a prefix LM (both runs from key 0)
+    keeps its one range (602 vs 590 as two runs)."""
+    sf = a.score
+    unions = [m for m in sf.masks if m.alternatives]
+    return (len(unions) == 1 and len(unions[0].alternatives) == 2 and not any(m.analysed for m in sf.masks)
+            and any(x.lower or x.key_lower for x in unions[0].alternatives)   # else both runs start at 0: one
+            and not (a.packed or a.varlen or s.splits_kv or id_spans(a, s) is not None))
+
+
+def union_runs(sf, bm: int, bn: int) -> list[ir.Stmt]:
+    """The kv blocks of the tile's rows m0 .. m0 + bm - 1 under a mask `A | B` as two runs: each
+    alternative's blocks [first, end) within [0, kv_blocks), the run that starts first taken first
+    and the other's clipped to begin after it; k < RUN_COUNT walks RUN_FIRST + k, then
+    RUN_NEXT + k - RUN_COUNT. Overlapping runs make one, empty ones none."""
+    (m,) = [m for m in sf.masks if m.alternatives]
+    bounds = []
+    for alt in m.alternatives:
+        starts = [_bound(V("m0"), b) for b in alt.lower] + [C(v) for v in alt.key_lower]
+        ends = [_bound(ir.add("m0", bm), b) for b in alt.upper] + [C(v + 1) for v in alt.key_upper]
+        first = ir.div(ir.emax(_fold(ir.emax, starts), 0), bn) if starts else C(0)
+        end = ir.emin("kv_blocks", ir.ceil_div(ir.emax(_fold(ir.emin, ends), 0), bn)) if ends else V("kv_blocks")
+        bounds.append((first, end))
+    (a0, a1), (b0, b1) = bounds
+    lets: list[ir.Stmt] = [ir.Let("run_a0", a0), ir.Let("run_a1", a1), ir.Let("run_b0", b0), ir.Let("run_b1", b1)]
+    a_first = ir.BinOp("<=", V("run_a0"), V("run_b0"))
+    pick = lambda x, y: ir.Call("select", (a_first, V(x), V(y)))   # noqa: E731
+    lets += [ir.Let(RUN_FIRST, pick("run_a0", "run_b0")),
+             ir.Let(RUN_COUNT, ir.emax(ir.sub(pick("run_a1", "run_b1"), RUN_FIRST), 0)),
+             ir.Let(RUN_NEXT, ir.emax(pick("run_b0", "run_a0"), ir.add(RUN_FIRST, RUN_COUNT))),
+             ir.Let(K_COUNT, ir.add(RUN_COUNT, ir.emax(ir.sub(pick("run_b1", "run_a1"), RUN_NEXT), 0)))]
+    return lets
+
+
+def kv_range_has_first(sf) -> bool:
+    """Whether the masks bound a tile's first kv block (kv_first), not only its count."""
+    return _lower_bounds(sf)
+
+
 def _lower_bounds(sf) -> bool:
-    return any(m.lower or m.key_lower for m in sf.masks if m.analysed)
+    return (any(m.lower or m.key_lower for m in sf.masks if m.analysed)
+            or any(_union_range(m, C(0), C(0))[0] is not None for m in sf.masks if m.alternatives))
 
 
 def _block_is_cut(sf, rows0: ir.Expr, col0: ir.Expr, bn: int) -> ir.Expr:
     """Whether the block of 64 rows from rows0 and bn keys from col0 needs masking: it reaches
     beyond the keys, or an analysed mask hides some of its scores (a row's last visible key is
     before its last column, or its first after its first)."""
-    masks = [m for m in sf.masks if m.analysed]
+    return _hides_some([m for m in sf.masks if m.analysed], rows0, col0, bn, V("T"))
+
+
+def _hides_some(masks: list, rows0: ir.Expr, col0: ir.Expr, bn: int, keys: ir.Expr | None) -> ir.Expr:
+    """Whether the analysed `masks` (and the key count `keys`, if given) hide a score of the
+    block of 64 rows from rows0 and bn keys from col0."""
     ends = [_bound(ir.add(rows0, 1), b) for m in masks for b in m.upper]
     ends += [C(v + 1) for m in masks for v in m.key_upper]
-    cut = ir.BinOp(">", ir.add(col0, bn), ir.emin("T", _fold(ir.emin, ends)) if ends else V("T"))
+    if keys is not None:
+        ends = [ir.emin(keys, _fold(ir.emin, ends)) if ends else keys]
+    cut = ir.BinOp(">", ir.add(col0, bn), _fold(ir.emin, ends)) if ends else None
     starts = [_bound(ir.add(rows0, 63), b) for m in masks for b in m.lower]
     starts += [C(v) for m in masks for v in m.key_lower]
     for start in starts:
-        cut = ir.BinOp("||", cut, ir.BinOp("<", col0, start))
-    return cut
+        before = ir.BinOp("<", col0, start)
+        cut = before if cut is None else ir.BinOp("||", cut, before)
+    return ir.IntConst(0) if cut is None else cut
+
+
+def _union_hides_some(m, rows0: ir.Expr, col0: ir.Expr, bn: int) -> ir.Expr:
+    """Whether a mask `A | B | ...` hides a score of the block: none of its alternatives shows
+    the whole block."""
+    return _fold(lambda a, b: ir.BinOp("&&", a, b), [_hides_some([x], rows0, col0, bn, None) for x in m.alternatives])
 
 
 def _read_elsewhere(fusion, sf, mask, x: SideInput) -> bool:
@@ -554,7 +646,8 @@ def tile_loop(ctx: LoweringContext, body: tuple[ir.Stmt, ...]) -> ir.For:
                  ir.Let("kv_blocks", ir.ceil_div("T", bn))]
     lets.append(ir.Let("m0", ir.mul("m_block", bm)))
     spans = id_spans(a, s)
-    kv = kv_range(a.score, bm, bn, a.packed, s.splits_kv, None if spans is None else span_row(spans, nb))
+    kv = (union_runs(a.score, bm, bn) if two_runs(a, s) else
+          kv_range(a.score, bm, bn, a.packed, s.splits_kv, None if spans is None else span_row(spans, nb)))
     if a.varlen:   # a virtual block past its sequence's queries: no kv block, nothing stored
         kv = [ir.Let(x.name, ir.Call("select", (ir.lt("m0", "S"), x.value, C(0)))) if x.name == K_COUNT else x
               for x in kv]
@@ -618,8 +711,11 @@ def _flat_index(nb: int, extents: list, broadcast) -> ir.Expr:
 
 
 def _rows_bound_keys(sf) -> bool:
-    """Whether a tile's kv blocks grow with its m-block (an analysed mask bounds keys by row)."""
-    return any(m.upper for m in sf.masks if m.analysed)
+    """Whether a tile's kv blocks grow with its m-block (an analysed mask bounds keys by row, or
+    a mask `A | B` whose alternatives all end and one of them by row)."""
+    return (any(m.upper for m in sf.masks if m.analysed)
+            or any(_union_range(m, C(0), C(0))[1] is not None and any(x.upper for x in m.alternatives)
+                   for m in sf.masks if m.alternatives))
 
 
 def span_row(spans: tuple[SideInput, SideInput], nb: int) -> tuple[ir.Expr, ...]:
@@ -650,17 +746,23 @@ def kv_range(sf, bm: int, bn: int, packed: bool = False, split: bool = False,
     # keys before this one are seen by some row
     last_row_end = V("S") if packed else ir.add("m0", bm)
     ends = [_bound(last_row_end, b) for b in uppers] + [C(v + 1) for v in key_uppers]
+    row_start = C(0) if packed else V("m0")
+    unions = [e for m in sf.masks if m.alternatives for e in [_union_range(m, row_start, last_row_end)[1]]
+              if e is not None]
+    ends += unions
     count = V("kv_blocks")
     if ends:
         visible = _fold(ir.emin, ends)
-        if any(b.shifted or b.value < 0 for b in uppers) or any(v < 0 for v in key_uppers):
+        if any(b.shifted or b.value < 0 for b in uppers) or any(v < 0 for v in key_uppers) or unions:
             visible = ir.emax(visible, 0)
         count = ir.emin("kv_blocks", ir.ceil_div(visible, bn))
     first: ir.Expr | None = None
     if _lower_bounds(sf):
         # the first key some row sees
-        starts = [_bound(C(0) if packed else V("m0"), b) for m in masks for b in m.lower]
+        starts = [_bound(row_start, b) for m in masks for b in m.lower]
         starts += [C(v) for m in masks for v in m.key_lower]
+        starts += [e for m in sf.masks if m.alternatives for e in [_union_range(m, row_start, last_row_end)[0]]
+                   if e is not None]
         first = ir.div(ir.emax(_fold(ir.emax, starts), 0), bn)
     if spans is not None:
         assert not split

@@ -28,7 +28,7 @@ from wsched.target import PAGE_ROWS_ALIGN, WGMMA_OPERAND_DTYPES
 from . import score
 from .schedule import (VALUE_DIMS, AttentionSchedule, chunk_columns, head_dims_text, max_keys_per_block,
                        PAGED_SPLIT_KV_SPILLS, paged_producer_registers)
-from .loops import takes_tiles_from_counter
+from .loops import id_spans, kv_range_has_first, takes_tiles_from_counter
 from .score import ScoreFunction, SideInput
 
 
@@ -139,8 +139,9 @@ def describe(part: Partition) -> str:
     shift = "+T-S" if a.causal == "bottom_right" else ""
     kv = f"min(ceil(T/{bn}), ceil((m0+{bm}{shift})/{bn}))" if a.causal else f"ceil(T/{bn})"
     if not plain:
-        kv = "kv_first, kv_first + kv_tiles" if any(m.lower or m.key_lower for m in sf.masks if m.analysed) \
-            else ("kv_tiles" if any(m.analysed for m in sf.masks) else f"ceil(T/{bn})")
+        spans = id_spans(a, s) is not None
+        kv = "kv_first, kv_first + kv_tiles" if kv_range_has_first(sf) or spans \
+            else ("kv_tiles" if any(m.analysed or m.alternatives for m in sf.masks) else f"ceil(T/{bn})")
     scores = ([f"      S = Q K^T * {a.scale:g}" + ("   causal mask on diagonal blocks" if a.causal else "")
                + "   key-tail mask on the last block",
                *(["      (bottom-right: rows with no visible key keep m = -1e30, store O = 0, LSE = -inf)"]
@@ -263,8 +264,16 @@ def score_lines(fusion, sf) -> list[str]:
                      f"every block, r the row block's first query; the rest, the same along a row, on the LSE")
     for m in sf.masks:
         where = f"{m.node.id} = {m.node.op}(...)"
-        lines.append(f"      mask {where}: " + (f"{bounds(m)}: blocks beyond it skipped, masked where cut"
-                                                if m.analysed else "applied on every block"))
+        if m.alternatives:
+            union = " or ".join(f"({bounds(x)})" for x in m.alternatives)
+            lines.append(f"      mask {where}: {union}: blocks beyond their hull skipped, masked where none "
+                         f"shows a whole block")
+        elif m.ids is not None:
+            lines.append(f"      mask {where}: {m.ids[0].param} == {m.ids[1].param}: blocks outside each row "
+                         f"block's span of ids skipped, masked outside its full run")
+        else:
+            lines.append(f"      mask {where}: " + (f"{bounds(m)}: blocks beyond it skipped, masked where cut"
+                                                    if m.analysed else "applied on every block"))
     lines.append("      key-tail mask on the last block"
                  + ("; a row that sees no key keeps m = -1e30, stores O = 0, LSE = -inf"
                     if sf.rows_may_see_nothing else ""))

@@ -66,6 +66,10 @@ class Mask:
     key_upper: tuple[int, ...] = ()
     key_lower: tuple[int, ...] = ()
     ids: tuple["SideInput", "SideInput"] | None = None   # (per query, per key): holds only where equal
+    # A condition `A | B | ...` of analysable conjunctions (prefix LM: `(j <= i) | (j < prefix)`):
+    # each an analysed Mask of its bounds. The mask holds where any does: the kernel visits the
+    # hull of their kv ranges and applies the condition on blocks none of them covers whole.
+    alternatives: tuple["Mask", ...] = ()
 
     @property
     def causal(self) -> str | None:
@@ -361,10 +365,27 @@ def _diagonal(fusion, node, uniform: set) -> tuple[float, tuple[str, ...]] | Non
 
 def _analyse_mask(fusion, node, cond, visible: bool) -> Mask:
     atoms = _atoms(fusion, cond)
+    if atoms is None and visible and cond.op == "logical_or":
+        alternatives = [_atoms(fusion, part) for part in _disjuncts(fusion, cond)]
+        if None not in alternatives:
+            return Mask(node, cond, visible,
+                        alternatives=tuple(_bounded(node, cond, atoms) for atoms in alternatives))
     if atoms is None or (not visible and len(atoms) != 1):
         return Mask(node, cond, visible)
     if not visible:
         atoms = [(_NEGATED[op], lhs, value) for op, lhs, value in atoms]
+    return _bounded(node, cond, atoms, visible)
+
+
+def _disjuncts(fusion, cond) -> list:
+    """The operands of a chain of `|`: A | (B | C) -> [A, B, C]."""
+    if cond.op != "logical_or":
+        return [cond]
+    return [part for i in cond.inputs for part in _disjuncts(fusion, fusion.node(i))]
+
+
+def _bounded(node, cond, atoms, visible: bool = True) -> Mask:
+    """The analysed mask of a conjunction of atoms (op, "d" | "j", value)."""
     upper, lower, key_upper, key_lower = [], [], [], []
     for op, lhs, value in atoms:
         low, high = _integer_range(op, value)
