@@ -672,6 +672,23 @@ def test_a_spans_param_that_reads_no_ids_is_named(edit, message):
     assert message in str(error.value)
 
 
+def test_a_document_mask_joined_to_another_condition_masks_full_blocks_too():
+    """where((doc_q == doc_k) & (j <= i), ...): the spans bound the kv range, but a block the
+    table calls full is not full for the causal condition: the mask runs on every block."""
+    def joined(q, k, v, doc_q, doc_k):
+        s = ws.matmul(q, k.transpose(-1, -2)) * 0.125
+        i, j = ws.positions(s)
+        s = ws.where((doc_q == doc_k) & (j <= i), s, -ws.inf)
+        return ws.matmul(ws.softmax(s, dim=-1), v).to(ws.bf16), ws.logsumexp(s, dim=-1)
+    f = ws.fusion(_typed(joined, make_variant(64, "document").inputs))
+    kernel = ws.lower(f)
+    assert _spans_of(kernel)
+    consumer = next(r for r in kernel.roles() if r.name == "consumer")
+    kv = next(s for s in ir.walk(consumer.body) if isinstance(s, ir.For) and s.var == "k")
+    assert [type(s) for s in kv.body if isinstance(s, ir.TileSelect)] == [ir.TileSelect]   # not under an if
+    check(f, variant_inputs(make_variant(64, "document_causal"), 1, 2, 300, 300, 64, seed=5, documents=2))
+
+
 def test_document_ids_shared_by_every_sequence():
     """Ids [S, 1] and [1, T] (one packing for the whole batch): a table of one row per block."""
     def shared(q: ws.Tensor[ws.bf16, "B", "H", "S", 64], k: ws.Tensor[ws.bf16, "B", "H", "T", 64],

@@ -273,8 +273,10 @@ class CompiledKernel:
     def bind(self, *tensors, out: dict[str, torch.Tensor] | None = None) -> "BoundCall":
         """The call `k(*tensors, out=out)` with its arguments checked and packed and its outputs
         allocated once: `bound()` launches it again on the same tensors (no checks, no packing,
-        no allocation) and returns the outputs. For timing the kernel alone and for loops that
-        refill the same buffers; the tensors must stay where they are while it is in use."""
+        no allocation; a kernel with a spans table, a document mask's, computes the table again
+        first: one launch of its helper) and returns the outputs. For timing the kernel alone and
+        for loops that refill the same buffers; the tensors must stay where they are while it is
+        in use."""
         plan, packed, outputs = self._prepare(tensors, out, private=True)
         return BoundCall(self, plan, packed, tensors, out if out is not None else plan.by_name(outputs))
 
@@ -316,7 +318,8 @@ class CompiledKernel:
         traced build appends its record buffer) through `LoadedKernel.launch(grid, args,
         device=<the tensors' device>)`. A plain call or a repeated launch: `k(...)`, `k.bind(...)`."""
         plan, packed, outputs = self._prepare(tensors, out, private=True)
-        self._held_tables = getattr(packed, "held", None)   # a spans table, alive until the next call
+        # the call's spans tables, alive until 8 more calls (the caller launches right after)
+        self._held_tables = ([getattr(packed, "held", None)] + getattr(self, "_held_tables", []))[:8]
         return plan.grid, packed.pairs(), out if out is not None else plan.by_name(outputs)
 
     def __call__(self, *tensors, out: dict[str, torch.Tensor] | None = None):

@@ -51,8 +51,8 @@ LOG2E = 1.0 / math.log(2.0)
 V = ir.Var
 C = ir.IntConst
 SECTION = "section"   # host param: heads walked together, heaviest first (tile_loop)
-SEARCH_STEPS = "search_steps"
-RUN_FIRST, RUN_COUNT, RUN_NEXT = "run_first", "run_count", "run_next"   # two runs of kv blocks (union_runs)   # host param: steps of the binary search for a packed tile's sequence
+SEARCH_STEPS = "search_steps"   # host param: steps of the binary search for a packed tile's sequence
+RUN_FIRST, RUN_COUNT, RUN_NEXT = "run_first", "run_count", "run_next"   # two runs of kv blocks (union_runs)
 
 
 def build_loops(kernel: None, ctx: LoweringContext) -> ir.Kernel:
@@ -206,10 +206,12 @@ def build_loops(kernel: None, ctx: LoweringContext) -> ir.Kernel:
     # analysed; the analysed ones only where a block is cut (beyond the keys, or by a mask).
     inner, _ = ops.lower(sf.inner, "s_acc", {**tiles, sf.qk: ("s_acc", (64, bn))}, positions, _causal_shift)
     weight, bias_cols, bias_add = _bias(sf, tiles, row, rows0, a.scale)
-    # A document mask whose ids give the spans table: only on the blocks the table does not call
-    # full (one id in all their keys, the rows' one id), its per-key ids loaded there, right
-    # before it, where nothing else reads them.
-    id_mask = next((m for m in sf.masks if spans is not None and m.ids == spans), None)
+    # A document mask whose ids give the spans table and whose condition is their equality alone:
+    # only on the blocks the table does not call full (one id in all their keys, the rows' one id),
+    # its per-key ids loaded there, right before it, where nothing else reads them. (Joined by `&`
+    # to other conditions, the table still bounds the kv range, but the mask runs on every block:
+    # a full block is not full for the other conditions.)
+    id_mask = next((m for m in sf.masks if spans is not None and m.ids == spans and m.cond.op == "eq"), None)
     every_block = [stmt for m in sf.masks if not m.analysed and m is not id_mask and not m.alternatives
                    for stmt in _apply_mask(ops, m, tiles, positions)]
     # a mask `A | B` of analysed conjunctions: on the blocks none of them shows whole

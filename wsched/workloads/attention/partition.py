@@ -28,7 +28,7 @@ from wsched.target import PAGE_ROWS_ALIGN, WGMMA_OPERAND_DTYPES
 from . import score
 from .schedule import (VALUE_DIMS, AttentionSchedule, chunk_columns, head_dims_text, max_keys_per_block,
                        PAGED_SPLIT_KV_SPILLS, paged_producer_registers)
-from .loops import id_spans, kv_range_has_first, takes_tiles_from_counter
+from .loops import id_spans, kv_range_has_first, takes_tiles_from_counter, two_runs
 from .score import ScoreFunction, SideInput
 
 
@@ -142,6 +142,8 @@ def describe(part: Partition) -> str:
         spans = id_spans(a, s) is not None
         kv = "kv_first, kv_first + kv_tiles" if kv_range_has_first(sf) or spans \
             else ("kv_tiles" if any(m.analysed or m.alternatives for m in sf.masks) else f"ceil(T/{bn})")
+        if two_runs(a, s):
+            kv = "run_first, run_first + run_count), then range(run_next, run_next + kv_tiles - run_count"
     scores = ([f"      S = Q K^T * {a.scale:g}" + ("   causal mask on diagonal blocks" if a.causal else "")
                + "   key-tail mask on the last block",
                *(["      (bottom-right: rows with no visible key keep m = -1e30, store O = 0, LSE = -inf)"]
