@@ -207,6 +207,22 @@ def test_the_spans_table_on_the_gpu_is_the_simulators(S, T, rows, cols):
         assert torch.equal(block_spans_cuda(q, k, rows, cols, shape), block_spans(q, k, rows, cols, shape))
 
 
+def test_a_document_mask_joined_to_a_causal_condition():
+    """where((doc_q == doc_k) & (j <= i), ...): spans bound the kv range, the mask runs on every
+    block (a block full for the ids is not full for the causal condition)."""
+    def joined(q: ws.Tensor[ws.bf16, "B", "H", "S", 128], k: ws.Tensor[ws.bf16, "B", "H", "T", 128],
+               v: ws.Tensor[ws.bf16, "B", "H", "T", 128], doc_q: ws.Tensor[ws.i32, "B", 1, "S", 1],
+               doc_k: ws.Tensor[ws.i32, "B", 1, 1, "T"]):
+        s = ws.matmul(q, k.transpose(-1, -2)) * 128 ** -0.5
+        i, j = ws.positions(s)
+        s = ws.where((doc_q == doc_k) & (j <= i), s, -ws.inf)
+        return ws.matmul(ws.softmax(s, dim=-1), v).to(ws.bf16), ws.logsumexp(s, dim=-1)
+    f = ws.fusion(joined)
+    k = ws.compile(f)
+    check_variant(f, k, variant_inputs(make_variant(128, "document"), 2, 4, 1500, 1500, 128, device="cuda", seed=3,
+                                       documents=3))
+
+
 def test_a_bound_call_reads_the_document_ids_as_they_are_at_each_launch():
     """k.bind(...) computes the spans table again per launch: ids refilled in place between
     launches change which blocks are visited."""
