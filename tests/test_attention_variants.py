@@ -758,3 +758,17 @@ def test_a_union_of_analysed_masks_matches_the_reference(kind, S, T):
     f = union_mask(64, kind, prefix=150, window=100, sinks=5)
     q, k, v = attention_inputs(2, 2, S, T, 64, seed=S + T)
     check(f, [q, k, v], num_sms=3)
+
+
+def test_a_diagonal_bias_at_head_dim_64_defaults_to_ping_pong():
+    """schedule.PINGPONG_BIAS_HEAD_DIMS: ALiBi at head dim 64 takes turns (1.13-1.19x on an H100),
+    at 128 it does not, nor does a score function without a bias; decode's one-warpgroup and
+    split-KV variants keep their own mode."""
+    assert ws.schedule_for(make_variant(64, "alibi")).mode == "pingpong"
+    assert ws.schedule_for(make_variant(64, "alibi", gqa=True)).mode == "pingpong"
+    assert ws.schedule_for(make_variant(128, "alibi")).mode == "cooperative"
+    assert ws.schedule_for(make_variant(64, "softcap")).mode == "cooperative"
+    assert ws.schedule_for(make_variant(64, "alibi"), mode="cooperative").mode == "cooperative"
+    f = make_variant(64, "alibi")
+    variants = ws.partition(f, ws.schedule_for(f)).workload.variants(f, ws.schedule_for(f))
+    assert variants and all(v.schedule.mode == "cooperative" for v in variants)

@@ -10,6 +10,9 @@ Its own passes: overlap_softmax (mma_inflight=1) and pingpong (mode="pingpong").
 
 from __future__ import annotations
 
+from dataclasses import replace
+
+from wsched.errors import FusionError
 from wsched.lowering.context import Step
 from wsched.lowering.passes import dynamic_tiles
 from wsched.schedule import ScheduleError, is_int
@@ -57,7 +60,20 @@ class AttentionWorkload(Workload):
                                     f"{', '.join(map(str, schedule.HEAD_DIMS))}")
         else:
             head_dim = self._head_dim(fusion)
-        return schedule.default_schedule(head_dim, partition.page_size_of(fusion), **overrides)
+        chosen = schedule.default_schedule(head_dim, partition.page_size_of(fusion), **overrides)
+        if ("mode" not in overrides and head_dim in schedule.PINGPONG_BIAS_HEAD_DIMS and chosen.mode == "cooperative"
+                and chosen.consumer_warpgroups == 2 and chosen.mma_inflight == 1 and not chosen.splits_kv
+                and self._diagonal_bias(fusion, chosen)):
+            chosen = replace(chosen, mode="pingpong")   # schedule.PINGPONG_BIAS_HEAD_DIMS says why
+        return chosen
+
+    def _diagonal_bias(self, fusion, chosen) -> bool:
+        """Whether the fusion's score function adds a diagonal bias (ALiBi); False where the
+        fusion does not partition (its error comes with the compile)."""
+        try:
+            return bool(self.partition(fusion, chosen).payload.score.bias)
+        except (FusionError, ScheduleError):
+            return False
 
     def lighter(self, fusion, schedule: AttentionSchedule):
         """Where the compiler's choice spills (ptxas's margin is thin at head dim 256, and a paged

@@ -228,6 +228,15 @@ def paged_producer_registers(bn: int, page_size: int, split: bool = False) -> in
 PAGED_SPLIT_KV_SPILLS = {(2, 256)}
 
 
+# Head dims at which a score function with a diagonal bias (ALiBi) defaults to mode="pingpong":
+# the bias's add per score makes the softmax the longer part of a block beside the short GEMMs of
+# head dim 64, and taking turns overlaps one warpgroup's softmax with the other's GEMMs. H100,
+# same process, causal ALiBi, TFLOP/s ping-pong / cooperative (2026-11-24): B4 H16 S4096 1.17,
+# B16 H16 S1024 1.14, B2 H16 S8192 1.19, B4 H32/8 S4096 1.13, B8 H16 S2048 1.17; at head dim 128
+# 0.99 and 1.00; plain causal and softcap at 64 gain nothing (0.99, 0.95).
+PINGPONG_BIAS_HEAD_DIMS = (64,)
+
+
 def default_schedule(head_dim: int, page_size: int | None = None, **overrides) -> AttentionSchedule:
     """FlashAttention-3-like shape: 128 query rows (2 consumer warpgroups x 64), 128 keys per
     block (64 for head dim 256, to keep O and S in registers), 3 K/V stages where they fit (2 at
