@@ -257,7 +257,8 @@ def default_schedule(head_dim: int, page_size: int | None = None, **overrides) -
                 consumer_registers=default_consumer_registers(consumers, producer),
                 epilogue="direct", mma_inflight=1)
     # mode="pingpong" (pingpong.py) is correct but measured 1-14% slower than letting the
-    # two warpgroups interleave freely (H200, 2026-11-21): cooperative stays the default.
+    # two warpgroups interleave freely (H200, 2026-11-21): cooperative stays the default, but for
+    # a diagonal bias at PINGPONG_BIAS_HEAD_DIMS (AttentionWorkload.default_schedule).
     base.update({k: v for k, v in overrides.items() if k != "stages"})
     probe = AttentionSchedule(**base)
     # K/V stages: as many as fit beside Q, up to 3 (measured on H200: 3 beats 2 by 1-5% at
