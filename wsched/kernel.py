@@ -60,6 +60,7 @@ class CompiledKernel:
     _plans: dict = field(default_factory=dict, repr=False)  # launch plans by argument layouts
     _workspaces: dict = field(default_factory=dict, repr=False)  # (name, device) -> scratch tensors
     _natives: dict = field(default_factory=dict, repr=False)  # out= names (None: none) -> native Launcher
+    _held_tables: list = field(default_factory=list, repr=False)  # launch_args' spans tables, the last 8 calls'
 
     def __post_init__(self):
         self._check_values = knobs.check_values()
@@ -319,7 +320,7 @@ class CompiledKernel:
         device=<the tensors' device>)`. A plain call or a repeated launch: `k(...)`, `k.bind(...)`."""
         plan, packed, outputs = self._prepare(tensors, out, private=True)
         # the call's spans tables, alive until 8 more calls (the caller launches right after)
-        self._held_tables = ([getattr(packed, "held", None)] + getattr(self, "_held_tables", []))[:8]
+        self._held_tables = [getattr(packed, "held", None)] + self._held_tables[:7]
         return plan.grid, packed.pairs(), out if out is not None else plan.by_name(outputs)
 
     def __call__(self, *tensors, out: dict[str, torch.Tensor] | None = None):

@@ -175,7 +175,7 @@ def build_loops(kernel: None, ctx: LoweringContext) -> ir.Kernel:
     if two_runs(a, s):   # k walks the first run of kv blocks, then the second (`kv_range`)
         row = ir.mul(ir.Call("select", (ir.lt(K_VAR, RUN_COUNT), ir.add(K_VAR, RUN_FIRST),
                                         ir.sub(ir.add(K_VAR, RUN_NEXT), RUN_COUNT))), bn)
-    elif _lower_bounds(sf) or s.splits_kv or spans is not None:
+    elif kv_range_has_first(sf) or s.splits_kv or spans is not None:
         row = ir.mul(ir.add(K_VAR, K_FIRST), bn)
     else:
         row = ir.mul(K_VAR, bn)
@@ -201,7 +201,6 @@ def build_loops(kernel: None, ctx: LoweringContext) -> ir.Kernel:
     positions = {-2: rows0, -1: row}
     loads = {per_key: tuple(ir.TileLoadGlobal(tiles[x.node.id][0], x.param, _side_coords(x, rows0, row))
                             for x in read if x.per_key == per_key) for per_key in (False, True)}
-    spans = id_spans(a, s)
     # The score function: the inner score in place on every block, then the masks that cannot be
     # analysed; the analysed ones only where a block is cut (beyond the keys, or by a mask).
     inner, _ = ops.lower(sf.inner, "s_acc", {**tiles, sf.qk: ("s_acc", (64, bn))}, positions, _causal_shift)
@@ -424,8 +423,7 @@ def _union_range(m, row_start: ir.Expr, row_end: ir.Expr) -> tuple[ir.Expr | Non
     from key 0, or to T, where no alternative bounds that side)."""
     runs = []
     for alt in m.alternatives:
-        starts = [_bound(row_start, b) for b in alt.lower] + [C(v) for v in alt.key_lower]
-        ends = [_bound(row_end, b) for b in alt.upper] + [C(v + 1) for v in alt.key_upper]
+        starts, ends = _key_bounds(alt, row_start, row_end)
         runs.append((_fold(ir.emax, starts) if starts else None,
                      ir.emin("T", _fold(ir.emin, ends)) if ends else None))
     first = end = None
@@ -436,6 +434,13 @@ def _union_range(m, row_start: ir.Expr, row_end: ir.Expr) -> tuple[ir.Expr | Non
         end = _fold(ir.emax, [ir.Call("select", (ir.lt(C(0) if a is None else a, V("T") if e is None else e),
                                                  V("T") if e is None else e, C(0))) for a, e in runs])
     return first, end
+
+
+def _key_bounds(m, row_start: ir.Expr, row_end: ir.Expr) -> tuple[list[ir.Expr], list[ir.Expr]]:
+    """The analysed mask `m`'s bounds on the keys of rows row_start .. row_end - 1: the first key
+    each lower bound lets the first row see, the end (exclusive) each upper bound lets the last."""
+    return ([_bound(row_start, b) for b in m.lower] + [C(v) for v in m.key_lower],
+            [_bound(row_end, b) for b in m.upper] + [C(v + 1) for v in m.key_upper])
 
 
 def _bias(sf, tiles: dict, row: ir.Expr, rows0: ir.Expr, scale: float):
@@ -524,8 +529,7 @@ def union_runs(sf, bm: int, bn: int) -> list[ir.Stmt]:
     (m,) = [m for m in sf.masks if m.alternatives]
     bounds = []
     for alt in m.alternatives:
-        starts = [_bound(V("m0"), b) for b in alt.lower] + [C(v) for v in alt.key_lower]
-        ends = [_bound(ir.add("m0", bm), b) for b in alt.upper] + [C(v + 1) for v in alt.key_upper]
+        starts, ends = _key_bounds(alt, V("m0"), ir.add("m0", bm))
         first = ir.div(ir.emax(_fold(ir.emax, starts), 0), bn) if starts else C(0)
         end = ir.emin("kv_blocks", ir.ceil_div(ir.emax(_fold(ir.emin, ends), 0), bn)) if ends else V("kv_blocks")
         bounds.append((first, end))
@@ -542,12 +546,7 @@ def union_runs(sf, bm: int, bn: int) -> list[ir.Stmt]:
 
 def kv_range_has_first(sf) -> bool:
     """Whether the masks bound a tile's first kv block (kv_first), not only its count."""
-    return _lower_bounds(sf)
-
-
-def _lower_bounds(sf) -> bool:
-    return (any(m.lower or m.key_lower for m in sf.masks if m.analysed)
-            or any(_union_range(m, C(0), C(0))[0] is not None for m in sf.masks if m.alternatives))
+    return any(m.lower or m.key_lower for m in _bounded_masks(sf))
 
 
 def _block_is_cut(sf, rows0: ir.Expr, col0: ir.Expr, bn: int) -> ir.Expr:
@@ -716,7 +715,7 @@ def _rows_bound_keys(sf) -> bool:
     """Whether a tile's kv blocks grow with its m-block (an analysed mask bounds keys by row, or
     a mask `A | B` whose alternatives all end and one of them by row)."""
     return (any(m.upper for m in sf.masks if m.analysed)
-            or any(_union_range(m, C(0), C(0))[1] is not None and any(x.upper for x in m.alternatives)
+            or any(all(x.upper or x.key_upper for x in m.alternatives) and any(x.upper for x in m.alternatives)
                    for m in sf.masks if m.alternatives))
 
 
@@ -759,7 +758,7 @@ def kv_range(sf, bm: int, bn: int, packed: bool = False, split: bool = False,
             visible = ir.emax(visible, 0)
         count = ir.emin("kv_blocks", ir.ceil_div(visible, bn))
     first: ir.Expr | None = None
-    if _lower_bounds(sf):
+    if kv_range_has_first(sf):
         # the first key some row sees
         starts = [_bound(row_start, b) for m in masks for b in m.lower]
         starts += [C(v) for m in masks for v in m.key_lower]
