@@ -87,11 +87,11 @@ def run_batched(args) -> None:
 
 
 def parse_overrides(text: str) -> dict:
-    """'stages=4,epilogue=direct,tile=128x128x64' -> schedule keyword overrides."""
+    """'stages=4,epilogue=direct,tile=128x128x64,cluster=2x1x1' -> schedule keyword overrides."""
     out = {}
     for item in filter(None, text.split(",")):
         key, value = item.split("=")
-        if key == "tile":
+        if key in ("tile", "cluster"):
             out[key] = tuple(int(x) for x in value.split("x"))
         else:
             out[key] = int(value) if value.lstrip("-").isdigit() else value

@@ -271,6 +271,7 @@ EMITTERS: dict[type, Callable[[Emitter, ir.Stmt], None]] = {
     ir.FenceMbarrierInit: emit_async.emit_fence_mbarrier_init,
     ir.FenceProxyAsync: emit_async.emit_fence_proxy_async,
     ir.SyncThreads: emit_async.emit_syncthreads,
+    ir.ClusterSync: emit_async.emit_cluster_sync,
     ir.NamedBarrierSync: emit_async.emit_named_barrier_sync,
     ir.NamedBarrierArrive: emit_async.emit_named_barrier_arrive,
     ir.TmaLoad: emit_async.emit_tma_load,
@@ -405,7 +406,10 @@ def emit_kernel(kernel: ir.Kernel, *, trace: bool = False) -> EmittedKernel:
     out += ["", '#include "wsched.cuh"', "#include <cuda_bf16.h>", "#include <cuda_fp16.h>", ""]
     for text in em.wgmma.values():
         out += text.rstrip("\n").split("\n") + [""]
-    out.append(f'extern "C" __global__ void __launch_bounds__({kernel.threads}, 1) {kernel.name}(')
+    # A cluster is a compile-time attribute: any launch of the function (cuLaunchKernel included)
+    # forms it, and the grid must be a multiple of it.
+    cluster = f" __cluster_dims__({', '.join(map(str, kernel.cluster))})" if kernel.cluster != (1, 1, 1) else ""
+    out.append(f'extern "C" __global__ void __launch_bounds__({kernel.threads}, 1){cluster} {kernel.name}(')
     decls = [_param_decl(em, p) for p in kernel.params]
     if em.trace is not None:
         decls += em.trace.params()

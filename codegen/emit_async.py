@@ -54,7 +54,10 @@ def emit_fence_mbarrier_init(em: Emitter, s: ir.FenceMbarrierInit) -> None:
 
 
 def emit_mbarrier_arrive(em: Emitter, s: ir.MbarrierArrive) -> None:
-    em.guarded(em.one_thread(), f"wsp::mbar_arrive({em.bar_ref(s.bar)});")
+    if s.cta is None:
+        em.guarded(em.one_thread(), f"wsp::mbar_arrive({em.bar_ref(s.bar)});")
+    else:
+        em.guarded(em.one_thread(), f"wsp::mbar_arrive_cluster({em.bar_ref(s.bar)}, {em.expr(s.cta)});")
 
 
 def emit_mbarrier_arrive_expect_tx(em: Emitter, s: ir.MbarrierArriveExpectTx) -> None:
@@ -74,6 +77,12 @@ def emit_syncthreads(em: Emitter, s: ir.SyncThreads) -> None:
     # verifier _SyncThreads and _block: at kernel level, not inside elect_one
     assert em.level == KERNEL, s
     em.line("__syncthreads();")
+
+
+def emit_cluster_sync(em: Emitter, s: ir.ClusterSync) -> None:
+    # verifier _ClusterSync and _block: at kernel level, not inside elect_one
+    assert em.level == KERNEL, s
+    em.line("wsp::cluster_sync();")
 
 
 def emit_named_barrier_sync(em: Emitter, s: ir.NamedBarrierSync) -> None:
@@ -117,7 +126,11 @@ def _tma_operands(em: Emitter, s: ir.TmaLoad | ir.TmaStore, ref: ir.SmemRef) -> 
 
 def emit_tma_load(em: Emitter, s: ir.TmaLoad) -> None:
     dst, tensor_map, coords = _tma_operands(em, s, s.dst)
-    em.line(f"wsp::tma_load_{len(s.coords)}d({dst}, {tensor_map}, {em.bar_ref(s.bar)}, {coords});")
+    if s.multicast is None:
+        em.line(f"wsp::tma_load_{len(s.coords)}d({dst}, {tensor_map}, {em.bar_ref(s.bar)}, {coords});")
+    else:
+        em.line(f"wsp::tma_load_{len(s.coords)}d_multicast({dst}, {tensor_map}, {em.bar_ref(s.bar)}, "
+                f"{em.expr(s.multicast)}, {coords});")
 
 
 def emit_tma_store(em: Emitter, s: ir.TmaStore) -> None:

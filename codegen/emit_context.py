@@ -351,7 +351,7 @@ _KEYWORDS = {
     ir.TmaLoad: "tma.load", ir.TmaStore: "tma.store", ir.TmaCommit: "tma.commit",
     ir.TmaWait: "tma.wait", ir.Wgmma: "wgmma.mma", ir.WgmmaFence: "wgmma.fence",
     ir.WgmmaCommit: "wgmma.commit", ir.WgmmaWait: "wgmma.wait", ir.Setmaxnreg: "setmaxnreg",
-    ir.SyncThreads: "syncthreads", ir.ElectOne: "elect_one", ir.Role: "role",
+    ir.SyncThreads: "syncthreads", ir.ClusterSync: "cluster.sync", ir.ElectOne: "elect_one", ir.Role: "role",
     ir.TileLoadGlobal: "tile.load", ir.TileStoreGlobal: "tile.store",
     ir.TileStoreSmem: "tile.store_smem", ir.TileReduce: "tile.reduce", ir.RegDecl: "reg",
     ir.TileMask: "tile.mask",

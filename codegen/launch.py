@@ -420,6 +420,23 @@ class LoadedKernel:
         self._functions[device_index] = function
         return function
 
+    def cluster_sms(self, device_index: int, cluster_size: int) -> int:
+        """The SMs that clusters of `cluster_size` CTAs of this kernel can hold at once on the device
+        (cuOccupancyMaxActiveClusters x cluster_size): a cluster lies within one GPC, so a GPC whose
+        SM count the size does not divide leaves some idle; a persistent grid sized by the SM count
+        alone would run its last clusters in a second wave."""
+        with torch_context(device_index) as index:
+            function = self._function_for(index)
+            config = _launch_config((cluster_size, 1, 1), self.threads, self.smem_bytes, driver.CUstream(0),
+                                    (cluster_size, 1, 1))
+            clusters = check_cuda(driver.cuOccupancyMaxActiveClusters(function, config),
+                                  f"cuOccupancyMaxActiveClusters({self.kernel_name}, cluster {cluster_size})")
+        if clusters < 1:
+            raise CudaError(f"{self.kernel_name}: no cluster of {cluster_size} CTAs ({self.threads} threads, "
+                            f"{self.smem_bytes} bytes of shared memory each) fits on cuda:{device_index}; use a "
+                            f"smaller cluster", call="cuOccupancyMaxActiveClusters")
+        return clusters * cluster_size
+
     def launch(self, grid: int | tuple[int, ...], args: list[tuple[str, object]] | PackedArguments,
                stream: object = None, cluster: int | tuple[int, ...] = (1, 1, 1),
                device: object = None) -> None:

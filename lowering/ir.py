@@ -21,7 +21,7 @@ and `codegen/emit.py` is its CUDA spelling):
   A sub-array of shape (chunks, R, W) holds an [R, chunks*W] tile as column chunks of width W
   (that is how 128-byte-swizzled tiles wider than 64 bf16 are stored).
 * Builtin names, usable in any expression without a declaration: `cta_id` (blockIdx.x),
-  `num_ctas` (gridDim.x), `num_sms` (multiprocessors of the device, host side: the grid and host params only),
+  `num_ctas` (gridDim.x; a multiple of the cluster size), `num_sms` (multiprocessors of the device, host side: the grid and host params only),
   and `wg` (inside a role).
 """
 
@@ -388,9 +388,15 @@ class MbarrierInit:
 
 @dataclass(frozen=True)
 class MbarrierArrive:
-    """`mbarrier.arrive empty[s]`: one arrival (consumer_release)."""
+    """`mbarrier.arrive empty[s]`: one arrival (consumer_release).
+
+    With `cta` (`mbarrier.arrive empty[s] cta(r)`, a kernel with a cluster of more than one CTA)
+    the arrival lands on the barrier of the same name and index in the CTA of rank `r` of this
+    CTA's cluster (0 .. cluster size - 1; this CTA's own rank is `cta_id % cluster size`): how a
+    consumer frees a stage that a peer's producer multicasts into."""
 
     bar: BarRef
+    cta: Union[Expr, None] = None
 
 
 @dataclass(frozen=True)
@@ -434,6 +440,13 @@ class SyncThreads:
 
 
 @dataclass(frozen=True)
+class ClusterSync:
+    """`cluster.sync`: barrier over every thread of every CTA of the cluster (release / acquire at
+    cluster scope); never inside a role. After `fence.mbarrier_init` it makes this CTA's barriers
+    visible to its peers before any of them arrives on one or multicasts into its smem."""
+
+
+@dataclass(frozen=True)
 class NamedBarrierSync:
     """`bar.sync 1 + wg, 128`: named barrier `id` (>= 1, < 16) over `threads` threads."""
 
@@ -462,13 +475,19 @@ class TmaLoad:
     is a 2-D [R, W] sub-array and the box fills only its rows row .. row + rows - 1, where the
     box's inner extent is W and rows is the product of its other extents (a box lies in smem in
     row-major order): how one block of keys is gathered from the pages of a paged cache. `row`
-    must keep the destination on the alignment `tma_row_step` gives (with a swizzle, its atom)."""
+    must keep the destination on the alignment `tma_row_step` gives (with a swizzle, its atom).
+
+    With `multicast` (`... bar(full[s]) multicast(3)`, a kernel with a cluster of more than one
+    CTA) the box is written to the same smem address in every CTA of the cluster whose rank's bit
+    is set in the mask, and completes on each one's barrier of the same name and index with the
+    box's bytes; the issuing CTA's own bit may be clear."""
 
     dst: SmemRef
     tensor: str
     coords: tuple[Expr, ...]
     bar: BarRef
     row: Union[Expr, None] = None
+    multicast: Union[Expr, None] = None
 
 
 @dataclass(frozen=True)
@@ -750,13 +769,14 @@ Stmt = Union[
     TileView, FenceGpu, AtomicInc, LoadShared,   # sliced epilogues and split-K
     TileIota, TileSelect,                         # attention score functions
     LoadGlobal,                                   # paged KV caches
+    ClusterSync,                                  # clusters with TMA multicast
 ]
 
 STMT_TYPES: tuple[type, ...] = Stmt.__args__  # type: ignore[attr-defined]
 
 # Statements every thread of a warpgroup executes together: never inside `elect_one`.
 WARPGROUP_COLLECTIVE: tuple[type, ...] = (
-    Role, Setmaxnreg, SyncThreads, NamedBarrierSync, NamedBarrierArrive,
+    Role, Setmaxnreg, SyncThreads, ClusterSync, NamedBarrierSync, NamedBarrierArrive,
     WgmmaFence, Wgmma, WgmmaCommit, WgmmaWait,
     RegDecl, TileFill, TileUnary, TileBinary, TileReduce, TileMask, TileLoadGlobal, TileStoreGlobal,
     TileStoreSmem,

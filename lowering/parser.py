@@ -393,8 +393,8 @@ class _ToIR(Transformer):
     def mbarrier_init(self, barrier, arrivals):
         return ir.MbarrierInit(str(barrier), arrivals)
 
-    def mbarrier_arrive(self, bar):
-        return ir.MbarrierArrive(bar)
+    def mbarrier_arrive(self, bar, cta):
+        return ir.MbarrierArrive(bar, cta)
 
     def mbarrier_arrive_expect_tx(self, bar, nbytes):
         return ir.MbarrierArriveExpectTx(bar, nbytes)
@@ -414,6 +414,9 @@ class _ToIR(Transformer):
     def syncthreads(self):
         return ir.SyncThreads()
 
+    def cluster_sync(self):
+        return ir.ClusterSync()
+
     def named_barrier_sync(self, barrier_id, threads):
         return ir.NamedBarrierSync(barrier_id, threads)
 
@@ -421,8 +424,8 @@ class _ToIR(Transformer):
         return ir.NamedBarrierArrive(barrier_id, threads)
 
     # --- asynchronous copies ----------------------------------------------------------------
-    def tma_load(self, dst, row, tensor, coords, bar):
-        return ir.TmaLoad(dst, str(tensor), coords, bar, row)
+    def tma_load(self, dst, row, tensor, coords, bar, multicast):
+        return ir.TmaLoad(dst, str(tensor), coords, bar, row, multicast)
 
     def tma_store(self, tensor, coords, src):
         return ir.TmaStore(str(tensor), coords, src)

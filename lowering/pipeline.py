@@ -12,15 +12,18 @@ Every workload takes the same route; the steps marked [workload] are the workloa
     <extra passes> [workload] reorderings of the complete wgmma protocol
     epilogue [workload]      after the k loop is final: normalisation, fused ops, stores
     <late passes> [workload] rewrites of a tile's whole work (which warpgroup runs it)
+    cluster                  a cluster's shared stages: freed by every CTA's consumers, and the
+                             producer's tail
     reg_realloc              last: it must see every role's final body (register budget)
 
 The routes, step by step (`route(workload, schedule)`; a test keeps this list true):
 
     matmul:    build_loops, circular_buffer, insert_barriers, lower_tma, lower_mma, epilogue,
-               pingpong (if mode="pingpong"), reg_realloc
+               pingpong (if mode="pingpong"), cluster (if a cluster of more than one CTA),
+               reg_realloc
     attention: build_loops, circular_buffer, insert_barriers, lower_tma, lower_mma,
                overlap_softmax (if mma_inflight=1), pingpong (if mode="pingpong"), epilogue,
-               dynamic_tiles (if split_kv=1), reg_realloc
+               dynamic_tiles (if split_kv=1), cluster (if a cluster of more than one CTA), reg_realloc
 
 The IR after each step is kept by name (`kernel.ir_after["insert_barriers"]`); the verifier
 runs after every step when `WSCHED_DEBUG` is on (always in tests), with the load/compute
@@ -39,13 +42,14 @@ from wsched.workloads import WORKLOADS
 
 from . import ir
 from .context import LoweringContext, Step
-from .passes import circular_buffer, insert_barriers, lower_mma, lower_tma, reg_realloc
+from .passes import circular_buffer, cluster, insert_barriers, lower_mma, lower_tma, reg_realloc
 from .verify import verify
 
 CIRCULAR_BUFFER = Step("circular_buffer", circular_buffer.run, False)
 INSERT_BARRIERS = Step("insert_barriers", insert_barriers.run, False)
 LOWER_TMA = Step("lower_tma", lower_tma.run, False)
 LOWER_MMA = Step("lower_mma", lower_mma.run, True)
+CLUSTER = Step("cluster", cluster.run, True, lambda s: s.cluster_size > 1, "a cluster of more than one CTA")
 REG_REALLOC = Step("reg_realloc", reg_realloc.run, True)
 
 
@@ -60,6 +64,7 @@ def route(workload, schedule=None) -> tuple[Step, ...]:
         *workload.extra_passes,
         Step("epilogue", workload.epilogue, True),
         *workload.late_passes,
+        CLUSTER,
         REG_REALLOC,
     )
     return steps if schedule is None else tuple(s for s in steps if s.when(schedule))

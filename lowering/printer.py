@@ -173,7 +173,7 @@ def _operands(s: ir.Stmt) -> str:
         case ir.MbarrierInit():
             return f"{s.barrier} arrivals({s.arrivals})"
         case ir.MbarrierArrive():
-            return _bar_ref(s.bar)
+            return _bar_ref(s.bar) + ("" if s.cta is None else f" cta({print_expr(s.cta)})")
         case ir.MbarrierArriveExpectTx():
             return f"{_bar_ref(s.bar)} bytes({print_expr(s.bytes)})"
         case ir.MbarrierWait():
@@ -185,7 +185,8 @@ def _operands(s: ir.Stmt) -> str:
         # asynchronous copies
         case ir.TmaLoad():
             row = "" if s.row is None else f" row({print_expr(s.row)})"
-            return f"{_smem_ref(s.dst)}{row} <- {s.tensor}[{_join(s.coords)}] bar({_bar_ref(s.bar)})"
+            multicast = "" if s.multicast is None else f" multicast({print_expr(s.multicast)})"
+            return f"{_smem_ref(s.dst)}{row} <- {s.tensor}[{_join(s.coords)}] bar({_bar_ref(s.bar)}){multicast}"
         case ir.TmaStore():
             return f"{s.tensor}[{_join(s.coords)}] <- {_smem_ref(s.src)}"
         case ir.TmaWait() | ir.WgmmaWait():
@@ -234,7 +235,8 @@ def _operands(s: ir.Stmt) -> str:
         # paged KV caches
         case ir.LoadGlobal():
             return f"{s.name} = {s.tensor}[{_join(s.coords)}]"
-        case (ir.Return() | ir.FenceMbarrierInit() | ir.FenceProxyAsync() | ir.SyncThreads() | ir.FenceGpu()
+        case (ir.Return() | ir.FenceMbarrierInit() | ir.FenceProxyAsync() | ir.SyncThreads() | ir.ClusterSync()
+              | ir.FenceGpu()
               | ir.TmaCommit() | ir.WgmmaFence() | ir.WgmmaCommit()):
             return ""
     raise IRPrintError(f"print_stmt: {s!r} is not an ir statement")

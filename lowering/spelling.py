@@ -52,6 +52,7 @@ SPELLINGS: dict[type, Spelling] = {
     ir.FenceMbarrierInit: Spelling("fence.mbarrier_init"),
     ir.FenceProxyAsync: Spelling("fence.proxy.async"),
     ir.SyncThreads: Spelling("syncthreads"),
+    ir.ClusterSync: Spelling("cluster.sync"),
     ir.NamedBarrierSync: Spelling("bar.sync"),
     ir.NamedBarrierArrive: Spelling("bar.arrive"),
     # asynchronous copies

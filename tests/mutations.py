@@ -625,12 +625,15 @@ def ignore_ticket(t):
 
 @operator(harmful=True)
 def page_row_shifted(t):
-    """A page's box lands 8 rows further down its kv block: it overlaps the next page's rows (or
-    runs past the block), and the 8 rows it should have filled keep the stage's previous keys."""
+    """A box loaded into rows of its sub-array lands 8 rows further down (a page of a kv block, a
+    cluster rank's piece of a shared tile): it overlaps the next box's rows (or runs past the
+    sub-array), and the 8 rows it should have filled keep the stage's previous data."""
     for s in heads(t, "tma.load "):
-        m = re.search(r" row\((\d+)\) ", s.head)
+        m = re.search(r" row\(([^<]*?)\) <-", s.head)
         if m:
-            yield t.rewrite(s, s.head[:m.start()] + f" row({int(m.group(1)) + 8}) " + s.head[m.end():])
+            row = m.group(1)
+            shifted = str(int(row) + 8) if row.isdigit() else f"{row} + 8"
+            yield t.rewrite(s, s.head[:m.start()] + f" row({shifted}) <-" + s.head[m.end():])
 
 
 @operator(harmful=True)

@@ -116,7 +116,9 @@ VALUES = [
     (dict(mode="pingpong", tile=(192, 128, 64), stages=2),
      "each consumer warpgroup must own 64 or 128 rows (BM = 192: in mode 'pingpong' each consumer warpgroup takes "
      "whole tiles of its own); use BM = 64 or 128"),
-    (dict(cluster=(2, 1, 1)), "cluster (2, 1, 1) is not supported yet; use (1, 1, 1)"),
+    (dict(cluster=(2, 2, 1)), "cluster (2, 2, 1): use (n, 1, 1) (CTAs on tiles along M, sharing B) or (1, n, 1) "
+                              "(along N, sharing A) with n in (1, 2, 4)"),
+    (dict(cluster=(2, 1, 1), split_k=2), "a cluster's CTAs walk whole tiles together"),
     (dict(operand_bytes=4, tile=(128, 256, 32)), "operand_bytes=4 is not supported"),
     (dict(operand_bytes=1, tile=(128, 256, 128)), "operand_bytes=1 is not supported"),
     (dict(output_bytes=3), "output_bytes=3 must be one of 2, 4, 6, 8"),

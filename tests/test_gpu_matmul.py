@@ -234,3 +234,36 @@ def test_division_by_a_broadcast_tile_matches_ieee_at_the_edges():
     finite = torch.isfinite(want)
     close = torch.isclose(got[finite], want[finite], rtol=3e-7, atol=3e-45)   # 1.5 ulp; one subnormal step
     assert bool(close.all()), f"{int((~close).sum())} quotients off, e.g. {got[finite][~close][:4]} vs {want[finite][~close][:4]}"
+
+
+CLUSTER_SHAPES = [
+    (512, 512, 512),      # fewer tile pairs than clusters
+    (4096, 4096, 1024),   # many tiles: every cluster walks several, every stage reused
+    (999, 1000, 1000),    # an odd count of row tiles: one CTA of the last pair computes past M
+    (8, 4096, 4096),      # one row of tiles: the pair's second CTA only lends its piece of B
+    (4096, 8, 2048),      # skinny N
+    (300, 520, 40),       # K smaller than one k tile
+]
+
+
+@pytest.mark.parametrize("M,N,K", CLUSTER_SHAPES)
+@pytest.mark.parametrize("fusion,overrides", [
+    (matmul, dict(cluster=(2, 1, 1))), (matmul, dict(cluster=(1, 2, 1))), (matmul, dict(cluster=(4, 1, 1))),
+    (linear_relu_residual, dict(cluster=(2, 1, 1), epilogue="direct")),
+    (gated, dict(cluster=(2, 1, 1), tile=(128, 128, 64))),
+    (matmul, dict(cluster=(1, 2, 1), tile=(64, 256, 64), consumer_warpgroups=1))],
+    ids=["2x1", "1x2", "4x1", "residual_direct_2x1", "gated_2x1_bn128", "bm64_1x2"])
+def test_clusters_with_tma_multicast(fusion, overrides, M, N, K):
+    """Clusters: the CTAs of a cluster take tiles next to each other, each loads a piece of the tile
+    they share and multicasts it to all; every CTA's consumers free a stage on every CTA."""
+    run_and_check(compiled(fusion, **overrides), fusion, M, N, K, seed=M + N + K)
+
+
+def test_cluster_grid_counts_the_sms_clusters_can_hold():
+    """A cluster kernel's persistent grid is sized by the SMs its clusters can occupy at once."""
+    k = compiled(matmul, cluster=(4, 1, 1))
+    held = k._loaded.cluster_sms(torch.cuda.current_device(), 4)
+    assert 0 < held <= torch.cuda.get_device_properties(0).multi_processor_count and held % 4 == 0
+    a, b = inputs_for(matmul, 8192, 8192, 128, device="cuda", seed=0)
+    plan, _, _ = k._prepare((a, b), None)
+    assert plan.grid == held

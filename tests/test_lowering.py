@@ -30,9 +30,10 @@ def test_ir_after_each_pass_is_kept_by_name():
     k = ws.lower(mlp)
     assert tuple(k.ir_after) == pass_names(MATMUL, ws.schedule_for(mlp)) == (
         "build_loops", "circular_buffer", "insert_barriers", "lower_tma", "lower_mma", "epilogue", "reg_realloc")
-    assert pass_names(MATMUL) == (       # every step of the route; pingpong runs for mode="pingpong"
+    assert pass_names(MATMUL) == (       # every step of the route; pingpong runs for mode="pingpong",
         "build_loops", "circular_buffer", "insert_barriers", "lower_tma", "lower_mma", "epilogue", "pingpong",
-        "reg_realloc")
+        "cluster", "reg_realloc")        # cluster for a cluster of more than one CTA
+    assert pass_names(MATMUL, ws.schedule_for(mlp, cluster=(2, 1, 1)))[-2:] == ("cluster", "reg_realloc")
     assert k.ir_after["reg_realloc"] == k
     before = print_kernel(k.ir_after["circular_buffer"])
     after = print_kernel(k.ir_after["insert_barriers"])
@@ -60,7 +61,7 @@ def test_print_ir_knob_warns_about_a_misspelt_pass(monkeypatch):
     monkeypatch.setenv("WSCHED_PRINT_IR", "insert_barrier")
     with pytest.warns(UserWarning, match=r"WSCHED_PRINT_IR names no pass: insert_barrier; the passes are "
                                          r"build_loops, circular_buffer, insert_barriers, .*overlap_softmax, "
-                                         r"pingpong, epilogue, dynamic_tiles, reg_realloc \(or all\)"):
+                                         r"pingpong, epilogue, dynamic_tiles, cluster, reg_realloc \(or all\)"):
         ws.lower(mlp)
 
 

@@ -148,6 +148,12 @@ FAMILIES = [
            (("tile", (64, 128, 64)), ("consumer_warpgroups", 1), ("split_kv", 32), ("pack_gqa", True)),
            golden="attention_paged_decode.ir", num_sms=4,
            paged=(([2100], 16, 1, 4, 3), ([700, 0, 37, 300], 16, 2, 2, 3))),
+    # Clusters of 2 along M sharing B by multicast: on 4 SMs (2 clusters) 2 x 2 tiles (one pair of
+    # row tiles a cluster), then 5 x 2 (3 pairs a column, the last one's second CTA past M), 5 k
+    # steps over 4 stages; and 1 x 2 tiles of 2 k steps (each second CTA past M; the producers'
+    # tails wait on stages never used)
+    Family("matmul_cluster.ir", matmul, (("cluster", (2, 1, 1)),), golden="matmul_cluster.ir",
+           shapes=((200, 296, 320), (520, 296, 320), (100, 264, 128)), num_sms=4),
     # A batched linear layer (batch 2, the weight shared): 2 x 4 tiles, batch outermost, on 4 SMs
     Family("matmul_batched_linear.ir", batched_linear_b2, golden="matmul_batched_linear.ir", num_sms=4),
 ]

@@ -176,6 +176,59 @@ EXPECTED_PTX = [
 ]
 
 
+CLUSTER_SOURCE = """\
+#include "wsched.cuh"
+
+extern "C" __global__ void __launch_bounds__(128, 1) __cluster_dims__(2, 1, 1)
+cluster_primitives(const __grid_constant__ CUtensorMap m1, const __grid_constant__ CUtensorMap m2,
+                   const __grid_constant__ CUtensorMap m3, const __grid_constant__ CUtensorMap m4,
+                   const __grid_constant__ CUtensorMap m5) {
+  extern __shared__ __align__(1024) unsigned char smem[];
+  uint64_t* full = reinterpret_cast<uint64_t*>(smem);
+  unsigned char* tile = smem + 1024;
+  if (threadIdx.x == 0) {
+    wsp::mbar_init(full, 1);
+    wsp::fence_mbarrier_init();
+  }
+  wsp::cluster_sync();
+  const uint32_t rank = blockIdx.x % 2;
+  if (threadIdx.x == 0) {
+    wsp::mbar_arrive_expect_tx(full, 5 * 1024);
+    wsp::tma_load_1d_multicast(tile, &m1, full, 3, rank);
+    wsp::tma_load_2d_multicast(tile + 1024, &m2, full, 3, 0, rank);
+    wsp::tma_load_3d_multicast(tile + 2048, &m3, full, 3, 0, rank, 1);
+    wsp::tma_load_4d_multicast(tile + 3072, &m4, full, 3, 0, rank, 1, 2);
+    wsp::tma_load_5d_multicast(tile + 4096, &m5, full, 1u << rank, 0, rank, 1, 2, 3);
+  }
+  wsp::mbar_wait(full, 0);
+  if (threadIdx.x == 0) wsp::mbar_arrive_cluster(full, rank ^ 1);
+  wsp::cluster_sync();
+}
+"""
+
+CLUSTER_PTX = [
+    "cp.async.bulk.tensor.1d.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster",
+    "cp.async.bulk.tensor.5d.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster",
+    "mapa.shared::cluster.u32",
+    "mbarrier.arrive.shared::cluster.b64",
+    "barrier.cluster.arrive.release.aligned",
+    "barrier.cluster.wait.acquire.aligned",
+    ".reqnctapercluster 2, 1, 1",
+]
+
+
+@pytest.mark.nvcc
+@needs_nvcc
+def test_cluster_primitives_compile_for_sm90a(tmp_path):
+    """Multicast TMA loads of every rank, the remote arrival and the cluster barrier assemble, and
+    the kernel carries its cluster shape."""
+    res = compile_cuda(CLUSTER_SOURCE, name="cluster_primitives", cache_dir=tmp_path)
+    assert res.cubin_path.stat().st_size > 0
+    ptx = compile_ptx(CLUSTER_SOURCE, name="cluster_primitives_ptx", cache_dir=tmp_path)
+    missing = [ins for ins in CLUSTER_PTX if ins not in ptx]
+    assert not missing, f"instructions missing from the PTX: {missing}"
+
+
 @pytest.mark.nvcc
 @needs_nvcc
 def test_all_primitives_compile_for_sm90a(tmp_path):

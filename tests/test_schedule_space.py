@@ -84,7 +84,9 @@ def typed_fields(draw, workload: str):
     producer = draw(st.sampled_from([24, 32, 40]))
     start = 248 if consumers == 1 else 168
     consumer = draw(st.integers(start // 8, (512 - producer) // consumers // 8).map(lambda r: min(256, 8 * r)))
-    split = dict(split_k=draw(st.sampled_from([1, 2, 16]))) if workload == "matmul" else {}
+    split = dict(split_k=draw(st.sampled_from([1, 2, 16])),
+                 cluster=draw(st.sampled_from([(1, 1, 1), (2, 1, 1), (1, 2, 1), (4, 1, 1), (1, 4, 1)]))
+                 ) if workload == "matmul" else {}
     mode = draw(st.sampled_from(["cooperative", "pingpong"]))
     rows = 64 * (draw(st.sampled_from([1, 2])) if workload == "matmul" else 1)     # per warpgroup
     bm = rows * (1 if workload == "matmul" and mode == "pingpong" else consumers)

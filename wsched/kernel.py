@@ -141,6 +141,16 @@ class CompiledKernel:
             self.compile_cuda()
         return LoadedKernel(self.build.cubin_path, self.kernel.name, self.kernel.smem_bytes, self.kernel.threads)
 
+    def _grid_sms(self, device) -> int:
+        """The `num_sms` a persistent grid is sized by: the device's SMs, or for a cluster kernel
+        the SMs its clusters can hold at once (`LoadedKernel.cluster_sms`)."""
+        from .codegen.launch import device_index, sm_count
+
+        size = self.kernel.cluster[0]
+        if size == 1:
+            return sm_count(device)
+        return self._loaded.cluster_sms(device_index(device), size)
+
     def compile_cuda(self):
         """Build the cubin with nvcc (through the on-disk cache)."""
         from .codegen.build import compile_cuda
@@ -196,7 +206,7 @@ class CompiledKernel:
         """Everything about a call that depends only on the tensors' shapes, strides, dtypes
         and devices: binding, the argument checks, output shapes, kernel views, the grid and the
         kernel's argument list (scalar values set here; data pointers and tensor maps per call)."""
-        from .codegen.launch import _grid3, check_tensor, sm_count
+        from .codegen.launch import _grid3, check_tensor
         from .lowering import ir
         from .lowering.evaluate import evaluate
 
@@ -209,7 +219,8 @@ class CompiledKernel:
             device = torch.device("cuda", torch.cuda.current_device())
         outs = out if out is not None else self._outputs(sizes, device)
         views = self._kernel_views({**inputs, **outs}, scalars)
-        scalars = self._host_params(scalars, sm_count(device))   # split-K: host params from the sizes
+        num_sms = self._grid_sms(device)
+        scalars = self._host_params(scalars, num_sms)   # split-K: host params from the sizes
         params, span_shapes = [], {}
         for p in self.kernel.params:
             if isinstance(p, ir.WorkspaceParam):   # split-K scratch: kept by this kernel, a fixed pointer
@@ -236,7 +247,7 @@ class CompiledKernel:
                        if name in inputs or name in outs}
         view_shapes.update(span_shapes)
         out_specs = [(name, tuple(t.shape), t.dtype) for name, t in outs.items()]
-        grid = max(1, evaluate(self.kernel.grid, {**scalars, "num_sms": sm_count(device)}))
+        grid = max(1, evaluate(self.kernel.grid, {**scalars, "num_sms": num_sms}))
         _grid3(grid)   # within the CUDA limit: the eager launch does not check it again
         return _LaunchPlan(list(inputs), params, out_specs, view_shapes, grid, device)
 

@@ -20,6 +20,7 @@ named by its field before any arithmetic runs on it.
 
 from __future__ import annotations
 
+import math
 import numbers
 from dataclasses import dataclass, fields, replace
 from typing import ClassVar
@@ -89,7 +90,9 @@ class Schedule:
     epilogue:           "tma_store" (registers -> smem -> TMA) or "direct" (plain stores).
     mma_inflight:       wgmma groups kept in flight in the k loop before a stage is released
                         (0: wait for each mma; 1: see the workload's schedule).
-    cluster:            CTA cluster shape (only (1, 1, 1) for now).
+    cluster:            CTA cluster shape in tiles (the workload says which shapes it takes; matmul:
+                        (2, 1, 1) pairs CTAs on tiles next to each other along M, which share
+                        their B tile, loaded once and multicast; (1, 2, 1) along N, sharing A).
     operand_bytes:      bytes per element of the MMA operands (2: bf16 or f16).
     output_bytes:       bytes per output element staged in shared memory by a TMA-store
                         epilogue, summed over the distinct output dtypes (set from the fusion by
@@ -263,9 +266,19 @@ class Schedule:
         if not 1 <= self.swizzle_group <= SWIZZLE_GROUP_MAX:
             p.append(f"swizzle_group is {self.swizzle_group}; it must be in [1, {SWIZZLE_GROUP_MAX}] (the kernel "
                      f"computes swizzle_group x tiles in 32-bit ints)")
-        if self.cluster != (1, 1, 1):
-            p.append(f"cluster {self.cluster} is not supported yet; use (1, 1, 1)")
+        p += self._cluster_problems()
         return p
+
+    def _cluster_problems(self) -> list[str]:
+        """A workload without a cluster schedule takes only (1, 1, 1)."""
+        if self.cluster != (1, 1, 1):
+            return [f"cluster {self.cluster}: the {self.workload} workload has no cluster schedule; use (1, 1, 1)"]
+        return []
+
+    @property
+    def cluster_size(self) -> int:
+        """CTAs per cluster."""
+        return math.prod(self.cluster)
 
     def _register_problems(self) -> list[str]:
         """setmaxnreg: budgets in its steps, within the CTA's register pool, and on the right side of the

@@ -22,6 +22,20 @@ WSP_DEVICE void mbar_arrive(uint64_t* bar) {
                :: "r"(smem_u32(bar)) : "memory");
 }
 
+// mbarrier.arrive on the barrier at the same smem offset in the CTA of rank `cta_rank` of this CTA's
+// cluster: mapa.shared::cluster.u32, then mbarrier.arrive.shared::cluster.b64 (the default release
+// semantics: what it orders is this warpgroup's wgmma reads of the stage, already complete; an
+// explicit .release.cluster fence halved a cluster matmul's throughput, H100)
+WSP_DEVICE void mbar_arrive_cluster(uint64_t* bar, uint32_t cta_rank) {
+  asm volatile(
+      "{\n"
+      "  .reg .b32 remote;\n"
+      "  mapa.shared::cluster.u32 remote, %0, %1;\n"
+      "  mbarrier.arrive.shared::cluster.b64 _, [remote];\n"
+      "}\n"
+      :: "r"(smem_u32(bar)), "r"(cta_rank) : "memory");
+}
+
 // mbarrier.arrive.expect_tx.shared::cta.b64 (one arrival + expect `bytes` of async transactions)
 WSP_DEVICE void mbar_arrive_expect_tx(uint64_t* bar, uint32_t bytes) {
   asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n"

@@ -15,6 +15,13 @@ WSP_DEVICE void named_barrier_arrive(uint32_t id, uint32_t threads) {
   asm volatile("bar.arrive %0, %1;\n" :: "r"(id), "r"(threads) : "memory");
 }
 
+// barrier.cluster.arrive.release + barrier.cluster.wait.acquire (every thread of every CTA of the
+// cluster; makes barrier inits and smem writes before it visible to the peers)
+WSP_DEVICE void cluster_sync() {
+  asm volatile("barrier.cluster.arrive.release.aligned;\n"
+               "barrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+}
+
 // setmaxnreg.inc.sync.aligned.u32 N (whole warpgroup; needs __launch_bounds__(threads, 1))
 template <uint32_t N>
 WSP_DEVICE void setmaxnreg_inc() {

@@ -58,6 +58,66 @@ WSP_DEVICE void tma_load_5d(void* smem_dst, const CUtensorMap* map, uint64_t* ba
       : "memory");
 }
 
+// cp.async.bulk.tensor.1d.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster:
+// the box lands at the same smem offset, and completes on the barrier at the same offset, in every
+// CTA of the cluster whose rank's bit is set in `cta_mask`
+WSP_DEVICE void tma_load_1d_multicast(void* smem_dst, const CUtensorMap* map, uint64_t* bar, uint16_t cta_mask, int c0) {
+  asm volatile(
+      "cp.async.bulk.tensor.1d.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster"
+      " [%0], [%1, {%4}], [%2], %3;\n"
+      :: "r"(smem_u32(smem_dst)), "l"(reinterpret_cast<uint64_t>(map)), "r"(smem_u32(bar)), "h"(cta_mask),
+         "r"(c0)
+      : "memory");
+}
+
+// cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster:
+// the box lands at the same smem offset, and completes on the barrier at the same offset, in every
+// CTA of the cluster whose rank's bit is set in `cta_mask`
+WSP_DEVICE void tma_load_2d_multicast(void* smem_dst, const CUtensorMap* map, uint64_t* bar, uint16_t cta_mask, int c0, int c1) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster"
+      " [%0], [%1, {%4, %5}], [%2], %3;\n"
+      :: "r"(smem_u32(smem_dst)), "l"(reinterpret_cast<uint64_t>(map)), "r"(smem_u32(bar)), "h"(cta_mask),
+         "r"(c0), "r"(c1)
+      : "memory");
+}
+
+// cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster:
+// the box lands at the same smem offset, and completes on the barrier at the same offset, in every
+// CTA of the cluster whose rank's bit is set in `cta_mask`
+WSP_DEVICE void tma_load_3d_multicast(void* smem_dst, const CUtensorMap* map, uint64_t* bar, uint16_t cta_mask, int c0, int c1, int c2) {
+  asm volatile(
+      "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster"
+      " [%0], [%1, {%4, %5, %6}], [%2], %3;\n"
+      :: "r"(smem_u32(smem_dst)), "l"(reinterpret_cast<uint64_t>(map)), "r"(smem_u32(bar)), "h"(cta_mask),
+         "r"(c0), "r"(c1), "r"(c2)
+      : "memory");
+}
+
+// cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster:
+// the box lands at the same smem offset, and completes on the barrier at the same offset, in every
+// CTA of the cluster whose rank's bit is set in `cta_mask`
+WSP_DEVICE void tma_load_4d_multicast(void* smem_dst, const CUtensorMap* map, uint64_t* bar, uint16_t cta_mask, int c0, int c1, int c2, int c3) {
+  asm volatile(
+      "cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster"
+      " [%0], [%1, {%4, %5, %6, %7}], [%2], %3;\n"
+      :: "r"(smem_u32(smem_dst)), "l"(reinterpret_cast<uint64_t>(map)), "r"(smem_u32(bar)), "h"(cta_mask),
+         "r"(c0), "r"(c1), "r"(c2), "r"(c3)
+      : "memory");
+}
+
+// cp.async.bulk.tensor.5d.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster:
+// the box lands at the same smem offset, and completes on the barrier at the same offset, in every
+// CTA of the cluster whose rank's bit is set in `cta_mask`
+WSP_DEVICE void tma_load_5d_multicast(void* smem_dst, const CUtensorMap* map, uint64_t* bar, uint16_t cta_mask, int c0, int c1, int c2, int c3, int c4) {
+  asm volatile(
+      "cp.async.bulk.tensor.5d.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster"
+      " [%0], [%1, {%4, %5, %6, %7, %8}], [%2], %3;\n"
+      :: "r"(smem_u32(smem_dst)), "l"(reinterpret_cast<uint64_t>(map)), "r"(smem_u32(bar)), "h"(cta_mask),
+         "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(c4)
+      : "memory");
+}
+
 // cp.async.bulk.tensor.1d.global.shared::cta.bulk_group
 WSP_DEVICE void tma_store_1d(const CUtensorMap* map, const void* smem_src, int c0) {
   asm volatile(

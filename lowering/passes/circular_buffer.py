@@ -61,7 +61,8 @@ def run(kernel: ir.Kernel, ctx: LoweringContext) -> ir.Kernel:
         return replace(loop, body=counter + loop.body)
 
     def add_tile_iter(loop: ir.For):
-        local = ir.Let("tile_iter", ir.div(ir.sub(TILE_VAR, "cta_id"), "num_ctas"))
+        # the how-manieth tile of this CTA (of its cluster, when a cluster walks the tiles together)
+        local = ir.Let("tile_iter", ir.div(ir.sub(TILE_VAR, loop.start), loop.step))
         advance = () if uniform else (ir.Assign(K_BASE, ir.add(K_BASE, k_stop)),)
         tile_loop = replace(loop, body=(local,) + loop.body + advance)
         return tile_loop if uniform else (ir.Let(K_BASE, ir.IntConst(0), mutable=True), tile_loop)

@@ -1,7 +1,7 @@
 """insert_barriers: the full/empty mbarrier protocol of every channel.
 
     setup     mbarrier.init <full> arrivals(1); mbarrier.init <empty> arrivals(consumers); ...
-              fence.mbarrier_init; syncthreads
+              fence.mbarrier_init; syncthreads (cluster.sync in a kernel with a cluster)
     producer  producer_acquire: mbarrier.wait empty[s] phase(ph ^ 1)   (the first pass is free)
               producer_commit:  mbarrier.arrive_expect_tx full[s] bytes(<stage bytes>), then loads
     consumer  consumer_wait:    mbarrier.wait full[s] phase(ph)   before the first reader
@@ -157,6 +157,7 @@ def run(kernel: ir.Kernel, ctx: LoweringContext) -> ir.Kernel:
     init: list[ir.Stmt] = []
     for c in ctx.channels():
         init += [ir.MbarrierInit(c.full, 1), ir.MbarrierInit(c.empty, nwg)]
-    init += [ir.FenceMbarrierInit(), ir.SyncThreads()]
+    # a cluster's CTAs reach each other's barriers: the inits must be visible to the peers too
+    init += [ir.FenceMbarrierInit(), ir.ClusterSync() if kernel.cluster[0] > 1 else ir.SyncThreads()]
     first_role = next(i for i, x in enumerate(kernel.body) if isinstance(x, ir.Role))
     return replace(kernel, body=kernel.body[:first_role] + tuple(init) + kernel.body[first_role:])

@@ -10,6 +10,13 @@ form):
 * Every CTA of the grid (`kernel.grid` evaluated with `num_sms` and the scalar arguments) runs
   as one coroutine per warpgroup (Python generators). At most `num_sms` CTAs are resident at a
   time; the next one starts when a CTA exits (waves, as on a GPU with one CTA per SM).
+* Clusters (`cluster(n, 1, 1)`): CTAs c*n .. c*n + n - 1 form cluster c, a CTA's rank is
+  `cta_id % n` (the grid must be a multiple of n), and a cluster becomes resident as a whole,
+  once n SMs are free. `cluster.sync` is syncthreads over the running warpgroups of every CTA of
+  the cluster. `mbarrier.arrive b[i] cta(r)` arrives on b[i] of the CTA of rank r;
+  `tma.load ... bar(b[i]) multicast(mask)` writes its box into the same sub-array of every CTA
+  whose rank bit is set and completes its bytes on that CTA's b[i] (each copy lands on its own).
+  A peer's bytes may land before the CTA's own arrive_expect_tx: tx goes below zero until then.
 * Kernel-level statements are executed by every warpgroup for control flow and bindings, but
   their side effects (mbarrier.*, fences, TMA, global/smem stores) happen once per CTA, by its
   first warpgroup ("thread 0"). `syncthreads` is the CTA barrier over the warpgroups still
@@ -21,7 +28,8 @@ form):
   flight is a deadlock.
 * mbarriers count arrivals, transaction bytes and phases like the hardware: a phase completes
   when all arrivals are in and tx is zero; `mbarrier.wait b phase(p)` passes once the phase of
-  parity p has completed (current parity != p).
+  parity p has completed (current parity != p). More bytes than announced, once every arrival
+  of the phase is in, is an error.
 * Named barriers count warps like the hardware: `bar.sync id, n` completes a round once n / 32
   warps have arrived at `id`, whichever warpgroups they belong to (a warpgroup arrives with its
   4 warps). Rounds of one id reached by different warpgroups must be ordered by happens-before
@@ -52,6 +60,15 @@ write and the reads since then:
   so is a warpgroup that rewrites its TMA-store staging tile after `elect_one { tma.wait.read }`
   without the bar.sync that tells its other threads the read has ended.
 
+Between the CTAs of a cluster the same clocks apply (cluster.sync releases and acquires like
+syncthreads): a peer's barrier must be initialised with its init known to the agent that
+arrives on it or multicasts to it (`fence.mbarrier_init` then `cluster.sync`), a multicast is
+race-checked in every CTA it writes into, and its target must still be running. A CTA exits
+knowing of every arrival a peer made on its barriers and every multicast a peer landed in its
+smem (its warpgroups' and elected threads' clocks merged): otherwise a peer may still reach it
+after it exits, so a missing producer tail is reported on every seed, not only when the timing
+shows it.
+
 TMA box <-> smem sub-array: a box whose 2-D [rows, cols] shape (leading extent-1 dims dropped)
 equals the tile a sub-array holds (`ir.tile_shape_of_subarray`) is written as that tile (column
 chunks for a (chunks, R, W) sub-array); any other box of the same volume is written in memory
@@ -75,9 +92,10 @@ Layout: this package's entry is `simulate`; `errors` holds the error classes, `r
 `lowering/evaluate.py`, the IR's one definition of its arithmetic); `state` holds the run-time
 state (coroutines, mbarriers, smem cells, TMA operations, register tiles); `machine` is the
 scheduler, assembled from one mixin per concern: `prepare` (arguments, statements compiled to
-nodes), `sync` (mbarriers, named barriers, syncthreads), `async_proxy` (smem race checks, TMA,
-wgmma), `tiles` (register tile ops) and `global_sync` (global memory between CTAs: tile stores
-and loads, GPU fences, atomics, `ld.shared`, `ld.global`). `trace` is the timeline's vocabulary (which statements are
+nodes), `sync` (mbarriers, a peer's barriers, named barriers, syncthreads, cluster.sync),
+`async_proxy` (smem race checks, TMA and its multicast, wgmma), `tiles` (register tile ops) and
+`global_sync` (global memory between CTAs: tile stores and loads, GPU fences, atomics,
+`ld.shared`, `ld.global`). `trace` is the timeline's vocabulary (which statements are
 stamped, the events, the builder the GPU trace shares) and `traced_machine` the machine that
 stamps them.
 """

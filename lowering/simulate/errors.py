@@ -27,6 +27,11 @@ class SimulatorInternalError(AssertionError):
     not a message for the kernel's author."""
 
 
+# Why a CTA of a cluster must know, before it exits, of what its peers do to it.
+PRODUCER_TAIL = ("a peer may still arrive on or multicast into a CTA's smem after it exits; wait for those phases "
+                 "before exiting (the producer's tail)")
+
+
 def check_verified(condition: bool, rule: str) -> None:
     """An internal assert: `rule` is a structural rule the verifier already checked."""
     if not condition:

@@ -1,8 +1,9 @@
-"""The simulator's machine: CTAs launched in waves of `num_sms`, one coroutine (generator) per
-warpgroup, the seeded scheduler that steps coroutines and asynchronous operations, deadlock and
-livelock reports, statement execution and the control-flow handlers. The handlers of the other
-statements come from one mixin per concern (`prepare`, `sync`, `async_proxy`, `tiles`); a node's
-handler is the method `_h_<Stmt class name>`."""
+"""The simulator's machine: CTAs launched in waves of `num_sms` (the CTAs of a cluster together),
+one coroutine (generator) per warpgroup, the seeded scheduler that steps coroutines and
+asynchronous operations, deadlock and livelock reports, CTA exit (with its checks), statement
+execution and the control-flow handlers. The handlers of the other statements come from one
+mixin per concern (`prepare`, `sync`, `async_proxy`, `tiles`); a node's handler is the method
+`_h_<Stmt class name>` (`prepare` picks another for a statement on a peer CTA)."""
 
 from __future__ import annotations
 
@@ -19,11 +20,12 @@ from .. import ir
 from ..evaluate import INT_MAX, ExprError, Undefined, compile_expr
 from ..printer import expr_text
 from .async_proxy import AsyncHandlers
-from .errors import DeadlockError, ProtocolError, SimulationError, SimulatorInternalError, check_verified
+from .errors import (PRODUCER_TAIL, DeadlockError, ProtocolError, SimulationError, SimulatorInternalError,
+                     check_verified)
 from .global_sync import GlobalSyncHandlers
 from .prepare import KernelPreparation
 from .report import SimReport
-from .state import Cell, Co, Cta, Node
+from .state import Cell, Cluster, Co, Cta, Node, TmaLoadOp
 from .sync import BarrierHandlers
 from .tiles import TileHandlers
 
@@ -60,6 +62,18 @@ class Machine(KernelPreparation, BarrierHandlers, AsyncHandlers, TileHandlers, G
             raise SimulationError(f"grid {expr_text(kernel.grid)} = {grid!r}: need a positive integer")
         self.grid = grid
         self.report.num_ctas = grid
+        # The verifier keeps a cluster along x (cluster[1:] == (1, 1)) and at most the portable size.
+        n = self.cluster_size = kernel.cluster[0]
+        check_verified(tuple(kernel.cluster[1:]) == (1, 1) and n >= 1, "a cluster is n consecutive CTAs along x")
+        if grid % n:
+            shown = expr_text(kernel.grid)
+            shown = shown if shown == str(grid) else f"{shown} = {grid}"
+            raise SimulationError(f"grid {shown} is not a multiple of the cluster "
+                                  f"cluster({n}, 1, 1): a cluster is {n} consecutive CTAs, so the grid must be "
+                                  f"a whole number of clusters")
+        if num_sms < n:
+            raise SimulationError(f"num_sms = {num_sms} is less than the cluster cluster({n}, 1, 1): a cluster's "
+                                  f"{n} CTAs are resident at once, one per SM")
         self.warpgroups = kernel.threads // WARPGROUP_THREADS
         self.role_start: dict[int, int] = {}
         start = 0
@@ -73,9 +87,22 @@ class Machine(KernelPreparation, BarrierHandlers, AsyncHandlers, TileHandlers, G
         self.body = self._compile_body()
 
     # -- CTAs and the scheduler --------------------------------------------------------------
-    def _launch(self, cta_id: int) -> Cta:
+    def _launch_ready(self) -> None:
+        """Make the waiting clusters resident while each finds a free SM for every CTA of it."""
+        waiting, resident, n = self.waiting, self.resident, self.cluster_size
+        while waiting and len(resident) + n <= self.num_sms:
+            cluster = Cluster()
+            for rank in range(n):
+                cta = self._launch(waiting.popleft(), cluster, rank)
+                cluster.ctas.append(cta)
+                cluster.live += cta.live
+                resident.append(cta)
+
+    def _launch(self, cta_id: int, cluster: Cluster, rank: int) -> Cta:
         cta = Cta()
         cta.cta_id = cta_id
+        cta.cluster, cta.rank, cta.exited = cluster, rank, False
+        cta.peer_arrivals, cta.peer_loads = {}, {}
         cta.smem, cta.cells = {}, {}
         for d in self.kernel.smem:
             tdt = TORCH_DTYPES[d.dtype]
@@ -102,11 +129,9 @@ class Machine(KernelPreparation, BarrierHandlers, AsyncHandlers, TileHandlers, G
         return cta
 
     def run(self) -> SimReport:
-        waiting = deque(range(self.grid))
+        self.waiting = deque(range(self.grid))
         self.resident: list[Cta] = []
-        while waiting and len(self.resident) < self.num_sms:
-            self.resident.append(self._launch(waiting.popleft()))
-        self.waiting = waiting
+        self._launch_ready()
         runnable, async_ops = self.runnable, self.async_ops
         rand = self.rng.random
         steps, max_steps = 0, self.max_steps
@@ -177,9 +202,15 @@ class Machine(KernelPreparation, BarrierHandlers, AsyncHandlers, TileHandlers, G
         cta.live -= 1
         gen = cta.sync_gen
         if gen is not None and gen.count and gen.count >= cta.live:
-            self._release_syncthreads(cta)
+            self._release_round(cta)
+        cluster = cta.cluster
+        cluster.live -= 1
+        gen = cluster.sync_gen
+        if gen is not None and gen.count and gen.count >= cluster.live:
+            self._release_round(cluster)
         if cta.live == 0:
             if cta.loads_inflight:
+                self._check_no_peer_load_inflight(cta)
                 raise ProtocolError(f"CTA {cta.cta_id} exited with {cta.loads_inflight} TMA load(s) still in "
                                     f"flight into its shared memory")
             for bid, gen in sorted(cta.named.items()):
@@ -187,9 +218,42 @@ class Machine(KernelPreparation, BarrierHandlers, AsyncHandlers, TileHandlers, G
                                     f"{gen.count} of its {gen.threads} threads arrived (first {gen.arrivals[0][2]}) "
                                     f"and nobody completes it; every bar.arrive needs its bar.sync (a token handed "
                                     f"between warpgroups is taken back before the end)")
+            if cta.peer_arrivals or cta.peer_loads:
+                self._check_peers_known(cta)
+            cta.exited = True
             self.resident.remove(cta)
             if self.waiting:
-                self.resident.append(self._launch(self.waiting.popleft()))
+                self._launch_ready()
+
+    def _check_no_peer_load_inflight(self, cta: Cta) -> None:
+        """A peer's multicast still in flight into `cta` as it exits: the exit check's message."""
+        for op in self.async_ops:
+            if isinstance(op, TmaLoadOp) and op.cta is cta and op.ctx.cta_id != cta.cta_id:
+                label = cta.peer_loads[op.bar][2]
+                raise ProtocolError(f"CTA {cta.cta_id} exits before it knows of the multicast into its smem {label} "
+                                    f"by {op.ctx}, which is still in flight: {PRODUCER_TAIL}")
+
+    @staticmethod
+    def _check_peers_known(cta: Cta) -> None:
+        """A CTA of a cluster exits knowing (happens-before, over what all its warpgroups and
+        elected threads know) every arrival a peer made on its barriers and every multicast a
+        peer landed in its smem: otherwise a peer may still be arriving on or writing into it
+        after it exits, which a lucky timing hides."""
+        known: dict = {}
+        for co in cta.cos:
+            for agent in (co, co.lane):
+                for key, value in agent.vc.items():
+                    if known.get(key, 0) < value:
+                        known[key] = value
+        for agent, (epoch, ctx, label) in cta.peer_arrivals.items():
+            if known.get(agent, 0) < epoch:
+                raise ProtocolError(f"CTA {cta.cta_id} exits before it knows of the arrival on its barrier {label} "
+                                    f"by {ctx}: {PRODUCER_TAIL}")
+        for bar, (phase, ctx, label) in cta.peer_loads.items():
+            if known.get(bar, 0) <= phase:
+                raise ProtocolError(f"CTA {cta.cta_id} exits before it knows of the multicast into its smem {label} "
+                                    f"by {ctx} (it completes phase {phase} of its barrier {bar.label}, which no "
+                                    f"warpgroup of CTA {cta.cta_id} waited for): {PRODUCER_TAIL}")
 
     def _check_no_pending_wgmma(self, co: Co, how: str) -> None:
         if co.wg_open or co.wg_groups:

@@ -141,8 +141,8 @@ class KernelPreparation:
         check_verified(handler is not None, "every statement is an ir.Stmt")
         check_verified(not (in_elect and isinstance(s, ir.WARPGROUP_COLLECTIVE)),
                        "a warpgroup-collective statement is outside elect_one")
-        check_verified(not (in_role and isinstance(s, (ir.SyncThreads, ir.Role))),
-                       "syncthreads and roles are outside roles")
+        check_verified(not (in_role and isinstance(s, (ir.SyncThreads, ir.ClusterSync, ir.Role))),
+                       "syncthreads and roles are outside roles (and so is cluster.sync)")
         node.fn = handler
         node.leader_only = not in_role and isinstance(s, _LEADER_ONLY)
         c = compile_expr
@@ -164,11 +164,17 @@ class KernelPreparation:
         elif isinstance(s, (ir.MbarrierArrive, ir.MbarrierArriveExpectTx, ir.MbarrierWait)):
             extra = s.bytes if isinstance(s, ir.MbarrierArriveExpectTx) else getattr(s, "phase", None)
             node.ex = (c(s.bar.index), c(extra) if extra is not None else None)
+            if isinstance(s, ir.MbarrierArrive) and s.cta is not None:   # on a CTA of the cluster
+                node.ex += (c(s.cta),)
+                node.fn = self._h_remote_arrive
         elif isinstance(s, (ir.NamedBarrierSync, ir.NamedBarrierArrive)):
             node.ex = c(s.id)
         elif isinstance(s, ir.TmaLoad):
             node.ex = (tuple(c(e) for e in s.dst.index), tuple(c(e) for e in s.coords), c(s.bar.index),
                        None if s.row is None else c(s.row))
+            if s.multicast is not None:   # into the CTAs of the cluster the mask names
+                node.ex += (c(s.multicast),)
+                node.fn = self._h_tma_multicast
             self._note_ref(s.dst)
             if s.row is not None:
                 self._note_row_load(s)

@@ -334,8 +334,25 @@ class Co(Agent):
 
 
 class Cta:
+    """One resident CTA. `cluster` is its cluster and `rank` its place there (`cta_id % n`);
+    `peer_arrivals` (agent of a peer CTA -> (its epoch at its latest arrival here, Ctx, barrier
+    label)) and `peer_loads` (barrier here -> (phase, Ctx, smem label) of the latest multicast a
+    peer issued into this CTA's smem) are what this CTA must know of before it exits."""
+
     __slots__ = ("cta_id", "smem", "cells", "bars", "named", "named_last", "sync_gen", "live", "cos",
-                 "loads_inflight")
+                 "loads_inflight", "cluster", "rank", "exited", "peer_arrivals", "peer_loads")
+
+
+class Cluster:
+    """The CTAs of one cluster (`kernel.cluster`: n consecutive CTAs, resident together), the
+    warpgroups of them still running (`live`) and the open round of `cluster.sync`."""
+
+    __slots__ = ("ctas", "live", "sync_gen")
+
+    def __init__(self):
+        self.ctas = []
+        self.live = 0
+        self.sync_gen = None
 
 
 # ---------------------------------------------------------------------------------------------

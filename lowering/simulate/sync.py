@@ -1,8 +1,9 @@
 """The simulator's synchronisation handlers (mixed into `machine.Machine`): mbarrier
-init / inval / arrive / arrive_expect_tx / wait with phases and tx-counts, the mbarrier and
-proxy fences, named barriers (bar.sync / bar.arrive, counted in warps) and syncthreads. Every
-release publishes the agent's vector clock and every passing wait acquires it, for the race
-checks; a barrier of the whole warpgroup also carries what its elected thread knows."""
+init / inval / arrive / arrive_expect_tx / wait with phases and tx-counts, arrivals on a peer
+CTA's barriers (`cta(r)`), the mbarrier and proxy fences, named barriers (bar.sync / bar.arrive,
+counted in warps), syncthreads and cluster.sync. Every release publishes the agent's vector
+clock and every passing wait acquires it, for the race checks; a barrier of the whole warpgroup
+also carries what its elected thread knows."""
 
 from __future__ import annotations
 
@@ -10,8 +11,8 @@ from wsched.target import (MBARRIER_MAX_ARRIVALS, MBARRIER_MAX_TX_BYTES, NAMED_B
                            WARPGROUP_THREADS)
 
 from ..spelling import keyword
-from .errors import ProtocolError, check_verified
-from .state import BarrierGeneration, Co, Cta, Ctx, MBarrier, Node
+from .errors import PRODUCER_TAIL, ProtocolError, check_verified
+from .state import BarrierGeneration, Cluster, Co, Cta, Ctx, MBarrier, Node
 from .text import loops_text
 
 
@@ -58,8 +59,13 @@ class BarrierHandlers:
     def _arrive(self, co: Co, bar: MBarrier) -> None:
         co.agent().release(bar.arrive_know)
         bar.pending -= 1
-        if bar.pending <= 0 and bar.tx == 0:
-            self._complete_phase(bar)
+        if bar.pending <= 0:
+            if bar.tx == 0:
+                self._complete_phase(bar)
+            elif bar.tx < 0:   # a peer's bytes may land before the expect_tx, not past the last arrival
+                raise ProtocolError(f"expect_tx mismatch on {bar.label} (CTA {bar.cta_id}): expected {bar.expected} "
+                                    f"bytes, TMA delivered {bar.expected - bar.tx} (more bytes landed than the "
+                                    f"phase's mbarrier.arrive_expect_tx announced): {co.where()}")
 
     def _complete_phase(self, bar: MBarrier) -> None:
         while bar.pending <= 0 and bar.tx == 0:
@@ -83,6 +89,51 @@ class BarrierHandlers:
 
     def _h_MbarrierArrive(self, co, node):
         self._arrive(co, self._barrier(co, node, node.stmt.bar.barrier, node.ex[0](co.env)))
+
+    # clusters: a peer's barriers (`mbarrier.arrive ... cta(r)`, `tma.load ... multicast(mask)`)
+    def _peer_rank(self, co: Co, node: Node, value) -> Cta:
+        """The CTA of rank `value` in `co`'s cluster."""
+        n = self.cluster_size
+        rank = self._int(co, node, value, "cta rank")
+        if not 0 <= rank < n:
+            raise ProtocolError(f"cta({rank}): the rank of a CTA in a cluster of {n} is in [0, {n - 1}]: "
+                                f"{co.where(node)}")
+        return co.cta.cluster.ctas[rank]
+
+    def _peer_barrier(self, co: Co, node: Node, name: str, index, target: Cta, smem: str | None = None) -> MBarrier:
+        """Barrier `name[index]` of the CTA `target` of `co`'s cluster (its own CTA included) for an
+        arrival (or a multicast into `smem`): initialised, its init known to the agent (a peer
+        learns it by cluster.sync), and the CTA still running."""
+        if target is co.cta:
+            return self._barrier(co, node, name, index)
+        index = self._int(co, node, index, "barrier index")
+        if target.exited:   # the exit check's message (`Machine._check_peers_known`), for what comes after
+            what = (f"the arrival on its barrier {name}[{index}]" if smem is None
+                    else f"the multicast into its smem {smem}")
+            raise ProtocolError(f"CTA {target.cta_id} exits before it knows of {what} by {co.where(node)}, which "
+                                f"comes after CTA {target.cta_id} (rank {target.rank} of the cluster) exited: "
+                                f"{PRODUCER_TAIL}")
+        slots = target.bars.get(name)
+        check_verified(slots is not None, "a barrier reference names a declared barrier")
+        if not 0 <= index < len(slots):
+            raise ProtocolError(f"barrier index {name}[{index}] out of range (barrier {name}[{len(slots)}]): "
+                                f"{co.where(node)}")
+        bar = slots[index]
+        if bar is None or co.agent().vc.get(bar.init_co, 0) < bar.init_epoch:
+            raise ProtocolError(f"mbarrier {name}[{index}] of CTA {target.cta_id} used before its mbarrier.init is "
+                                f"visible to this warpgroup of CTA {co.cta.cta_id} (missing cluster.sync after "
+                                f"fence.mbarrier_init?): {co.where(node)}")
+        return bar
+
+    def _h_remote_arrive(self, co, node):
+        """`mbarrier.arrive b[i] cta(r)`: the arrival lands on b[i] of the CTA of rank r."""
+        env = co.env
+        target = self._peer_rank(co, node, node.ex[2](env))
+        bar = self._peer_barrier(co, node, node.stmt.bar.barrier, node.ex[0](env), target)
+        if target is not co.cta:
+            agent = co.agent()
+            target.peer_arrivals[agent] = (agent.vc[agent], Ctx(co, node), bar.label)
+        self._arrive(co, bar)
 
     def _h_MbarrierArriveExpectTx(self, co, node):
         bar = self._barrier(co, node, node.stmt.bar.barrier, node.ex[0](co.env))
@@ -219,20 +270,34 @@ class BarrierHandlers:
 
     def _h_SyncThreads(self, co, node):
         cta = co.cta
-        gen = cta.sync_gen
+        return self._barrier_round(co, node, cta, lambda gen: (
+            f"syncthreads — {gen.count} of {cta.live} running warpgroups arrived"))
+
+    def _h_ClusterSync(self, co, node):
+        """`cluster.sync`: syncthreads over the running warpgroups of every CTA of the cluster."""
+        cluster = co.cta.cluster
+        ids = [cta.cta_id for cta in cluster.ctas]
+        return self._barrier_round(co, node, cluster, lambda gen: (
+            f"cluster.sync — {gen.count} of {cluster.live} running warpgroups of the cluster (CTAs "
+            f"{ids[0]} .. {ids[-1]}) arrived"))
+
+    def _barrier_round(self, co, node, holder: "Cta | Cluster", describe):
+        """A round of syncthreads (holder: the CTA) or cluster.sync (the cluster) over the holder's
+        `live` running warpgroups: each releases its clock into the round, the last one completes
+        it, every one acquires all of them."""
+        gen = holder.sync_gen
         if gen is None:
-            gen = cta.sync_gen = BarrierGeneration(None)
+            gen = holder.sync_gen = BarrierGeneration(None)
         co.release_all(gen.know)
         gen.count += 1
-        if gen.count >= cta.live:
-            self._release_syncthreads(cta)
+        if gen.count >= holder.live:
+            self._release_round(holder)
             co.acquire_all(gen.know)
             return None
-        return self._wait_generation(co, gen, lambda: (
-            f"syncthreads — {gen.count} of {cta.live} running warpgroups arrived"), node.line)
+        return self._wait_generation(co, gen, lambda: describe(gen), node.line)
 
-    def _release_syncthreads(self, cta: Cta) -> None:
-        gen = cta.sync_gen
+    def _release_round(self, holder: "Cta | Cluster") -> None:
+        gen = holder.sync_gen
         gen.done = True
-        cta.sync_gen = None
+        holder.sync_gen = None
         self.wake(gen.waiters)

@@ -7,7 +7,8 @@ without touching the untraced machine's loop. The draws, and so the interleaving
 with and without tracing (same seed, same run). Only statements inside roles are stamped; a
 span opens when its statement first runs and closes when the warpgroup moves past it (a wait
 that passes at once is a span of length 0). A TMA load is a span from its issue to the step it
-lands."""
+lands (a multicast: one span per CTA it writes into, on the issuer's row, labelled with the
+peer's CTA)."""
 
 from __future__ import annotations
 
@@ -85,9 +86,12 @@ class TracingMachine(Machine):
             cta, role, wg, args = self._where(co, node)
             v = value(co.env) if value is not None else None
             if sites[0].category == TMA_LOAD:    # a span from issue to landing, closed by land_tma_load
+                issued = len(self.async_ops)
                 result = handler(co, node)
-                op = self.async_ops[-1]
-                self._loads[op] = (cta, role, wg, sites[0].label.format(v), self.clock, args)
+                label = sites[0].label.format(v)
+                for op in self.async_ops[issued:]:   # one per CTA a multicast writes into
+                    into = label if op.cta is co.cta else f"{label} (CTA {op.cta.cta_id})"
+                    self._loads[op] = (cta, role, wg, into, self.clock, args)
                 return result
             if sites[0].edge != BEGIN:
                 stamp(cta, role, wg, sites[0], v, self.clock, args)

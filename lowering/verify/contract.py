@@ -141,14 +141,23 @@ class ContractCheck:
                                  f"must be the destination's stage, {s.bar.barrier}[{expr_text(s.dst.index[0])}]")
 
     def _load_bytes(self, s: ir.TmaLoad) -> "int | None":
+        """The bytes a load delivers to each CTA that receives it. A multicast load is counted once
+        per CTA in its mask: every CTA of the cluster issues its share of the operand to all of
+        them (the simulator checks the bytes that really land)."""
         try:
             p = self.k.param(s.tensor)
             decl = self.k.smem_decl(s.dst.buffer)
         except KeyError:
             return None
+        copies = 1
+        if s.multicast is not None:
+            mask = constant(s.multicast)
+            if not isinstance(mask, int):
+                return None
+            copies = bin(mask).count("1")
         if isinstance(p, ir.TensorMapParam) and p.dtype in ir.DTYPE_BYTES:
-            return volume(p.box) * ir.DTYPE_BYTES[p.dtype]
-        return volume(ir.smem_subshape(decl, s.dst)) * ir.DTYPE_BYTES.get(decl.dtype, 0)
+            return copies * volume(p.box) * ir.DTYPE_BYTES[p.dtype]
+        return copies * volume(ir.smem_subshape(decl, s.dst)) * ir.DTYPE_BYTES.get(decl.dtype, 0)
 
     def _expect_tx_bytes(self, s: ir.MbarrierArriveExpectTx, path, loads) -> None:
         announced = constant(subst(s.bytes, _lets_before(self.k, path)))

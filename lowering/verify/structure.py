@@ -15,10 +15,11 @@ These checks need no barriers or pipeline, so they also run on partially lowered
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from wsched.target import (
-    MBARRIER_MAX_ARRIVALS, NAMED_BARRIERS, SETMAXNREG_MAX, SETMAXNREG_MIN, SETMAXNREG_STEP,
+    MAX_PORTABLE_CLUSTER, MBARRIER_MAX_ARRIVALS, NAMED_BARRIERS, SETMAXNREG_MAX, SETMAXNREG_MIN, SETMAXNREG_STEP,
     TMA_SWIZZLES, WARP_THREADS, WARPGROUP_THREADS,
 )
 
@@ -89,6 +90,8 @@ class StructureCheck(TileChecks, GlobalSyncChecks, RoleChecks):
         self.unfenced_init = False                # an init not yet followed by fence + syncthreads
         self.fenced = False                       # fence.mbarrier_init seen, syncthreads pending
         self.visibility_reported = False
+        self.remote = False                       # a peer's barrier or smem is reached (cta(), multicast)
+        self.cluster_synced = False               # fence.mbarrier_init followed by cluster.sync
         self.role_lines: dict[str, int] = {}       # role name -> IR line of its first declaration
         self.views: set[str] = set()               # register tiles declared by tile.view
         self.declarations = self._index_declarations()
@@ -114,6 +117,10 @@ class StructureCheck(TileChecks, GlobalSyncChecks, RoleChecks):
         scope = self._globals()
         self._launch(scope)
         self._block(self.k.body, (), scope, _Ctx(None))
+        if self.remote and self.inits and not self.cluster_synced:
+            self.r.header("CTAs of the cluster arrive on each other's barriers or multicast into each "
+                          "other's smem, but nothing makes a CTA's barrier inits visible to its peers: "
+                          "after the last mbarrier.init put `fence.mbarrier_init` and then `cluster.sync`")
         if not self._budgets():
             return                  # the per-role checks walk every warpgroup: not past the limits
         every = sites(self.k)
@@ -206,6 +213,31 @@ class StructureCheck(TileChecks, GlobalSyncChecks, RoleChecks):
         self._host_expr(self.k.grid, scalars, lambda m: self.r.header(m, "grid"), "the grid")
         if len(self.k.cluster) != 3 or any(c < 1 for c in self.k.cluster):
             self.r.header(f"cluster{tuple(self.k.cluster)}: give three extents, each >= 1")
+        elif self.k.cluster[1:] != (1, 1):
+            self.r.header(f"cluster{tuple(self.k.cluster)}: the grid is one-dimensional, so a cluster is "
+                          f"consecutive CTAs along x; use cluster({math.prod(self.k.cluster)}, 1, 1)")
+        elif self.k.cluster[0] > MAX_PORTABLE_CLUSTER:
+            self.r.header(f"cluster{tuple(self.k.cluster)}: at most {MAX_PORTABLE_CLUSTER} CTAs in a cluster "
+                          f"(the portable size)")
+
+    def _cluster_operand(self, e, what: str, path, scope, ctx) -> None:
+        """A peer rank (`cta(r)`) or a multicast mask: only in a kernel with a cluster of more than
+        one CTA, and in range where it is a constant."""
+        self._expr(e, path, scope, ctx)
+        size = self.k.cluster[0] if len(self.k.cluster) == 3 else 1
+        clause = what.split("(")[0]
+        if size <= 1:
+            self.r.at(path, f"{what} in a kernel without a cluster (cluster{tuple(self.k.cluster)}); give the "
+                            f"kernel cluster(n, 1, 1) with n >= 2, or drop {clause}")
+            return
+        self.remote = True
+        if not isinstance(e, ir.IntConst):
+            return
+        if clause == "multicast" and not 1 <= e.value < 2 ** size:
+            self.r.at(path, f"{what}: the mask has one bit per CTA rank; with {size} CTAs in the cluster it "
+                            f"is in [1, {2 ** size - 1}]")
+        elif clause == "cta" and not 0 <= e.value < size:
+            self.r.at(path, f"{what}: the rank of a CTA in a cluster of {size} is in [0, {size - 1}]")
 
     # -- statements -----------------------------------------------------------------------------
 
@@ -409,6 +441,8 @@ class StructureCheck(TileChecks, GlobalSyncChecks, RoleChecks):
 
     def _MbarrierArrive(self, s: ir.MbarrierArrive, path, scope, ctx):
         self._bar(s.bar, path, scope, ctx)
+        if s.cta is not None:
+            self._cluster_operand(s.cta, f"cta({expr_text(s.cta)})", path, scope, ctx)
 
     def _MbarrierArriveExpectTx(self, s: ir.MbarrierArriveExpectTx, path, scope, ctx):
         self._bar(s.bar, path, scope, ctx)
@@ -434,6 +468,14 @@ class StructureCheck(TileChecks, GlobalSyncChecks, RoleChecks):
             self.r.at(path, f"syncthreads inside role {ctx.role.name} waits for the threads of every "
                             f"role (deadlock); synchronise the participating warpgroups with a named "
                             f"barrier `bar.sync id, threads` with id >= 1")
+        self.fenced = False
+
+    def _ClusterSync(self, s, path, scope, ctx):
+        if ctx.role is not None:
+            self.r.at(path, f"cluster.sync inside role {ctx.role.name} waits for the threads of every role "
+                            f"of every CTA of the cluster (deadlock); put it at kernel level")
+        if self.fenced:
+            self.cluster_synced = True
         self.fenced = False
 
     def _named_barrier(self, s, path, scope, ctx):

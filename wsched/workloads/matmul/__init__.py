@@ -67,10 +67,12 @@ class MatmulWorkload(Workload):
 
         A variant this fusion cannot take (its staged outputs do not fit beside two stages) is
         left out. A batched matmul has none: its rules count one batch's tiles, and split-K
-        takes 2-D matmuls only."""
+        takes 2-D matmuls only; nor has a schedule that asks for a cluster (the variants have
+        none)."""
         from wsched.dispatch import Variant
 
-        if schedule.tile != (128, 256, 64) or schedule.split_k != 1 or _batched(fusion):
+        if (schedule.tile != (128, 256, 64) or schedule.split_k != 1 or schedule.cluster != (1, 1, 1)
+                or _batched(fusion)):
             return ()
         found = []
         better = lambda v, tile: saves_waves(v["M"], v["N"], v["num_sms"], tile, schedule.tile)  # noqa: E731

@@ -36,6 +36,8 @@ the next batch.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from wsched.lowering import ir
 from wsched.lowering.context import LoweringContext
 from wsched.names import ACC, CONSUMER, K_VAR, PARTIALS, PRODUCER, SPLITS, TICKETS, TILE_VAR
@@ -92,12 +94,14 @@ def build_loops(kernel: None, ctx: LoweringContext) -> ir.Kernel:
         b_buf = ir.SmemDecl("B", b_load.dtype, (1, b_load.boxes, bk, b_load.box[1]), 0)
     barriers = (ir.BarrierDecl(ch.full, 1), ir.BarrierDecl(ch.empty, 1))
 
-    tiles = (ir.Let("num_tiles", ir.mul("tiles_m", "tiles_n")),) if not mm.batch else (
-        ir.Let("batch_tiles", ir.mul("tiles_m", "tiles_n")),
+    ext_m, ext_n = raster_extents(s)
+    tiles = (ir.Let("num_tiles", ir.mul(ext_m, ext_n)),) if not mm.batch else (
+        ir.Let("batch_tiles", ir.mul(ext_m, ext_n)),
         ir.Let("num_tiles", ir.mul("batch_tiles", batch_count(mm.batch))))
     setup = (
         ir.Let("tiles_m", ir.ceil_div("M", bm)),
         ir.Let("tiles_n", ir.ceil_div("N", bn)),
+        *cluster_lets(s),
         *tiles,
         ir.Let("k_tiles", ir.ceil_div("K", bk)),
     ) + ((ir.Let("num_units", ir.mul("num_tiles", SPLITS)),) if split else ())
@@ -112,6 +116,8 @@ def build_loops(kernel: None, ctx: LoweringContext) -> ir.Kernel:
         for j in range(b_load.boxes):
             col = V("n0") if j == 0 else ir.add("n0", j * width)
             loads.append(ir.TmaLoad(ir.SmemRef("B", (C(0), C(j))), b_load.tensor, b_at + (k0, col), full0))
+    if s.cluster_size > 1:
+        loads, params = multicast_loads(s, loads, params)
 
     producer = ir.Role(PRODUCER, 1, s.producer_registers, (
         tile_loop(ctx, (k_loop(tuple(loads), split),)),
@@ -123,12 +129,69 @@ def build_loops(kernel: None, ctx: LoweringContext) -> ir.Kernel:
         tile_loop(ctx, tuple(ir.TileFill(accumulator(h), ir.FloatConst(0.0)) for h in range(blocks))
                   + (k_loop(mmas, split),)),
     ))
-    units = ir.mul(ir.ceil_div("M", bm), ir.ceil_div("N", bn))
+    cm, cn, _ = s.cluster
+    units = ir.mul(_ceil_div_by(ir.ceil_div("M", bm), cm), _ceil_div_by(ir.ceil_div("N", bn), cn))
     if mm.batch:
         units = ir.mul(units, batch_count(mm.batch))
-    grid = ir.emin("num_sms", ir.mul(units, SPLITS) if split else units)
-    return ir.Kernel(ctx.name, tuple(params), grid, (1, 1, 1), (a_buf, b_buf), barriers,
+    if s.cluster_size > 1:   # whole clusters of CTAs, each taking whole clusters of tiles
+        grid = ir.mul(ir.emin(ir.div("num_sms", s.cluster_size), units), s.cluster_size)
+    else:
+        grid = ir.emin("num_sms", ir.mul(units, SPLITS) if split else units)
+    return ir.Kernel(ctx.name, tuple(params), grid, (s.cluster_size, 1, 1), (a_buf, b_buf), barriers,
                      setup + (producer, consumer))
+
+
+def _ceil_div_by(e: ir.Expr, n: int) -> ir.Expr:
+    return e if n == 1 else ir.ceil_div(e, n)
+
+
+def raster_extents(s) -> tuple[str, str]:
+    """The tile grid the raster walks: output tiles, or with a cluster, groups of `cm` (`cn`)
+    consecutive tiles along M (N) that the cluster's CTAs take together."""
+    cm, cn, _ = s.cluster
+    return ("cluster_tiles_m" if cm > 1 else "tiles_m"), ("cluster_tiles_n" if cn > 1 else "tiles_n")
+
+
+def cluster_lets(s) -> tuple[ir.Stmt, ...]:
+    """A cluster's rank, index and count, and its tile grid (`raster_extents`)."""
+    n = s.cluster_size
+    if n == 1:
+        return ()
+    cm, cn, _ = s.cluster
+    grid = (ir.Let("cluster_tiles_m", ir.ceil_div("tiles_m", cm)),) if cm > 1 else (
+        ir.Let("cluster_tiles_n", ir.ceil_div("tiles_n", cn)),)
+    return (ir.Let("cluster_rank", ir.mod("cta_id", n)), ir.Let("cluster_id", ir.div("cta_id", n)),
+            ir.Let("num_clusters", ir.div("num_ctas", n))) + grid
+
+
+def multicast_loads(s, loads: list[ir.TmaLoad], params: list[ir.Param]) -> tuple[list, list]:
+    """The operand the cluster's CTAs share (B along M, A along N) loaded in pieces: each CTA loads
+    rows [rank x piece, (rank + 1) x piece) of every box of it and multicasts them to the whole
+    cluster; its tensor map's box shrinks to a piece."""
+    n = s.cluster_size
+    shared = "B" if s.cluster[0] > 1 else "A"
+    mask = C((1 << n) - 1)
+    rank = V("cluster_rank")
+    out: list[ir.TmaLoad] = []
+    tensor = None
+    for ld in loads:
+        if ld.dst.buffer != shared:
+            out.append(ld)
+            continue
+        tensor = ld.tensor
+        p = next(p for p in params if p.name == ld.tensor)
+        rows = p.box[-2]
+        piece = rows // n
+        offset = ir.mul(rank, piece)
+        coords = ld.coords[:-2] + (ir.add(ld.coords[-2], offset), ld.coords[-1])
+        dst, row = ld.dst, offset
+        if shared == "A":    # A[s] holds blocks of WGMMA_M rows: a piece lies in one of them
+            block = ir.div(offset, WGMMA_M) if piece < WGMMA_M else rank
+            dst = ir.SmemRef("A", ld.dst.index + (block,))
+            row = ir.mod(offset, WGMMA_M) if piece < WGMMA_M else None
+        out.append(replace(ld, dst=dst, coords=coords, row=row, multicast=mask))
+    params = [replace(p, box=p.box[:-2] + (p.box[-2] // n, p.box[-1])) if p.name == tensor else p for p in params]
+    return out, params
 
 
 def accumulator(h: int) -> str:
@@ -190,6 +253,8 @@ def tile_loop(ctx: LoweringContext, body: tuple[ir.Stmt, ...]) -> ir.For:
     if ctx.schedule.split_k == 1:
         nb = ctx.partition.payload.batch
         lets = raster_lets(ctx, V(TILE_VAR)) if not nb else batch_lets(nb) + raster_lets(ctx, V("batch_tile"))
+        if ctx.schedule.cluster_size > 1:    # the cluster's CTAs take each tile group together
+            return ir.For(TILE_VAR, V("cluster_id"), V("num_tiles"), V("num_clusters"), "persistent", lets + body)
         return ir.For(TILE_VAR, V("cta_id"), V("num_tiles"), V("num_ctas"), "persistent", lets + body)
     unit = (
         ir.Let("split", ir.mod(TILE_VAR, SPLITS)),
@@ -218,13 +283,18 @@ def raster_lets(ctx: LoweringContext, t: ir.Var) -> tuple[ir.Stmt, ...]:
     bm, bn, _ = s.tile
     g = s.swizzle_group
     major, minor = ("m", "n") if s.raster == "row" else ("n", "m")
+    extent = dict(zip("mn", raster_extents(s)))
+    # with a cluster, the raster walks groups of tiles (cluster_tile_m) and the rank picks the tile
+    name = {d: f"cluster_tile_{d}" if extent[d].startswith("cluster") else f"tile_{d}" for d in "mn"}
     lets = (
-        ir.Let("group_size", ir.mul(g, f"tiles_{minor}")),
+        ir.Let("group_size", ir.mul(g, extent[minor])),
         ir.Let("first_" + major, ir.mul(ir.div(t, "group_size"), g)),
-        ir.Let("group_extent", ir.emin(ir.sub(f"tiles_{major}", "first_" + major), g)),
-        ir.Let(f"tile_{major}", ir.add("first_" + major, ir.mod(ir.mod(t, "group_size"), "group_extent"))),
-        ir.Let(f"tile_{minor}", ir.div(ir.mod(t, "group_size"), "group_extent")),
-        ir.Let("m0", ir.mul("tile_m", bm)),
-        ir.Let("n0", ir.mul("tile_n", bn)),
+        ir.Let("group_extent", ir.emin(ir.sub(extent[major], "first_" + major), g)),
+        ir.Let(name[major], ir.add("first_" + major, ir.mod(ir.mod(t, "group_size"), "group_extent"))),
+        ir.Let(name[minor], ir.div(ir.mod(t, "group_size"), "group_extent")),
     )
-    return lets
+    cm, cn, _ = s.cluster
+    for d, c in (("m", cm), ("n", cn)):
+        if c > 1:
+            lets += (ir.Let(f"tile_{d}", ir.add(ir.mul(name[d], c), "cluster_rank")),)
+    return lets + (ir.Let("m0", ir.mul("tile_m", bm)), ir.Let("n0", ir.mul("tile_n", bn)))

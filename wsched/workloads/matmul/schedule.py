@@ -26,6 +26,10 @@ EPILOGUE_COLUMNS = 64     # accumulator columns per epilogue slice
 # 128 registers per thread.
 MAX_ACCUMULATOR = WGMMA_M * 256
 
+# CTAs a cluster may pair along one tile dimension (the shared operand's tile is split into this
+# many pieces, each CTA loading one and multicasting it to all).
+CLUSTER_SIZES = (1, 2, 4)
+
 # The most CTAs one output tile's k range is split across (split-K).
 MAX_SPLIT_K = 16
 
@@ -89,6 +93,8 @@ class MatmulSchedule(Schedule):
     def short(self) -> str:
         return (super().short() + (" pingpong" if self.mode == "pingpong" else "")
                 + (f" split_k={self.split_k}" if self.split_k != 1 else "")
+                + (f" cluster={'x'.join(map(str, self.cluster))}"
+                   if isinstance(self.cluster, tuple) and self.cluster != (1, 1, 1) else "")
                 + (" mma_inflight=0" if self.mma_inflight == 0 and is_int(self.stages) and self.stages >= 2 else ""))
 
     def _workload_problems(self) -> list[str]:
@@ -124,6 +130,30 @@ class MatmulSchedule(Schedule):
         if self.mma_inflight == 1 and self.stages < 2:
             p.append("mma_inflight=1 keeps one stage in use while the next is loaded: stages must "
                      "be at least 2 (or set mma_inflight=0)")
+        return p
+
+
+    def _cluster_problems(self) -> list[str]:
+        """(cm, cn, 1): cm CTAs on consecutive tiles along M share their B tile, or cn along N their A
+        tile; the shared tile is split into cluster-size pieces of whole swizzle atoms (8 rows), an
+        A piece within one warpgroup's 64 rows."""
+        cm, cn, cz = self.cluster
+        if cz != 1 or min(cm, cn) != 1 or cm * cn not in CLUSTER_SIZES:
+            return [f"cluster {self.cluster}: use (n, 1, 1) (CTAs on tiles along M, sharing B) or (1, n, 1) "
+                    f"(along N, sharing A) with n in {CLUSTER_SIZES}"]
+        if cm * cn == 1:
+            return []
+        p: list[str] = []
+        if self.mode != "cooperative":
+            p.append(f"cluster {self.cluster} with mode {self.mode!r}: clusters are built for the cooperative "
+                     f"schedule; use mode='cooperative' or cluster (1, 1, 1)")
+        if is_int(self.split_k) and self.split_k != 1:
+            p.append(f"cluster {self.cluster} with split_k={self.split_k}: a cluster's CTAs walk whole tiles "
+                     f"together; use split_k=1 or cluster (1, 1, 1)")
+        if cn > 1 and (self.bm % cn or self.bm // cn > WGMMA_M or (self.bm // cn) % 8):
+            p.append(f"cluster {self.cluster} with BM={self.bm}: each CTA loads {self.bm}/{cn} rows of the shared "
+                     f"A tile, which must be whole 8-row swizzle atoms within one block of {WGMMA_M} rows; use "
+                     f"a cluster along M or BM <= {WGMMA_M * cn}")
         return p
 
 
@@ -216,7 +246,8 @@ def schedule_space(output_bytes: int = 2, operand_bytes: int = 2,
     """Schedules of the space this workload implements, for a search: BM 128 (2 consumer
     warpgroups) or 64 (1), BN 64..256, both epilogues, either raster, and split-K off or up to
     MAX_SPLIT_K (the host picks the split per call); ping-pong 128 x 128, 64 x 256 and 128 x 64
-    and cooperative 256 x 128, unsplit. With 2 consumers and no split every stage
+    and cooperative 256 x 128, unsplit; clusters of two CTAs (`MatmulSchedule.cluster`) at 128 x 256 and
+    128 x 128. With 2 consumers and no split every stage
     count that fits, with and without a wgmma group in flight; the other families with the
     default's stages (as many as fit, at most 4) and a group in flight, which keeps the space a
     search times small. (`MatmulSchedule` also takes other register budgets, raster
@@ -247,6 +278,15 @@ def schedule_space(output_bytes: int = 2, operand_bytes: int = 2,
                                            raster=raster, output_bytes=output_bytes, operand_bytes=operand_bytes)
                 except ScheduleError:
                     continue
+    # Clusters of two CTAs along M (sharing B) or N (sharing A), 128 x 256 and 128 x 128 tiles: the
+    # default's stages, TMA-store epilogue, row raster.
+    for cluster in ((2, 1, 1), (1, 2, 1)):
+        for bn in (256, 128):
+            try:
+                yield default_schedule(tile=(2 * WGMMA_M, bn, SWIZZLE_ROW_BYTES // operand_bytes), cluster=cluster,
+                                       output_bytes=output_bytes, operand_bytes=operand_bytes)
+            except ScheduleError:
+                continue
 
 
 def _stage_choices(fields: dict) -> Iterator[MatmulSchedule]:
