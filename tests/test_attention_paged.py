@@ -283,3 +283,45 @@ def test_a_paged_producer_leaves_the_consumers_too_few_registers_for_192_overlap
         ws.schedule_for(fusion, tile=(128, 192, 128))
     ws.schedule_for(fusion, tile=(128, 192, 128), mma_inflight=0)
     assert all(s.bn <= 128 for s in ws.workload_for(fusion).schedule_space(fusion) if s.mma_inflight)
+
+
+# --- inputs per key beside per-sequence lengths -------------------------------------------------
+
+@ws.fusion
+def key_bias_lengths(q: ws.Tensor[ws.bf16, "B", "H", "S", D], k: ws.Tensor[ws.bf16, "B", "H", "T", D],
+                     v: ws.Tensor[ws.bf16, "B", "H", "T", D], bias: ws.Tensor[ws.f32, "B", 1, 1, "T"],
+                     seq_lens: ws.Tensor[ws.i32, "B"]):
+    s = ws.key_lengths(ws.matmul(q, k.transpose(-1, -2)) * D ** -0.5 + bias, seq_lens)
+    return ws.matmul(ws.softmax(s, dim=-1), v).to(ws.bf16), ws.logsumexp(s, dim=-1)
+
+
+@ws.fusion
+def documents_lengths(q: ws.Tensor[ws.bf16, "B", "H", "S", D], k: ws.Tensor[ws.bf16, "B", "H", "T", D],
+                      v: ws.Tensor[ws.bf16, "B", "H", "T", D], doc_q: ws.Tensor[ws.i32, "B", 1, "S", 1],
+                      doc_k: ws.Tensor[ws.i32, "B", 1, 1, "T"], seq_lens: ws.Tensor[ws.i32, "B"]):
+    s = ws.key_lengths(ws.matmul(q, k.transpose(-1, -2)) * D ** -0.5, seq_lens)
+    s = ws.where(doc_q == doc_k, s, -ws.inf)
+    return ws.matmul(ws.softmax(s, dim=-1), v).to(ws.bf16), ws.logsumexp(s, dim=-1)
+
+
+def per_key_inputs(fusion, B=2, H=2, S=130, T=300, lens=(300, 137), seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(B, H, n, D, generator=g).bfloat16() for n in (S, T, T))
+    lens = torch.tensor(lens, dtype=torch.int32)
+    if fusion is key_bias_lengths:
+        return q, k, v, torch.randn(B, 1, 1, T, generator=g), lens
+    doc_q = (torch.arange(S) * 3 // S).view(1, 1, S, 1).repeat(B, 1, 1, 1).int()
+    doc_k = (torch.arange(T) * 3 // T).view(1, 1, 1, T).repeat(B, 1, 1, 1).int()
+    return q, k, v, doc_q, doc_k, lens
+
+
+@pytest.mark.parametrize("fusion", [key_bias_lengths, documents_lengths], ids=lambda f: f.name)
+def test_inputs_per_key_span_the_cache_beside_key_lengths(fusion):
+    """A bias per key and document ids per key are as long as the cache (`T_cache`), each sequence
+    reading its first `seq_lens[b]`; a row whose document's keys lie past its sequence's length
+    sees no key (O = 0, LSE = -inf)."""
+    k = compiled(fusion)
+    text = str(k.kernel)
+    assert "i32 T_cache" in text and (": f32[batch0, 1, 1, T_cache]" in text or ": i32[batch0, 1, 1, T_cache]" in text)
+    for seed in range(2):
+        check(k, fusion, per_key_inputs(fusion, seed=seed), seed=seed)

@@ -87,3 +87,13 @@ def test_a_block_table_entry_past_the_cache_reads_zeros(monkeypatch):
     with pytest.raises(ws.FusionError, match=r"block_table\[1, 2\] = 1048576 \(keys 32.. of sequence 1\) is not "
                                              r"a page of k_cache"):
         checked(*inputs)
+
+
+@pytest.mark.parametrize("name", ["key_bias_lengths", "documents_lengths"])
+def test_inputs_per_key_beside_key_lengths(name):
+    """A bias and document ids per key, as long as the cache, beside per-sequence key lengths."""
+    import test_attention_paged as cpu
+
+    f = getattr(cpu, name)
+    inputs = [t.cuda() for t in cpu.per_key_inputs(f, B=3, H=4, S=1000, T=3000, lens=(3000, 1377, 5))]
+    check(f, ws.compile(f), inputs)

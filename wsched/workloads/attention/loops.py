@@ -122,7 +122,11 @@ def build_loops(kernel: None, ctx: LoweringContext) -> ir.Kernel:
     # inputs read in the kernel (the sink's may be one the score function reads too)
     read = sf.inputs + ((a.sink,) if isinstance(a.sink, SideInput)
                         and all(x.node.id != a.sink.node.id for x in sf.inputs) else ())
-    params += [ir.GlobalParam(x.param, x.node.dtype.name, tuple(C(1) if dim is None else V(dim) for dim in x.dims))
+    # a per-key input spans the keys K and V hold (a cache's T_cache where each sequence has its own
+    # length: the tile loop's `T` is that sequence's)
+    extent = {"T": a.keys} if sf.lengths is not None else {}
+    params += [ir.GlobalParam(x.param, x.node.dtype.name,
+                              tuple(C(1) if dim is None else V(extent.get(dim, dim)) for dim in x.dims))
                for x in read]
     if sf.lengths is not None:
         params.append(ir.GlobalParam(sf.lengths.param, "i32", (V("batch0"),)))
