@@ -23,6 +23,8 @@ Kernels, one family after another (`--families`):
                queries and keys of their own lengths, schedules drawn the same way
     mixed      packed chunks of new tokens (ws.varlen Q) against paged (16/32/64/256) or contiguous
                caches with key lengths: empty chunks, one-token chunks, caches without keys
+    cluster    the matmul family with clusters of 2 or 4 CTAs along M or N and TMA multicast
+               (`sampled_cluster_schedule`), on the matmul shapes
 
 They are built first, in parallel (nvcc processes), into the build cache. Cases: shapes drawn
 per kernel — odd sizes, K (keys T) long enough to reuse every stage and shorter than one tile,
@@ -62,7 +64,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 NOMINAL_SMS = 132              # H100 / H200; shapes aim at both sides of it
 MAX_SCORES = 64_000_000        # B*H*S*T bound: the fp32 reference materialises the scores
 MATMUL_FUSIONS = ("matmul", "matmul_f16", "mlp", "linear_relu_residual", "scaled_silu_f32", "gated")
-FAMILIES = ("matmul", "attention", "paged", "variant", "varlen", "mixed")
+FAMILIES = ("matmul", "attention", "paged", "variant", "varlen", "mixed", "cluster")
 # (rel L2, max |error| / max |ref|) a correct kernel stays under, by output element type: one
 # bf16 rounding of the output (2^-8) and of P in attention, accumulation-order noise in fp32.
 TOLERANCE = {"bfloat16": (1e-2, 6e-2), "float16": (1e-2, 6e-2), "float32": (1e-3, 1e-2)}
@@ -146,6 +148,26 @@ def sampled_attention_schedule(fusion, rng: random.Random, tries: int = 40):
     return workload.default_schedule(fusion)
 
 
+def sampled_cluster_schedule(fusion, rng: random.Random, tries: int = 40):
+    """A matmul schedule with a cluster (`MatmulSchedule.cluster`): 2 or 4 CTAs on tiles along M
+    (sharing B) or N (sharing A), one or two consumer warpgroups, BN 64..256, stages, either
+    epilogue and raster; kept only if the workload takes it for the fusion."""
+    from wsched.workloads import workload_for
+
+    workload = workload_for(fusion)
+    for _ in range(tries):
+        n, consumers = rng.choice((2, 2, 4)), rng.choice((1, 2))
+        overrides = dict(cluster=(n, 1, 1) if rng.random() < 0.5 else (1, n, 1),
+                         tile=(64 * consumers, rng.choice((64, 128, 192, 256)), 64), consumer_warpgroups=consumers,
+                         epilogue=rng.choice(("tma_store", "direct")), raster=rng.choice(("row", "column")))
+        if rng.random() < 0.3:
+            overrides["stages"] = rng.randint(1, 4)
+        schedule = workload.taken(fusion, **overrides)
+        if schedule is not None:
+            return schedule
+    return workload.default_schedule(fusion, cluster=(2, 1, 1))
+
+
 def attention_specs() -> list[dict]:
     return [{"family": "attention", "head_dim": d, "causal": causal, "lse": lse, "gqa": gqa}
             for d in (64, 128, 256) for causal in (False, True, "bottom_right")
@@ -190,6 +212,7 @@ def plan_kernels(count: int, rng: random.Random, families: tuple[str, ...] = FAM
         return [group[i % len(group)] for i in range(max(map(len, by_dim))) for group in by_dim]
 
     specs = {"matmul": [{"family": "matmul", "name": n} for n in MATMUL_FUSIONS],
+             "cluster": [{"family": "matmul", "name": n} for n in MATMUL_FUSIONS],
              "attention": dealt(attention_specs()), "paged": dealt(paged_specs()), "variant": dealt(variant_specs()),
              "varlen": dealt(varlen_specs()), "mixed": dealt(mixed_specs())}
     spaces: dict[str, list] = {}
@@ -202,7 +225,9 @@ def plan_kernels(count: int, rng: random.Random, families: tuple[str, ...] = FAM
         spec = specs[family][turn % len(specs[family])]
         label = fusion_label(spec)
         fusion = fusion_of(spec)
-        if family == "matmul" or rng.random() < 0.5:   # the workload's space, or a drawn schedule
+        if family == "cluster":
+            schedule = sampled_cluster_schedule(fusion, rng)
+        elif family == "matmul" or rng.random() < 0.5:   # the workload's space, or a drawn schedule
             if label not in spaces:
                 spaces[label] = list(workload_for(fusion).schedule_space(fusion))
             schedule = rng.choice(spaces[label])

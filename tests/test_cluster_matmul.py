@@ -106,6 +106,7 @@ FAMILIES = {
                                                                epilogue="direct")),
     "2x1_gated_one_stage": (gated, dict(cluster=(2, 1, 1), tile=(128, 128, 64), stages=1, mma_inflight=0)),
     "1x2_default_tile": (matmul, dict(cluster=(1, 2, 1))),
+    "2x1_column_raster": (mlp, dict(cluster=(2, 1, 1), tile=(128, 64, 64), raster="column", swizzle_group=2)),
 }
 
 
