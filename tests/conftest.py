@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 
 import pytest
 
 GOLDEN_DIR = Path(__file__).parent / "golden"
+
+# Every lowering in the tests runs the verifier after each pass (docs/architecture.md, "The
+# pipeline"): a pass that leaves a kernel the next one cannot take is caught where it happens.
+os.environ.setdefault("WSCHED_DEBUG", "1")
 
 
 def pytest_addoption(parser):
