@@ -24,10 +24,9 @@ from .emit_context import ROLE, EmitError, Emitter, describe, paren
 from .fragment import COL, FULL, ROW, SCALAR, Tile
 
 # The CUDA spelling of each of target.UNARY_OPS / BINARY_OPS, computed in fp32 (tanh with the
-# hardware approximation, max relative error 2^-11: docs/ir.md, "tile.tanh on the GPU"; exp2 with
-# one ex2.approx.ftz, subnormal results flushed to 0: "tile.exp2 on the GPU").
+# hardware approximation, max relative error 2^-11: docs/ir.md, "tile.tanh on the GPU").
 _UNARY = {
-    "neg": "-{}", "exp": "expf({})", "exp2": "wsp::ex2_approx({})", "log": "logf({})",
+    "neg": "-{}", "exp": "expf({})", "exp2": "exp2f({})", "log": "logf({})",
     "relu": "fmaxf({}, 0.0f)", "gelu": "wsp::gelu({})", "silu": "wsp::silu({})",
     "sigmoid": "wsp::sigmoid({})", "tanh": "wsp::tanh_approx({})", "cast": "{}",
 }
