@@ -16,7 +16,7 @@ if [ "$which" != matmul ]; then   # the score-function kernels of the GPU tests 
 fi
 if [ "$what" != bench ]; then
   case "$which" in matmul) files=tests/test_gpu_matmul.py;; attention) files="tests/test_gpu_attention.py tests/test_gpu_attention_decode.py tests/test_gpu_attention_paged.py tests/test_gpu_attention_varlen.py";; *) files=tests/;; esac
-  timeout 300 python3 -m pytest -q -m gpu $files -p no:cacheprovider -x 2>&1 | tee "$OUT/gpu-tests-$which.log" | tail -25
+  timeout 480 python3 -m pytest -q -m gpu $files -p no:cacheprovider -x 2>&1 | tee "$OUT/gpu-tests-$which.log" | tail -25
 fi
 if [ "$what" != tests ]; then
   if [ "$which" != attention ]; then
