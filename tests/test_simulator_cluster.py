@@ -229,7 +229,8 @@ def test_missing_producer_tail_is_caught_on_every_seed(seed):
     with pytest.raises(ProtocolError, match=r"CTA (?P<cta>\d) exits before it knows of the arrival on its barrier "
                                             r"empty\[[01]\] by CTA (?!(?P=cta))\d consumer wg0: mbarrier.arrive "
                                             r"empty\[[01]\] cta\((?P=cta)\) \(IR line \d+; loop k=[34]\)"
-                                            r"(, which comes after CTA \d \(rank \d of the cluster\) exited)?: "
+                                            r"( \(it joins phase \d+, which no warpgroup of CTA (?P=cta) waited for\)"
+                                            r"|, which comes after CTA \d \(rank \d of the cluster\) exited): "
                                             + re.escape(TAIL)):
         run_cluster(2, seed=seed, mutate="no_tail")
 
@@ -298,8 +299,9 @@ def test_arrival_on_a_peer_that_does_not_wait_for_it(seed):
     """CTA 1 exits without waiting for CTA 0's arrival on its barrier: reported at its exit if the
     arrival came first, at the arrival if the exit came first, in the same words."""
     with pytest.raises(ProtocolError, match=r"CTA 1 exits before it knows of the arrival on its barrier done\[0\] by "
-                                            r"CTA 0 wg0: mbarrier.arrive done\[0\] cta\(1\) \(IR line 8\)(, which "
-                                            r"comes after CTA 1 \(rank 1 of the cluster\) exited)?: "
+                                            r"CTA 0 wg0: mbarrier.arrive done\[0\] cta\(1\) \(IR line 8\)"
+                                            r"( \(it joins phase 0, which no warpgroup of CTA 1 waited for\)"
+                                            r"|, which comes after CTA 1 \(rank 1 of the cluster\) exited): "
                                             + re.escape(TAIL)):
         simulate(parse_kernel(ARRIVE_ON_PEER.replace("WAIT", "")), {"out": torch.zeros(1, 1)}, num_sms=2, seed=seed)
     waited = ARRIVE_ON_PEER.replace("WAIT", "if rank == 1 {\n    mbarrier.wait done[0] phase(0)\n  }")

@@ -23,9 +23,12 @@ WSP_DEVICE void mbar_arrive(uint64_t* bar) {
 }
 
 // mbarrier.arrive on the barrier at the same smem offset in the CTA of rank `cta_rank` of this CTA's
-// cluster: mapa.shared::cluster.u32, then mbarrier.arrive.shared::cluster.b64 (the default release
-// semantics: what it orders is this warpgroup's wgmma reads of the stage, already complete; an
-// explicit .release.cluster fence halved a cluster matmul's throughput, H100)
+// cluster: mapa.shared::cluster.u32, then mbarrier.arrive.shared::cluster.b64 with the default
+// semantics (.release.cta), as CUTLASS's cluster barrier arrives: what it orders is this warpgroup's
+// wgmma reads of the stage, complete before it, against the peer's TMA overwrite. The PTX memory
+// model promises that ordering to another CTA only at .cluster scope, but an explicit
+// .release.cluster halved a cluster matmul's throughput (H100, docs/benchmarks.md); the simulator
+// treats every arrival as a release the waiter acquires.
 WSP_DEVICE void mbar_arrive_cluster(uint64_t* bar, uint32_t cta_rank) {
   asm volatile(
       "{\n"

@@ -72,6 +72,9 @@ def _with_tail(elect: ir.ElectOne, empties: list[str], slots: dict[str, int]) ->
     """The producer's tail after its tile loop: wait, for every stage of each shared channel, for
     the phase in which the consumers of the whole cluster free its last use."""
     at = next(i for i, s in enumerate(elect.body) if isinstance(s, ir.For) and s.var == TILE_VAR)
+    # lower_tma puts the producer's whole nest, a running k_base included, in its elect_one
+    assert not any(isinstance(s, ir.Let) and s.name == K_BASE for s in ir.walk(elect.body[at:at + 1])), \
+        "k_base is declared before the tile loop"
     loop = elect.body[at]
     k_loop = next(s for s in ir.walk(loop.body) if isinstance(s, ir.For) and s.var == K_VAR)
     counted = any(isinstance(s, ir.Let) and s.name == K_BASE for s in elect.body[:at])

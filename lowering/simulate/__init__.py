@@ -64,10 +64,11 @@ Between the CTAs of a cluster the same clocks apply (cluster.sync releases and a
 syncthreads): a peer's barrier must be initialised with its init known to the agent that
 arrives on it or multicasts to it (`fence.mbarrier_init` then `cluster.sync`), a multicast is
 race-checked in every CTA it writes into, and its target must still be running. A CTA exits
-knowing of every arrival a peer made on its barriers and every multicast a peer landed in its
-smem (its warpgroups' and elected threads' clocks merged): otherwise a peer may still reach it
-after it exits, so a missing producer tail is reported on every seed, not only when the timing
-shows it.
+knowing the completion of the phase of every arrival a peer made on its barriers and of every
+multicast a peer landed in its smem (its warpgroups' and elected threads' clocks merged; knowing
+a peer's last arrival is not enough, its arrivals on different barriers are not ordered for
+this CTA): otherwise a peer may still reach it after it exits, so a missing or short producer
+tail is reported on every seed, not only when the timing shows it.
 
 TMA box <-> smem sub-array: a box whose 2-D [rows, cols] shape (leading extent-1 dims dropped)
 equals the tile a sub-array holds (`ir.tile_shape_of_subarray`) is written as that tile (column

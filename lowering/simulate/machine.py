@@ -236,19 +236,20 @@ class Machine(KernelPreparation, BarrierHandlers, AsyncHandlers, TileHandlers, G
     @staticmethod
     def _check_peers_known(cta: Cta) -> None:
         """A CTA of a cluster exits knowing (happens-before, over what all its warpgroups and
-        elected threads know) every arrival a peer made on its barriers and every multicast a
-        peer landed in its smem: otherwise a peer may still be arriving on or writing into it
-        after it exits, which a lucky timing hides."""
+        elected threads know) the completion of the phase of every arrival a peer made on its
+        barriers and of every multicast a peer landed in its smem: otherwise a peer may still be
+        arriving on or writing into it after it exits, which a lucky timing hides."""
         known: dict = {}
         for co in cta.cos:
             for agent in (co, co.lane):
                 for key, value in agent.vc.items():
                     if known.get(key, 0) < value:
                         known[key] = value
-        for agent, (epoch, ctx, label) in cta.peer_arrivals.items():
-            if known.get(agent, 0) < epoch:
+        for bar, (phase, ctx, label) in cta.peer_arrivals.items():
+            if known.get(bar, 0) <= phase:
                 raise ProtocolError(f"CTA {cta.cta_id} exits before it knows of the arrival on its barrier {label} "
-                                    f"by {ctx}: {PRODUCER_TAIL}")
+                                    f"by {ctx} (it joins phase {phase}, which no warpgroup of CTA {cta.cta_id} "
+                                    f"waited for): {PRODUCER_TAIL}")
         for bar, (phase, ctx, label) in cta.peer_loads.items():
             if known.get(bar, 0) <= phase:
                 raise ProtocolError(f"CTA {cta.cta_id} exits before it knows of the multicast into its smem {label} "

@@ -335,9 +335,12 @@ class Co(Agent):
 
 class Cta:
     """One resident CTA. `cluster` is its cluster and `rank` its place there (`cta_id % n`);
-    `peer_arrivals` (agent of a peer CTA -> (its epoch at its latest arrival here, Ctx, barrier
-    label)) and `peer_loads` (barrier here -> (phase, Ctx, smem label) of the latest multicast a
-    peer issued into this CTA's smem) are what this CTA must know of before it exits."""
+    `peer_arrivals` (barrier here -> (the phase, Ctx, barrier label) of the latest arrival a peer
+    made on it) and `peer_loads` (barrier here -> (phase, Ctx, smem label) of the latest multicast a
+    peer issued into this CTA's smem) are what this CTA must know of before it exits: the
+    completion of that phase of each barrier. (Knowing a peer agent's latest arrival is not
+    enough: arrivals of one thread on different barriers are not ordered for an observer in
+    another CTA, so a tail that skips a stage would pass.)"""
 
     __slots__ = ("cta_id", "smem", "cells", "bars", "named", "named_last", "sync_gen", "live", "cos",
                  "loads_inflight", "cluster", "rank", "exited", "peer_arrivals", "peer_loads")

@@ -130,9 +130,8 @@ class BarrierHandlers:
         env = co.env
         target = self._peer_rank(co, node, node.ex[2](env))
         bar = self._peer_barrier(co, node, node.stmt.bar.barrier, node.ex[0](env), target)
-        if target is not co.cta:
-            agent = co.agent()
-            target.peer_arrivals[agent] = (agent.vc[agent], Ctx(co, node), bar.label)
+        if target is not co.cta:   # the phase this arrival joins: the target must see it complete
+            target.peer_arrivals[bar] = (bar.completed, Ctx(co, node), bar.label)
         self._arrive(co, bar)
 
     def _h_MbarrierArriveExpectTx(self, co, node):

@@ -141,20 +141,20 @@ class ContractCheck:
                                  f"must be the destination's stage, {s.bar.barrier}[{expr_text(s.dst.index[0])}]")
 
     def _load_bytes(self, s: ir.TmaLoad) -> "int | None":
-        """The bytes a load delivers to each CTA that receives it. A multicast load is counted once
-        per CTA in its mask: every CTA of the cluster issues its share of the operand to all of
-        them (the simulator checks the bytes that really land)."""
+        """The bytes a load delivers to each CTA that receives it. A multicast to the whole cluster
+        is counted once per CTA of it: every CTA issues its share of the operand to all of them.
+        Any other mask is left to the simulator, which checks the bytes that really land."""
         try:
             p = self.k.param(s.tensor)
             decl = self.k.smem_decl(s.dst.buffer)
         except KeyError:
             return None
         copies = 1
-        if s.multicast is not None:
-            mask = constant(s.multicast)
-            if not isinstance(mask, int):
+        if s.multicast is not None:   # counted only for a mask of the whole cluster
+            size = self.k.cluster[0]
+            if constant(s.multicast) != (1 << size) - 1:
                 return None
-            copies = bin(mask).count("1")
+            copies = size
         if isinstance(p, ir.TensorMapParam) and p.dtype in ir.DTYPE_BYTES:
             return copies * volume(p.box) * ir.DTYPE_BYTES[p.dtype]
         return copies * volume(ir.smem_subshape(decl, s.dst)) * ir.DTYPE_BYTES.get(decl.dtype, 0)
