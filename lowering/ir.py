@@ -879,3 +879,15 @@ def tile_shape_of_subarray(shape: tuple[int, ...]) -> tuple[int, int]:
     if len(shape) == 3:
         return shape[1], shape[0] * shape[2]
     raise ValueError(f"a smem sub-array of shape {list(shape)} does not hold a 2-D tile")
+
+
+def cluster_operand_problem(clause: str, value: int, size: int) -> "str | None":
+    """What is wrong with the value of a `cta(r)` rank or a `multicast(mask)` in a cluster of
+    `size` CTAs (None if nothing): the verifier's check of a constant and the simulator's of a
+    value at run time."""
+    if clause == "multicast" and not 1 <= value < 1 << size:
+        return (f"multicast({value}): the mask has one bit per CTA rank; with {size} CTAs in the cluster it is in "
+                f"[1, {(1 << size) - 1}]")
+    if clause == "cta" and not 0 <= value < size:
+        return f"cta({value}): the rank of a CTA in a cluster of {size} is in [0, {size - 1}]"
+    return None

@@ -53,12 +53,7 @@ def run(kernel: ir.Kernel, ctx: LoweringContext) -> ir.Kernel:
 
     def add_counter(loop: ir.For):
         base = ir.mul("tile_iter", k_stop) if uniform else V(K_BASE)
-        counter = (
-            ir.Let("it", ir.add(base, K_VAR)),
-            ir.Let("s", ir.mod("it", stages)),
-            ir.Let("ph", ir.band(ir.div("it", stages), 1)),
-        )
-        return replace(loop, body=counter + loop.body)
+        return replace(loop, body=ring_position(ir.add(base, K_VAR), stages) + loop.body)
 
     def add_tile_iter(loop: ir.For):
         # the how-manieth tile of this CTA (of its cluster, when a cluster walks the tiles together)
@@ -71,6 +66,11 @@ def run(kernel: ir.Kernel, ctx: LoweringContext) -> ir.Kernel:
     body = map_loop(body, K_VAR, add_counter)
     body = map_loop(body, TILE_VAR, add_tile_iter)
     return replace(kernel, smem=smem, barriers=barriers, body=body)
+
+
+def ring_position(it: ir.Expr, stages: int) -> tuple[ir.Stmt, ...]:
+    """`let it`, and the stage `s` and phase parity `ph` the ring's it-th use takes."""
+    return (ir.Let("it", it), ir.Let("s", ir.mod("it", stages)), ir.Let("ph", ir.band(ir.div("it", stages), 1)))
 
 
 def _at_stage(ref: ir.SmemRef, stage: ir.Expr) -> ir.SmemRef:

@@ -35,6 +35,8 @@ from wsched.names import CONSUMER, K_BASE, K_VAR, PRODUCER, TILE_VAR
 from .. import ir
 from ..context import LoweringContext
 from ..rewrite import map_role, transform
+from .circular_buffer import ring_position
+from .insert_barriers import producer_acquire
 
 V = ir.Var
 C = ir.IntConst
@@ -87,9 +89,7 @@ def _with_tail(elect: ir.ElectOne, empties: list[str], slots: dict[str, int]) ->
     for name in empties:
         stages = slots[name]
         tail.append(ir.For(TAIL_VAR, C(0), C(stages), C(1), "serial", (
-            ir.Let("it", ir.add("tail_it", TAIL_VAR)),
-            ir.Let("s", ir.mod("it", stages)),
-            ir.Let("ph", ir.band(ir.div("it", stages), 1)),
-            ir.MbarrierWait(ir.BarRef(name, V("s")), ir.BinOp("^", V("ph"), C(1))),
+            *ring_position(ir.add("tail_it", TAIL_VAR), stages),
+            producer_acquire(name, V("s"), V("ph")),
         )))
     return replace(elect, body=elect.body[:at + 1] + tuple(tail) + elect.body[at + 1:])

@@ -73,6 +73,11 @@ def _slot(channel, level: str) -> tuple[ir.Expr, ir.Expr]:
     return C(0), ir.band("tile_iter", 1)
 
 
+def producer_acquire(empty: str, slot: ir.Expr, phase: ir.Expr) -> ir.MbarrierWait:
+    """Wait until the consumers have freed the slot's previous use (the first pass is free)."""
+    return ir.MbarrierWait(ir.BarRef(empty, slot), ir.BinOp("^", phase, C(1)))
+
+
 def _producer(body: tuple[ir.Stmt, ...], channels, level) -> tuple[ir.Stmt, ...]:
     out: list[ir.Stmt] = []
     started: set[str] = set()
@@ -80,7 +85,7 @@ def _producer(body: tuple[ir.Stmt, ...], channels, level) -> tuple[ir.Stmt, ...]
         for c in channels:
             if c.name not in started and _loads(s, set(c.buffers)):
                 slot, phase = _slot(c, level)
-                out += [ir.MbarrierWait(ir.BarRef(c.empty, slot), ir.BinOp("^", phase, C(1))),
+                out += [producer_acquire(c.empty, slot, phase),
                         ir.MbarrierArriveExpectTx(ir.BarRef(c.full, slot), C(c.bytes_per_stage))]
                 started.add(c.name)
         out.append(s)

@@ -135,26 +135,55 @@ class AsyncHandlers:
         return is_chunked_box(param.box, sub_shape)
 
     def _h_TmaLoad(self, co, node):
+        """`tma.load`: one box into a sub-array (its rows, with `row`) of this CTA, or with
+        `multicast(mask)` of every CTA of the cluster whose rank's bit is set, completing its bytes
+        on the barrier of each; every target is checked as a plain load into it would be, then the
+        copies land independently."""
         s = node.stmt
-        dst_idx, coord_fns, bar_idx, row_fn = node.ex
+        dst_idx, coord_fns, bar_idx, row_fn, mask_fn = node.ex
+        env = co.env
         param, tensor = self._tensormap(co, node, s.tensor)
         coords = self._coords(co, node, coord_fns, len(param.box))
-        decl, view, cells, label = self._smem(co, node, s.dst, dst_idx)
-        if row_fn is None:
-            chunked = self._chunked_box(param, decl, view.shape)
+        if mask_fn is None:
+            ctas = (co.cta,)
         else:
-            view, cells, label = self._box_rows(co, node, param, decl, view, cells, label, row_fn(co.env))
-            chunked = False
-        bar = self._barrier(co, node, s.bar.barrier, bar_idx(co.env))
+            mask = self._int(co, node, mask_fn(env), "multicast mask")
+            problem = ir.cluster_operand_problem("multicast", mask, self.cluster_size)
+            if problem:
+                raise ProtocolError(f"{problem}: {co.where(node)}")
+            ctas = tuple(cta for cta in co.cta.cluster.ctas if mask >> cta.rank & 1)
         nbytes = math.prod(param.box) * ir.DTYPE_BYTES[param.dtype]
-        self._check_tx(co, node, bar, nbytes)
-        self._check_write(co, node, cells, label, "TMA load")
+        targets, data = [], None
+        for cta in ctas:
+            peer = cta is not co.cta
+            decl, view, cells, label = self._smem(co, node, s.dst, dst_idx, cta)
+            if row_fn is None:
+                chunked = self._chunked_box(param, decl, view.shape)
+            else:
+                view, cells, label = self._box_rows(co, node, param, decl, view, cells, label, row_fn(env))
+                chunked = False
+            bar = (self._peer_barrier(co, node, s.bar.barrier, bar_idx(env), cta, label) if peer
+                   else self._barrier(co, node, s.bar.barrier, bar_idx(env)))
+            self._check_tx(co, node, bar, nbytes)
+            try:
+                self._check_write(co, node, cells, f"{label} of CTA {cta.cta_id}" if peer else label, "TMA load")
+            except RaceError as error:
+                if not peer:
+                    raise
+                raise RaceError(f"{error}; a multicast writes into its peers' smem, so the consumers of each "
+                                f"peer free the stage on the issuing CTA's barrier too (`mbarrier.arrive ... "
+                                f"cta({co.cta.rank})`), and the issuer waits for that before it loads") from None
+            if data is None:
+                data = box_to_subarray(read_box(tensor, coords, param.box, TORCH_DTYPES[param.dtype]),
+                                       tuple(view.shape), chunked)
+            targets.append((cta, bar, view, cells, label))
         ctx = Ctx(co, node)
-        data = box_to_subarray(read_box(tensor, coords, param.box, TORCH_DTYPES[param.dtype]), tuple(view.shape),
-                               chunked)
-        self._start_load(co, co.cta, bar, view, cells, data, nbytes, ctx)
+        for cta, bar, view, cells, label in targets:
+            op = self._start_load(co, cta, bar, view, cells, data, nbytes, ctx)
+            if cta is not co.cta:
+                cta.peer_loads[bar] = (op.phase, ctx, label)
         self.report.tma_loads += 1
-        self.report.tma_bytes_loaded += nbytes
+        self.report.tma_bytes_loaded += nbytes * len(targets)
 
     def _start_load(self, co: Co, cta, bar: MBarrier, view, cells, data, nbytes: int, ctx: Ctx) -> TmaLoadOp:
         """A TMA load in flight into `view` (`cells`) of `cta`, completing `nbytes` on `bar`."""
@@ -172,56 +201,6 @@ class AsyncHandlers:
         cta.loads_inflight += 1
         self.async_ops.append(op)
         return op
-
-    def _h_tma_multicast(self, co, node):
-        """`tma.load ... bar(b[i]) multicast(mask)`: one box into the same sub-array (and rows) of
-        every CTA of the cluster whose rank's bit is set, completing its bytes on b[i] of each;
-        every target is checked as a plain load into it would be, then the copies land
-        independently."""
-        s = node.stmt
-        dst_idx, coord_fns, bar_idx, row_fn, mask_fn = node.ex
-        env = co.env
-        param, tensor = self._tensormap(co, node, s.tensor)
-        coords = self._coords(co, node, coord_fns, len(param.box))
-        n = self.cluster_size
-        mask = self._int(co, node, mask_fn(env), "multicast mask")
-        if not 1 <= mask < 1 << n:
-            raise ProtocolError(f"multicast({mask}): the mask has one bit per CTA rank; with {n} CTAs in the cluster "
-                                f"it is in [1, {(1 << n) - 1}]: {co.where(node)}")
-        index = self._int(co, node, bar_idx(env), "barrier index")
-        nbytes = math.prod(param.box) * ir.DTYPE_BYTES[param.dtype]
-        targets, data = [], None
-        for cta in co.cta.cluster.ctas:
-            if not mask >> cta.rank & 1:
-                continue
-            decl, view, cells, label = self._smem(co, node, s.dst, dst_idx, cta)
-            if row_fn is None:
-                chunked = self._chunked_box(param, decl, view.shape)
-            else:
-                view, cells, label = self._box_rows(co, node, param, decl, view, cells, label, row_fn(env))
-                chunked = False
-            bar = self._peer_barrier(co, node, s.bar.barrier, index, cta, label)
-            self._check_tx(co, node, bar, nbytes)
-            if cta is co.cta:
-                self._check_write(co, node, cells, label, "TMA load")
-            else:
-                try:
-                    self._check_write(co, node, cells, f"{label} of CTA {cta.cta_id}", "TMA load")
-                except RaceError as error:
-                    raise RaceError(f"{error}; a multicast writes into its peers' smem, so the consumers of each "
-                                    f"peer free the stage on the issuing CTA's barrier too (`mbarrier.arrive ... "
-                                    f"cta({co.cta.rank})`), and the issuer waits for that before it loads") from None
-            if data is None:
-                data = box_to_subarray(read_box(tensor, coords, param.box, TORCH_DTYPES[param.dtype]),
-                                       tuple(view.shape), chunked)
-            targets.append((cta, bar, view, cells, label))
-        ctx = Ctx(co, node)
-        for cta, bar, view, cells, label in targets:
-            op = self._start_load(co, cta, bar, view, cells, data, nbytes, ctx)
-            if cta is not co.cta:
-                cta.peer_loads[bar] = (op.phase, ctx, label)
-        self.report.tma_loads += 1
-        self.report.tma_bytes_loaded += nbytes * len(targets)
 
     def _box_rows(self, co, node, param, decl, view, cells, label: str, row):
         """(view, cells, label) of the rows `tma.load ... row(r)` fills in the 2-D sub-array `view`
@@ -273,14 +252,7 @@ class AsyncHandlers:
         op.write.landed = True
         op.write.phase = op.phase
         bar.tx -= op.bytes
-        if bar.pending <= 0:
-            if bar.tx == 0:
-                self._complete_phase(bar)
-            elif bar.tx < 0:
-                raise ProtocolError(f"expect_tx mismatch on {bar.label} (CTA {bar.cta_id}): expected {bar.expected} "
-                                    f"bytes, TMA delivered {bar.issued} (more bytes than announced by "
-                                    f"mbarrier.arrive_expect_tx before the loads): {op.ctx}")
-        # else: a peer's multicast may land before this CTA's arrive_expect_tx (tx below zero until then)
+        self._settle(bar, op.ctx)
 
     def _h_TmaStore(self, co, node):
         s = node.stmt

@@ -171,10 +171,7 @@ class KernelPreparation:
             node.ex = c(s.id)
         elif isinstance(s, ir.TmaLoad):
             node.ex = (tuple(c(e) for e in s.dst.index), tuple(c(e) for e in s.coords), c(s.bar.index),
-                       None if s.row is None else c(s.row))
-            if s.multicast is not None:   # into the CTAs of the cluster the mask names
-                node.ex += (c(s.multicast),)
-                node.fn = self._h_tma_multicast
+                       None if s.row is None else c(s.row), None if s.multicast is None else c(s.multicast))
             self._note_ref(s.dst)
             if s.row is not None:
                 self._note_row_load(s)

@@ -10,6 +10,7 @@ from __future__ import annotations
 from wsched.target import (MBARRIER_MAX_ARRIVALS, MBARRIER_MAX_TX_BYTES, NAMED_BARRIERS, WARP_THREADS,
                            WARPGROUP_THREADS)
 
+from .. import ir
 from ..spelling import keyword
 from .errors import PRODUCER_TAIL, ProtocolError, check_verified
 from .state import BarrierGeneration, Cluster, Co, Cta, Ctx, MBarrier, Node
@@ -21,14 +22,23 @@ class BarrierHandlers:
     `wake`, `report` and `kernel`."""
 
     # mbarriers
-    def _barrier(self, co: Co, node: Node, name: str, index) -> MBarrier:
-        slots = co.cta.bars.get(name)
+    def _barrier(self, co: Co, node: Node, name: str, index, cta: "Cta | None" = None) -> MBarrier:
+        """Barrier `name[index]` of `co`'s CTA, or of `cta`, a peer in its cluster: initialised,
+        with its init known to the agent (a peer learns it by cluster.sync)."""
+        target = cta or co.cta
+        slots = target.bars.get(name)
         check_verified(slots is not None, "a barrier reference names a declared barrier")
         index = self._int(co, node, index, "barrier index")
         if not 0 <= index < len(slots):
             raise ProtocolError(f"barrier index {name}[{index}] out of range (barrier {name}[{len(slots)}]): "
                                 f"{co.where(node)}")
         bar = slots[index]
+        if target is not co.cta:    # one message whichever comes first, the init or the use
+            if bar is None or co.agent().vc.get(bar.init_co, 0) < bar.init_epoch:
+                raise ProtocolError(f"mbarrier {name}[{index}] of CTA {target.cta_id} used before its mbarrier.init "
+                                    f"is visible to this warpgroup of CTA {co.cta.cta_id} (missing cluster.sync after "
+                                    f"fence.mbarrier_init?): {co.where(node)}")
+            return bar
         if bar is None:
             raise ProtocolError(f"mbarrier {name}[{index}] used before mbarrier.init: {co.where(node)}")
         if co.agent().vc.get(bar.init_co, 0) < bar.init_epoch:
@@ -59,13 +69,20 @@ class BarrierHandlers:
     def _arrive(self, co: Co, bar: MBarrier) -> None:
         co.agent().release(bar.arrive_know)
         bar.pending -= 1
-        if bar.pending <= 0:
-            if bar.tx == 0:
-                self._complete_phase(bar)
-            elif bar.tx < 0:   # a peer's bytes may land before the expect_tx, not past the last arrival
-                raise ProtocolError(f"expect_tx mismatch on {bar.label} (CTA {bar.cta_id}): expected {bar.expected} "
-                                    f"bytes, TMA delivered {bar.expected - bar.tx} (more bytes landed than the "
-                                    f"phase's mbarrier.arrive_expect_tx announced): {co.where()}")
+        self._settle(bar, co.where())
+
+    def _settle(self, bar: MBarrier, where) -> None:
+        """After an arrival or a landed load: the phase completes once every arrival is in and tx
+        is zero. tx may run below zero while arrivals are pending (a peer's multicast can land
+        before this CTA's arrive_expect_tx), not once they are all in."""
+        if bar.pending > 0:
+            return
+        if bar.tx == 0:
+            self._complete_phase(bar)
+        elif bar.tx < 0:
+            raise ProtocolError(f"expect_tx mismatch on {bar.label} (CTA {bar.cta_id}): expected {bar.expected} "
+                                f"bytes, TMA delivered {bar.issued} (more bytes than the phase's "
+                                f"mbarrier.arrive_expect_tx announced): {where}")
 
     def _complete_phase(self, bar: MBarrier) -> None:
         while bar.pending <= 0 and bar.tx == 0:
@@ -93,37 +110,23 @@ class BarrierHandlers:
     # clusters: a peer's barriers (`mbarrier.arrive ... cta(r)`, `tma.load ... multicast(mask)`)
     def _peer_rank(self, co: Co, node: Node, value) -> Cta:
         """The CTA of rank `value` in `co`'s cluster."""
-        n = self.cluster_size
         rank = self._int(co, node, value, "cta rank")
-        if not 0 <= rank < n:
-            raise ProtocolError(f"cta({rank}): the rank of a CTA in a cluster of {n} is in [0, {n - 1}]: "
-                                f"{co.where(node)}")
+        problem = ir.cluster_operand_problem("cta", rank, self.cluster_size)
+        if problem:
+            raise ProtocolError(f"{problem}: {co.where(node)}")
         return co.cta.cluster.ctas[rank]
 
     def _peer_barrier(self, co: Co, node: Node, name: str, index, target: Cta, smem: str | None = None) -> MBarrier:
         """Barrier `name[index]` of the CTA `target` of `co`'s cluster (its own CTA included) for an
-        arrival (or a multicast into `smem`): initialised, its init known to the agent (a peer
-        learns it by cluster.sync), and the CTA still running."""
-        if target is co.cta:
-            return self._barrier(co, node, name, index)
-        index = self._int(co, node, index, "barrier index")
+        arrival (or a multicast into `smem`), the CTA still running (`_barrier` checks the rest)."""
         if target.exited:   # the exit check's message (`Machine._check_peers_known`), for what comes after
+            index = self._int(co, node, index, "barrier index")
             what = (f"the arrival on its barrier {name}[{index}]" if smem is None
                     else f"the multicast into its smem {smem}")
             raise ProtocolError(f"CTA {target.cta_id} exits before it knows of {what} by {co.where(node)}, which "
                                 f"comes after CTA {target.cta_id} (rank {target.rank} of the cluster) exited: "
                                 f"{PRODUCER_TAIL}")
-        slots = target.bars.get(name)
-        check_verified(slots is not None, "a barrier reference names a declared barrier")
-        if not 0 <= index < len(slots):
-            raise ProtocolError(f"barrier index {name}[{index}] out of range (barrier {name}[{len(slots)}]): "
-                                f"{co.where(node)}")
-        bar = slots[index]
-        if bar is None or co.agent().vc.get(bar.init_co, 0) < bar.init_epoch:
-            raise ProtocolError(f"mbarrier {name}[{index}] of CTA {target.cta_id} used before its mbarrier.init is "
-                                f"visible to this warpgroup of CTA {co.cta.cta_id} (missing cluster.sync after "
-                                f"fence.mbarrier_init?): {co.where(node)}")
-        return bar
+        return self._barrier(co, node, name, index, target)
 
     def _h_remote_arrive(self, co, node):
         """`mbarrier.arrive b[i] cta(r)`: the arrival lands on b[i] of the CTA of rank r."""

@@ -220,24 +220,19 @@ class StructureCheck(TileChecks, GlobalSyncChecks, RoleChecks):
             self.r.header(f"cluster{tuple(self.k.cluster)}: at most {MAX_PORTABLE_CLUSTER} CTAs in a cluster "
                           f"(the portable size)")
 
-    def _cluster_operand(self, e, what: str, path, scope, ctx) -> None:
-        """A peer rank (`cta(r)`) or a multicast mask: only in a kernel with a cluster of more than
-        one CTA, and in range where it is a constant."""
+    def _cluster_operand(self, clause: str, e, path, scope, ctx) -> None:
+        """A peer rank (`cta(r)`) or a multicast mask (`clause`): only in a kernel with a cluster
+        of more than one CTA, and in range where it is a constant."""
         self._expr(e, path, scope, ctx)
         size = self.k.cluster[0] if len(self.k.cluster) == 3 else 1
-        clause = what.split("(")[0]
         if size <= 1:
-            self.r.at(path, f"{what} in a kernel without a cluster (cluster{tuple(self.k.cluster)}); give the "
-                            f"kernel cluster(n, 1, 1) with n >= 2, or drop {clause}")
+            self.r.at(path, f"{clause}({expr_text(e)}) in a kernel without a cluster (cluster{tuple(self.k.cluster)}); "
+                            f"give the kernel cluster(n, 1, 1) with n >= 2, or drop {clause}")
             return
         self.remote = True
-        if not isinstance(e, ir.IntConst):
-            return
-        if clause == "multicast" and not 1 <= e.value < 2 ** size:
-            self.r.at(path, f"{what}: the mask has one bit per CTA rank; with {size} CTAs in the cluster it "
-                            f"is in [1, {2 ** size - 1}]")
-        elif clause == "cta" and not 0 <= e.value < size:
-            self.r.at(path, f"{what}: the rank of a CTA in a cluster of {size} is in [0, {size - 1}]")
+        problem = ir.cluster_operand_problem(clause, e.value, size) if isinstance(e, ir.IntConst) else None
+        if problem:
+            self.r.at(path, problem)
 
     # -- statements -----------------------------------------------------------------------------
 
@@ -442,7 +437,7 @@ class StructureCheck(TileChecks, GlobalSyncChecks, RoleChecks):
     def _MbarrierArrive(self, s: ir.MbarrierArrive, path, scope, ctx):
         self._bar(s.bar, path, scope, ctx)
         if s.cta is not None:
-            self._cluster_operand(s.cta, f"cta({expr_text(s.cta)})", path, scope, ctx)
+            self._cluster_operand("cta", s.cta, path, scope, ctx)
 
     def _MbarrierArriveExpectTx(self, s: ir.MbarrierArriveExpectTx, path, scope, ctx):
         self._bar(s.bar, path, scope, ctx)

@@ -156,7 +156,7 @@ class TileChecks:
         self._tma("tma.load", s.dst, s.tensor, s.coords, path, scope, ctx, s.row)
         self._bar(s.bar, path, scope, ctx)
         if s.multicast is not None:
-            self._cluster_operand(s.multicast, f"multicast({expr_text(s.multicast)})", path, scope, ctx)
+            self._cluster_operand("multicast", s.multicast, path, scope, ctx)
 
     def _TmaStore(self, s: ir.TmaStore, path, scope, ctx):
         self._tma("tma.store", s.src, s.tensor, s.coords, path, scope, ctx)

@@ -284,8 +284,9 @@ def raster_lets(ctx: LoweringContext, t: ir.Var) -> tuple[ir.Stmt, ...]:
     g = s.swizzle_group
     major, minor = ("m", "n") if s.raster == "row" else ("n", "m")
     extent = dict(zip("mn", raster_extents(s)))
+    per_cluster = dict(zip("mn", s.cluster))
     # with a cluster, the raster walks groups of tiles (cluster_tile_m) and the rank picks the tile
-    name = {d: f"cluster_tile_{d}" if extent[d].startswith("cluster") else f"tile_{d}" for d in "mn"}
+    name = {d: f"cluster_tile_{d}" if per_cluster[d] > 1 else f"tile_{d}" for d in "mn"}
     lets = (
         ir.Let("group_size", ir.mul(g, extent[minor])),
         ir.Let("first_" + major, ir.mul(ir.div(t, "group_size"), g)),
@@ -293,8 +294,7 @@ def raster_lets(ctx: LoweringContext, t: ir.Var) -> tuple[ir.Stmt, ...]:
         ir.Let(name[major], ir.add("first_" + major, ir.mod(ir.mod(t, "group_size"), "group_extent"))),
         ir.Let(name[minor], ir.div(ir.mod(t, "group_size"), "group_extent")),
     )
-    cm, cn, _ = s.cluster
-    for d, c in (("m", cm), ("n", cn)):
+    for d, c in per_cluster.items():
         if c > 1:
             lets += (ir.Let(f"tile_{d}", ir.add(ir.mul(name[d], c), "cluster_rank")),)
     return lets + (ir.Let("m0", ir.mul("tile_m", bm)), ir.Let("n0", ir.mul("tile_n", bn)))

@@ -13,7 +13,8 @@ from typing import Iterator
 
 from wsched.schedule import (PRODUCER_REGISTERS, SWIZZLE_GROUP_MAX, Schedule, ScheduleError, check_overrides,
                              default_consumer_registers, is_int, max_stages)
-from wsched.target import HOPPER_SMS, SMEM_ALIGN, SWIZZLE_ROW_BYTES, WARPGROUP_THREADS, WGMMA_K, WGMMA_M
+from wsched.target import (HOPPER_SMS, PAGE_ROWS_ALIGN, SMEM_ALIGN, SWIZZLE_ROW_BYTES, WARPGROUP_THREADS,
+                           WGMMA_K, WGMMA_M)
 
 # Output columns per tile: whole 64-column chunks. Narrower tiles have no 128-byte swizzled B
 # tile (N-major) or output staging tile the emitter can address.
@@ -135,8 +136,9 @@ class MatmulSchedule(Schedule):
 
     def _cluster_problems(self) -> list[str]:
         """(cm, cn, 1): cm CTAs on consecutive tiles along M share their B tile, or cn along N their A
-        tile; the shared tile is split into cluster-size pieces of whole swizzle atoms (8 rows), an
-        A piece within one warpgroup's 64 rows."""
+        tile; the shared tile is split into cluster-size pieces of whole swizzle atoms
+        (PAGE_ROWS_ALIGN rows), an A piece within one warpgroup's 64 rows. (A B piece always is: BN
+        and BK are multiples of 64, the pieces 16 rows or more.)"""
         cm, cn, cz = self.cluster
         if cz != 1 or min(cm, cn) != 1 or cm * cn not in CLUSTER_SIZES:
             return [f"cluster {self.cluster}: use (n, 1, 1) (CTAs on tiles along M, sharing B) or (1, n, 1) "
@@ -150,10 +152,10 @@ class MatmulSchedule(Schedule):
         if is_int(self.split_k) and self.split_k != 1:
             p.append(f"cluster {self.cluster} with split_k={self.split_k}: a cluster's CTAs walk whole tiles "
                      f"together; use split_k=1 or cluster (1, 1, 1)")
-        if cn > 1 and (self.bm % cn or self.bm // cn > WGMMA_M or (self.bm // cn) % 8):
+        if cn > 1 and (self.bm % cn or self.bm // cn > WGMMA_M or (self.bm // cn) % PAGE_ROWS_ALIGN):
             p.append(f"cluster {self.cluster} with BM={self.bm}: each CTA loads {self.bm}/{cn} rows of the shared "
-                     f"A tile, which must be whole 8-row swizzle atoms within one block of {WGMMA_M} rows; use "
-                     f"a cluster along M or BM <= {WGMMA_M * cn}")
+                     f"A tile, which must be whole {PAGE_ROWS_ALIGN}-row swizzle atoms within one block of {WGMMA_M} "
+                     f"rows; use a cluster along M or BM <= {WGMMA_M * cn}")
         return p
 
 
