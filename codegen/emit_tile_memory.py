@@ -138,8 +138,8 @@ def _pair_assign(t: Tile, p: ir.GlobalParam, load: str) -> str:
     """`t at (fj, fi) = the loaded pair`, converting element-wise when the dtypes differ."""
     if t.packed and t.dtype == p.dtype:
         return f"{t.index()} = {load};"
-    if not t.packed and t.dtype == p.dtype == "f32":
-        return f"{{ const float2 v = {load}; {t.index(0)} = v.x; {t.index(1)} = v.y; }}"
+    if not t.packed and t.dtype == p.dtype:   # f32, or i32 into an i32 tile (no conversion)
+        return f"{{ const {ELEMENT_TYPES[p.dtype].cuda_pair} v = {load}; {t.index(0)} = v.x; {t.index(1)} = v.y; }}"
     element = ELEMENT_TYPES[p.dtype]
     values = [element.to_float.format(f"v.{xy}") for xy in "xy"]
     return f"{{ const {element.cuda_pair} v = {load}; {' '.join(assignments(t, values))} }}"

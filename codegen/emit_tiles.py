@@ -34,6 +34,10 @@ _BINARY = {
     "add": "{} + {}", "sub": "{} - {}", "mul": "{} * {}", "div": "{} / {}",
     "maximum": "fmaxf({}, {})", "minimum": "fminf({}, {})",
 }
+# target.INT_TILE_OPS into an i32 tile, on int operands.
+_INT_UNARY = {"neg": "wsp::wrap_neg({})", "cast": "{}"}
+_INT_BINARY = {"add": "wsp::wrap_add({}, {})", "sub": "wsp::wrap_sub({}, {})", "mul": "wsp::wrap_mul({}, {})",
+               "maximum": "max({}, {})", "minimum": "min({}, {})"}
 # target.COMPARE_OPS: 1.0f where it holds, else 0.0f (a logical op reads non-zero as true).
 _COMPARE = {
     "lt": "({}) < ({})", "le": "({}) <= ({})", "gt": "({}) > ({})", "ge": "({}) >= ({})",
@@ -51,8 +55,6 @@ def _tile_from_decl(d: ir.RegDecl, cpp_name: str) -> Tile:
     if len(shape) != 2:
         raise EmitError(f"reg {d.name}: {d.dtype}{list(d.shape)} is not a 2-D register tile")
     rows, cols = shape
-    if d.dtype == "i32":
-        raise EmitError(f"reg {d.name}: i32 register tiles have no CUDA spelling yet")
     if rows not in (1, WGMMA_M) or (cols > 1 and cols % 8):
         raise EmitError(f"reg {d.name}: {d.dtype}{list(d.shape)} does not fit the warpgroup "
                         "fragment layout (rows 64 or 1, columns 1 or a multiple of 8)")
@@ -95,23 +97,40 @@ def _elems(layout: str) -> tuple[int, ...]:
     return (0, 1) if layout in (FULL, ROW) else (0,)
 
 
-def assignments(dst: Tile, values: list[str]) -> list[str]:
-    """Statements writing float values (one per element c of the fragment position) into dst."""
+def assignments(dst: Tile, values: list[str], native: bool = False) -> list[str]:
+    """Statements writing float values (one per element c of the fragment position) into dst,
+    converted to its dtype; `native`: values already of dst's own C++ type (an i32 tile's ints)."""
     element = ELEMENT_TYPES[dst.dtype]
+    if native:
+        return [f"{dst.index(c)} = {v};" for c, v in enumerate(values)]
     if dst.packed:
         return [f"{dst.index()} = {element.pack.format(*values)};"]
     return [f"{dst.index(c)} = {element.from_float.format(v)};" for c, v in enumerate(values)]
 
 
-def _operand(em: Emitter, s: ir.Stmt, dst: Tile, op: Union[str, ir.Expr]) -> Callable[[int], str]:
-    """Element c of an operand at dst's fragment position, as a float expression."""
+def _operand(em: Emitter, s: ir.Stmt, dst: Tile, op: Union[str, ir.Expr],
+             integer: bool = False) -> Callable[[int], str]:
+    """Element c of an operand at dst's fragment position, as a float expression (`integer`: as
+    an int expression, of an i32 tile or an integer scalar: the verifier's _int_operands)."""
     if not isinstance(op, str):
-        text = em.float_expr(op)
+        text = em.expr(op) if integer else em.float_expr(op)
         return lambda c: text
     t = em.tile(op, s)
     # verifier _TileUnary / _TileBinary: the operand has dst's shape or broadcasts to it
     assert t.rows in (1, dst.rows) and t.cols in (1, dst.cols), s
+    if integer:
+        assert t.integer, s
+        return t.index
     return t.read
+
+
+def _integer_operands(em: Emitter, s: ir.Stmt, operands) -> bool:
+    """Whether a comparison compares integers: an i32 tile among its operands and every operand
+    an i32 tile or an integer scalar (docs/ir.md, "Integer tiles")."""
+    tiles = [em.tile(o, s) for o in operands if isinstance(o, str)]
+    scalars = [o for o in operands if not isinstance(o, str)]
+    return (any(t.integer for t in tiles) and all(t.integer for t in tiles)
+            and all(em.expr_prec(o)[2] == "int" for o in scalars))
 
 
 # Elementwise tile ops: each spells the statements of ONE fragment position (fj, fi);
@@ -124,15 +143,19 @@ def _operand(em: Emitter, s: ir.Stmt, dst: Tile, op: Union[str, ir.Expr]) -> Cal
 
 def _tile_fill_lines(em: Emitter, s: ir.TileFill) -> tuple[Tile, list[str], str]:
     dst = em.tile(s.dst, s)
-    value = em.float_expr(s.value)
-    return dst, assignments(dst, [value for _ in _elems(dst.layout)]), f"tile.fill {s.dst}, {em.expr(s.value)}"
+    value = em.expr(s.value) if dst.integer else em.float_expr(s.value)
+    return (dst, assignments(dst, [value for _ in _elems(dst.layout)], native=dst.integer),
+            f"tile.fill {s.dst}, {em.expr(s.value)}")
 
 
 def _tile_unary_lines(em: Emitter, s: ir.TileUnary) -> tuple[Tile, list[str], str]:
     dst = em.tile(s.dst, s)
-    src = _operand(em, s, dst, s.src)
-    lines = assignments(dst, [_UNARY[s.op].format(src(c)) for c in _elems(dst.layout)])
-    return dst, lines, f"tile.{s.op} {s.dst}, {s.src}"
+    text = f"tile.{s.op} {s.dst}, {s.src}"
+    if dst.integer and (s.op == "neg" or em.tile(s.src, s).integer):   # verifier: neg or cast
+        src = _operand(em, s, dst, s.src, integer=True)
+        return dst, assignments(dst, [_INT_UNARY[s.op].format(src(c)) for c in _elems(dst.layout)], native=True), text
+    src = _operand(em, s, dst, s.src)   # a float tile cast into an i32 one: truncated (from_float)
+    return dst, assignments(dst, [_UNARY[s.op].format(src(c)) for c in _elems(dst.layout)]), text
 
 
 def _shared_divisor(em: Emitter, s: ir.TileBinary, dst: Tile) -> bool:
@@ -146,6 +169,16 @@ def _shared_divisor(em: Emitter, s: ir.TileBinary, dst: Tile) -> bool:
 
 def _tile_binary_lines(em: Emitter, s: ir.TileBinary) -> tuple[Tile, list[str], str]:
     dst = em.tile(s.dst, s)
+    operands = ", ".join(o if isinstance(o, str) else em.expr(o) for o in (s.lhs, s.rhs))
+    text = f"tile.{s.op} {s.dst}, {operands}"
+    if dst.integer or (s.op in _COMPARE and _integer_operands(em, s, (s.lhs, s.rhs))):
+        lhs, rhs = (_operand(em, s, dst, o, integer=True) for o in (s.lhs, s.rhs))
+        if dst.integer:   # verifier _TileBinary: one of target.INT_TILE_OPS
+            spelling = _INT_BINARY[s.op]
+            return dst, assignments(dst, [spelling.format(lhs(c), rhs(c)) for c in _elems(dst.layout)],
+                                    native=True), text
+        spelling = "(" + _COMPARE[s.op].replace("0.0f", "0") + ") ? 1.0f : 0.0f"
+        return dst, assignments(dst, [spelling.format(lhs(c), rhs(c)) for c in _elems(dst.layout)]), text
     lhs, rhs = _operand(em, s, dst, s.lhs), _operand(em, s, dst, s.rhs)
     if s.op in _COMPARE:
         spelling = "(" + _COMPARE[s.op] + ") ? 1.0f : 0.0f"
@@ -154,8 +187,7 @@ def _tile_binary_lines(em: Emitter, s: ir.TileBinary) -> tuple[Tile, list[str], 
     else:
         spelling = _BINARY[s.op]
     lines = assignments(dst, [spelling.format(lhs(c), rhs(c)) for c in _elems(dst.layout)])
-    operands = ", ".join(o if isinstance(o, str) else em.expr(o) for o in (s.lhs, s.rhs))
-    return dst, lines, f"tile.{s.op} {s.dst}, {operands}"
+    return dst, lines, text
 
 
 def _tile_iota_lines(em: Emitter, s: ir.TileIota) -> tuple[Tile, list[str], str]:
@@ -170,18 +202,23 @@ def _tile_iota_lines(em: Emitter, s: ir.TileIota) -> tuple[Tile, list[str], str]
         elif s.axis == 1 and dst.cols > 1:
             base, step = "wsp::frag_col()", f"8 * fj + {c}" if c else "8 * fj"
         else:
-            values.append(f"static_cast<float>({em.expr(s.start)})")
+            values.append(em.expr(s.start) if dst.integer else f"static_cast<float>({em.expr(s.start)})")
+            continue
+        if dst.integer:
+            values.append(f"{start} + {base} + ({step})")
             continue
         # one int-to-float conversion per thread (loop-invariant), a constant added per element
         values.append(f"static_cast<float>({start} + {base}) + ({step})")
-    return dst, assignments(dst, values), f"tile.iota {s.dst}, axis({s.axis}), start({em.expr(s.start)})"
+    return (dst, assignments(dst, values, native=dst.integer),
+            f"tile.iota {s.dst}, axis({s.axis}), start({em.expr(s.start)})")
 
 
 def _tile_select_lines(em: Emitter, s: ir.TileSelect) -> tuple[Tile, list[str], str]:
     dst = em.tile(s.dst, s)
-    cond, on_true, on_false = (_operand(em, s, dst, o) for o in (s.cond, s.on_true, s.on_false))
+    cond = _operand(em, s, dst, s.cond)
+    on_true, on_false = (_operand(em, s, dst, o, integer=dst.integer) for o in (s.on_true, s.on_false))
     lines = assignments(dst, [f"({cond(c)}) != 0.0f ? {on_true(c)} : {on_false(c)}"
-                              for c in _elems(dst.layout)])
+                              for c in _elems(dst.layout)], native=dst.integer)
     operands = ", ".join(o if isinstance(o, str) else em.expr(o) for o in (s.cond, s.on_true, s.on_false))
     return dst, lines, f"tile.select {s.dst}, {operands}"
 

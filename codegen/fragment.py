@@ -86,3 +86,8 @@ class Tile:
     def read(self, c: int) -> str:
         """Element c of fragment position (fj, fi) as a float expression."""
         return ELEMENT_TYPES[self.dtype].to_float.format(self.index(c))
+
+    @property
+    def integer(self) -> bool:
+        """An i32 tile: its elements are read as ints by the ops that compute in integers."""
+        return self.dtype == "i32"

@@ -706,6 +706,45 @@ def test_document_ids_shared_by_every_sequence():
     check(f, [q, k, v, ids[:260, None].contiguous(), ids[None, :].contiguous()])
 
 
+def test_document_ids_beyond_fp32s_integers_compare_exactly():
+    """Ids 2**30 + d (fp32 has 24 bits: 2**30 + 1 rounds to 2**30, so every document would look
+    like one): they are loaded into i32 tiles and compared as integers, in the table and the mask."""
+    f = make_variant(64, "document")
+    q, k, v, doc_q, doc_k = variant_inputs(f, 2, 2, 300, 300, 64, seed=3, documents=5)
+    big_q, big_k = doc_q + 2**30, doc_k + 2**30
+    assert torch.equal(big_q.float(), torch.full_like(big_q, 2**30).float())   # indistinct as fp32
+    kernel = ws.lower(f)
+    decls = {s.name: s.dtype for s in ir.walk(next(r for r in kernel.roles() if r.name == "consumer").body)
+             if isinstance(s, ir.RegDecl)}
+    assert decls["doc_q_t"] == decls["doc_k_t"] == "i32"
+    o, _ = check(f, [q, k, v, big_q, big_k])
+    o_small, _ = check(f, [q, k, v, doc_q, doc_k])
+    assert torch.equal(o, o_small)   # the same documents, whatever their ids
+
+
+def test_integer_score_inputs_meet_positions_in_i32():
+    """A per-key position input far beyond 2**24 (an absolute position in a long stream), its
+    offset subtracted and compared with the query's position: i32 arithmetic, the position cast to
+    i32 for the comparison; in fp32 the offset would swallow the low bits."""
+    base = 2**28 + 3
+
+    def positioned(q: ws.Tensor[ws.bf16, "B", "H", "S", 64], k: ws.Tensor[ws.bf16, "B", "H", "T", 64],
+                   v: ws.Tensor[ws.bf16, "B", "H", "T", 64], pos_k: ws.Tensor[ws.i32, "B", 1, 1, "T"]):
+        s = ws.matmul(q, k.transpose(-1, -2)) * 0.125
+        i, _ = ws.positions(s)
+        s = ws.where(pos_k - base <= i, s, -ws.inf)
+        return ws.matmul(ws.softmax(s, dim=-1), v).to(ws.bf16), ws.logsumexp(s, dim=-1)
+
+    f = ws.fusion(positioned)
+    text = print_kernel(ws.lower(f))
+    assert re.search(r"tile\.sub score\d+_t, pos_k_t, scalar\(268435459\)", text)
+    assert re.search(r"tile\.cast score\d+_t, score\d+_t", text)   # the query position into i32
+    q, k, v = attention_inputs(2, 2, 200, 260, 64, seed=6)
+    shuffled = torch.randperm(260, generator=torch.Generator().manual_seed(2)).to(torch.int32)
+    pos_k = (shuffled + base).reshape(1, 1, 1, 260).expand(2, 1, 1, 260).contiguous()
+    check(f, [q, k, v, pos_k])
+
+
 # ---------------------------------------------------------------------------------------------
 # Masks `A | B` of analysable conjunctions (prefix LM, a window with sink tokens)
 # ---------------------------------------------------------------------------------------------

@@ -193,13 +193,17 @@ def test_integer_arithmetic_in_a_matmul_epilogue_is_an_early_error():
         ws.compile(f)
 
 
-def test_the_verifier_names_an_i32_register_tile():
-    text = ws.compile(offset_by_index).ir.replace("reg col_t: f32", "reg col_t: i32")
-    line = next(n for n, s in enumerate(text.splitlines(), 1) if "reg col_t" in s)
+def test_the_verifier_names_a_float_op_into_an_i32_register_tile():
+    """An i32 tile may hold the i32 input (a float op reads it converted), but a float scalar
+    multiplied into one would be truncated silently: the verifier names the op and its IR line."""
+    k = ws.compile(offset_by_index, build=False)
+    assert "int col_t[" in k.with_ir(k.ir.replace("reg col_t: f32", "reg col_t: i32"), build=False).cuda_source
+    text = k.ir.replace("reg slice_t: f32", "reg slice_t: i32")
+    line = next(n for n, s in enumerate(text.splitlines(), 1) if "tile.mul slice_t" in s)
     with pytest.raises(ws.lowering.verify.VerifyError, match=re.escape(
-            f"IR line {line} (role consumer > reg col_t): register tile col_t is i32: register tiles hold bf16, "
-            "f16, f32 values; read an i32 tensor into an f32 tile (tile.load converts)")):
-        ws.compile(offset_by_index).with_ir(text)
+            f"IR line {line} (role consumer > for tile > for j > tile.mul): tile.mul slice_t: slice_t is i32 but "
+            "the scalar 0.01 is a float; an op into an i32 tile takes integer scalars")):
+        k.with_ir(text, build=False)
 
 
 def test_scalars_become_f32_const_nodes_and_keep_the_tensor_dtype():

@@ -134,6 +134,7 @@ def check_variant(f, k, inputs):
     assert (o[~seen] == 0).all() and torch.isneginf(lse[~seen]).all()
     assert rel(o[seen], ro[seen]) < 1e-2
     assert rel(lse[seen], rlse[seen]) < 1e-3
+    return o, lse
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -186,6 +187,35 @@ def test_document_masks_skip_the_blocks_their_ids_cannot_see(order):
     if order == "shuffled":
         doc_k = doc_k[..., torch.randperm(2900, device="cuda")].contiguous()
     check_variant(f, k, (q, kk, v, doc_q, doc_k))
+
+
+def test_document_ids_beyond_fp32s_integers():
+    """Ids 2**30 + d (one value as fp32) and shuffled keys (masked blocks): the table and the mask
+    compare the i32 ids exactly, so the output is that of the same documents numbered 0, 1, ..."""
+    f, k = compiled_variant(128, "document")
+    q, kk, v, doc_q, doc_k = variant_inputs(f, 2, 4, 1500, 1500, 128, device="cuda", seed=13, documents=6)
+    doc_k = doc_k[..., torch.randperm(1500, device="cuda")].contiguous()
+    o_small, _ = check_variant(f, k, (q, kk, v, doc_q, doc_k))
+    o_big, _ = check_variant(f, k, (q, kk, v, doc_q + 2**30, doc_k + 2**30))
+    assert torch.equal(o_big, o_small)
+
+
+def test_per_key_positions_beyond_fp32s_integers():
+    """A per-key absolute position 2**28 + 3 + p (keys shuffled), its offset subtracted and
+    compared with the query's position: i32 arithmetic on the GPU, the position cast to i32."""
+    base = 2**28 + 3
+
+    def positioned(q: ws.Tensor[ws.bf16, "B", "H", "S", 128], k: ws.Tensor[ws.bf16, "B", "H", "T", 128],
+                   v: ws.Tensor[ws.bf16, "B", "H", "T", 128], pos_k: ws.Tensor[ws.i32, "B", 1, 1, "T"]):
+        s = ws.matmul(q, k.transpose(-1, -2)) * 128 ** -0.5
+        i, _ = ws.positions(s)
+        s = ws.where(pos_k - base <= i, s, -ws.inf)
+        return ws.matmul(ws.softmax(s, dim=-1), v).to(ws.bf16), ws.logsumexp(s, dim=-1)
+
+    f = ws.fusion(positioned)
+    q, kk, v = attention_inputs(2, 4, 700, 900, 128, device="cuda", seed=8)
+    pos_k = torch.stack([torch.randperm(900, device="cuda") for _ in range(2)]).to(torch.int32) + base
+    check_variant(f, ws.compile(f), (q, kk, v, pos_k.reshape(2, 1, 1, 900).contiguous()))
 
 
 @pytest.mark.parametrize("S, T, rows, cols", [(1, 1, 128, 128), (300, 129, 64, 128), (4096, 4000, 128, 128),

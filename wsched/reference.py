@@ -1,7 +1,9 @@
 """The torch reference semantics of a fusion: what `Fusion.reference` computes.
 
-Every node is evaluated in fp32 on fp32 operands and rounded to its declared dtype, so 16-bit
-intermediates round where a kernel's would. Every test, and the simulator, compares against it.
+Every float node is evaluated in fp32 on fp32 operands and rounded to its declared dtype, so
+16-bit intermediates round where a kernel's would; an i32 node holds exact integers (int32
+arithmetic, wrapping), and meets a float in fp32. Every test, and the simulator, compares
+against it.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from typing import TYPE_CHECKING, Callable, Sequence
 import torch
 import torch.nn.functional as F
 
-from .dtypes import f32
+from .dtypes import f32, i32
 from .errors import FusionError
 
 if TYPE_CHECKING:  # fusion.py calls `evaluate` from Fusion.reference
@@ -45,16 +47,22 @@ def evaluate(fusion: Fusion, inputs: Sequence[torch.Tensor], sizes: dict[str, in
     values: dict[str, torch.Tensor] = {}
     with torch.no_grad():
         for declared, value in zip(fusion.inputs, inputs):
-            values[declared.id] = value.float()
+            values[declared.id] = _held(value, declared)
         sequences = _packed_sequences(fusion, inputs)
         for node in fusion.nodes():
             if node.op != "input":
                 result = _evaluate_node(node, [values[i] for i in node.inputs], sizes, device, sequences)
-                if node.dtype != f32:
-                    result = result.to(node.dtype.torch_dtype).float()
+                if node.op != "const":   # a number stays weak (fp64: see _evaluate_node)
+                    result = _held(result if node.dtype == f32 else result.to(node.dtype.torch_dtype), node)
                 values[node.id] = result
     outputs = tuple(values[o].to(fusion.node(o).dtype.torch_dtype) for o in fusion.outputs)
     return outputs[0] if len(outputs) == 1 else outputs
+
+
+def _held(value: torch.Tensor, node) -> torch.Tensor:
+    """A node's value as the evaluation holds it: an i32 node's as int32 (exact; torch's int32
+    ops wrap, and an int32 meets a float in fp32), any other as fp32."""
+    return value.to(torch.int32) if node.dtype == i32 else value.float()
 
 
 # --------------------------------------------------------------------------------------------
@@ -186,10 +194,12 @@ def _evaluate_node(node: Node, args: list[torch.Tensor], sizes: dict[str, int],
     if op in MASK_TORCH:
         return MASK_TORCH[op](*args)
     if op == "const":
-        return torch.tensor(node.attr("value"), dtype=torch.float32, device=device)
+        # a Python number is weak (dsl._result_dtype): kept in fp64 (exact for integers below 2**53),
+        # it takes an fp32 operand's dtype and meets an int32 one without rounding
+        return torch.tensor(node.attr("value"), dtype=torch.float64, device=device)
     if op == "position":   # the index along one of the last two dims, as [rows, 1] or [1, cols]
         shape = [sizes[dim] if isinstance(dim, str) else dim for dim in node.shape]
-        return torch.arange(max(shape), dtype=torch.float32, device=device).reshape(shape)
+        return torch.arange(max(shape), dtype=torch.int32, device=device).reshape(shape)
     if op == "matmul":
         return torch.matmul(*args)
     if op == "expand":

@@ -104,13 +104,16 @@ ELEMENT_TYPES: dict[str, ElementType] = {
                        "__floats2half2_rn({}, {})", "CU_TENSOR_MAP_DATA_TYPE_FLOAT16"),
     "f32": ElementType(_BY_NAME["f32"], "float", "float2", "{}", "{}", "make_float2({}, {})",
                        "CU_TENSOR_MAP_DATA_TYPE_FLOAT32"),
-    # i32: read into f32 register tiles (attention's document ids), never stored from them
-    "i32": ElementType(_BY_NAME["i32"], "int", "int2", "static_cast<float>({})", None, None, None),
+    # i32: ids and positions of attention score functions (document ids, per-key positions), read
+    # into i32 register tiles (exact integers: docs/ir.md "Integer tiles") or converted into f32 ones;
+    # a float written into an i32 tile is truncated toward zero (C's conversion); never stored
+    "i32": ElementType(_BY_NAME["i32"], "int", "int2", "static_cast<float>({})", "__float2int_rz({})", None, None),
 }
 DTYPE_NAMES = tuple(ELEMENT_TYPES)                                   # IR element types
 DTYPE_BYTES = {name: t.bytes for name, t in ELEMENT_TYPES.items()}
 TORCH_DTYPES = {name: t.torch for name, t in ELEMENT_TYPES.items()}
 FLOAT_DTYPES = tuple(n for n, t in ELEMENT_TYPES.items() if t.dtype.is_float)   # tensors a kernel stores
+REGISTER_DTYPES = FLOAT_DTYPES + ("i32",)                          # register tiles (i32: INT_TILE_OPS)
 TMA_DTYPES = tuple(n for n, t in ELEMENT_TYPES.items() if t.tma)
 DTYPE_OF_TORCH = {t.torch: name for name, t in ELEMENT_TYPES.items()}
 
@@ -119,6 +122,9 @@ DTYPE_OF_TORCH = {t.torch: name for name, t in ELEMENT_TYPES.items()}
 # matmul epilogue fuses are exactly these, and the IR's tile.<op> spellings are their names.
 UNARY_OPS = ("neg", "exp", "exp2", "log", "relu", "gelu", "silu", "sigmoid", "tanh", "cast")
 BINARY_OPS = ("add", "sub", "mul", "div", "maximum", "minimum")
+# What computes into an i32 register tile, in 32-bit integer arithmetic (wrapping, as torch's
+# int32): tile.fill, tile.iota, tile.select, tile.load of an i32 tensor and these ops.
+INT_TILE_OPS = ("neg", "cast", "add", "sub", "mul", "maximum", "minimum")
 ELEMENTWISE_OPS = UNARY_OPS + BINARY_OPS
 # Comparisons and logic of attention score masks (`j <= i`, `(j <= i) & (i - j < W)`): tile ops
 # like BINARY_OPS (`tile.le m, j_t, i_t`) whose result is 1.0 where true and 0.0 where false;

@@ -36,4 +36,11 @@ WSP_DEVICE float div_shared(float x, float y) {
   return (x * __frcp_rn(y * s)) * s;
 }
 
+// i32 register tiles (docs/ir.md, "Integer tiles"): 32-bit two's-complement arithmetic that
+// wraps, as torch's int32 does (signed overflow is undefined in C++; unsigned arithmetic wraps).
+WSP_DEVICE int wrap_add(int a, int b) { return static_cast<int>(static_cast<unsigned>(a) + static_cast<unsigned>(b)); }
+WSP_DEVICE int wrap_sub(int a, int b) { return static_cast<int>(static_cast<unsigned>(a) - static_cast<unsigned>(b)); }
+WSP_DEVICE int wrap_mul(int a, int b) { return static_cast<int>(static_cast<unsigned>(a) * static_cast<unsigned>(b)); }
+WSP_DEVICE int wrap_neg(int a) { return static_cast<int>(0u - static_cast<unsigned>(a)); }
+
 }  // namespace wsp

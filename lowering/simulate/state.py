@@ -52,15 +52,16 @@ class Ctx:
 
 
 class Reg:
-    """A register tile: fp32 values (rounded to `dtype` at every write), NaN and `written`
-    False until the first write, since registers start undefined on the GPU."""
+    """A register tile: fp32 values (rounded to `dtype` at every write; an i32 tile's int32),
+    NaN and `written` False until the first write, since registers start undefined on the GPU."""
 
     __slots__ = ("dtype", "shape", "value", "written")
 
     def __init__(self, dtype: str, shape: tuple[int, ...]):
         self.dtype = dtype
         self.shape = shape
-        self.value = torch.full(shape, float("nan"))
+        # i32 tiles hold int32 values (docs/ir.md, "Integer tiles"); unwritten, never read
+        self.value = torch.zeros(shape, dtype=torch.int32) if dtype == "i32" else torch.full(shape, float("nan"))
         self.written = False
 
 

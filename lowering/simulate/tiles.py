@@ -1,6 +1,9 @@
 """The simulator's register-tile handlers (mixed into `machine.Machine`): declarations,
 fill / unary / binary / mask / reduce, plain global loads and stores, and `tile.store_smem`;
-values live in fp32 and are rounded to the tile's declared dtype at every write."""
+values live in fp32 and are rounded to the tile's declared dtype at every write. An i32 tile
+holds int32 values: ops into it compute in 32-bit integers (wrapping), a comparison of integer
+operands compares them exactly, and a float op reads an i32 tile converted to fp32, as the
+emitted CUDA does (docs/ir.md, "Integer tiles")."""
 
 from __future__ import annotations
 
@@ -20,6 +23,26 @@ def round_to_dtype(t: torch.Tensor, dtype: str) -> torch.Tensor:
     """fp32 values rounded to `dtype` (the register tile's declared type), kept as fp32."""
     target = TORCH_DTYPES[dtype]
     return t if target == torch.float32 else t.to(target).float()
+
+
+def to_register(t: torch.Tensor, dtype: str) -> torch.Tensor:
+    """A result as a register tile of `dtype` holds it: integers wrapped to int32 (floats
+    truncated toward zero first, C's conversion) in an i32 tile; else fp32 rounded to `dtype`."""
+    if dtype == "i32":
+        if t.is_floating_point():
+            t = t.trunc().to(torch.int64)
+        return (torch.remainder(t.to(torch.int64) + 2**31, 2**32) - 2**31).to(torch.int32)
+    return round_to_dtype(t.float(), dtype)
+
+
+def _scalar(value, integer: bool) -> torch.Tensor:
+    """A scalar operand as a 0-d tensor: int64 where the op computes in integers, else fp32."""
+    return torch.tensor(int(value), dtype=torch.int64) if integer else torch.tensor(float(value))
+
+
+def _as_float(t: torch.Tensor) -> torch.Tensor:
+    """An operand as a float op reads it: an i32 tile's values converted to fp32."""
+    return t if t.is_floating_point() else t.float()
 
 
 # What each tile op of `ir.UNARY_OPS` / `ir.BINARY_OPS` computes (on fp32 values; the result is
@@ -84,7 +107,7 @@ class TileHandlers:
                                 f"(missing wgmma.wait): {co.where(node)}")
             co.touched.add(held)
         check_verified(tuple(value.shape) == reg.shape, "a tile op's result has its destination's shape")
-        reg.value = round_to_dtype(value.float(), reg.dtype)
+        reg.value = to_register(value, reg.dtype)
         reg.written = True
 
     def _h_RegDecl(self, co, node):
@@ -99,25 +122,41 @@ class TileHandlers:
     def _h_TileFill(self, co, node):
         reg = self._reg(co, node, node.stmt.dst)
         value = node.ex(co.env)
-        self._write_reg(co, node, node.stmt.dst, torch.full(reg.shape, float(value)))
+        fill = int(value) if reg.dtype == "i32" else float(value)
+        self._write_reg(co, node, node.stmt.dst, torch.full(reg.shape, fill,
+                                                           dtype=torch.int64 if reg.dtype == "i32" else None))
 
     def _h_TileUnary(self, co, node):
         s = node.stmt
-        src = self._read_reg(co, node, s.src)
-        self._write_reg(co, node, s.dst, UNARY_SEMANTICS[s.op](src.value))
+        src = self._read_reg(co, node, s.src).value
+        if self._reg(co, node, s.dst).dtype == "i32":   # neg or cast (the verifier); a float cast truncates
+            self._write_reg(co, node, s.dst, -src.to(torch.int64) if s.op == "neg" else src)
+            return
+        self._write_reg(co, node, s.dst, UNARY_SEMANTICS[s.op](_as_float(src)))
+
+    def _operands(self, co, node, names, fns) -> list:
+        """The operand values of an elementwise op: tiles as they are held, scalars as 0-d tensors
+        (int64 where the scalar is an int, so that integer ops and comparisons stay exact)."""
+        values = []
+        for o, fn in zip(names, fns):
+            if fn is None:
+                values.append(self._read_reg(co, node, o).value)
+            else:   # a 0-d tensor broadcasts like a tile (torch.maximum takes tensors only)
+                value = fn(co.env)
+                values.append(_scalar(value, isinstance(value, int)))
+        return values
 
     def _h_TileBinary(self, co, node):
         s = node.stmt
-        operands = []
-        for o, fn in zip((s.lhs, s.rhs), node.ex):
-            if fn is None:
-                operands.append(self._read_reg(co, node, o).value)
-            else:   # a scalar operand: a 0-d fp32 tensor broadcasts like a tile (torch.maximum
-                operands.append(torch.tensor(float(fn(co.env))))   # takes tensors only)
-        if s.op in COMPARE_SEMANTICS:
-            result = COMPARE_SEMANTICS[s.op](*operands).float()
+        operands = self._operands(co, node, (s.lhs, s.rhs), node.ex)
+        integer = all(not v.is_floating_point() for v in operands) and any(
+            isinstance(o, str) and not v.is_floating_point() for o, v in zip((s.lhs, s.rhs), operands))
+        if self._reg(co, node, s.dst).dtype == "i32":   # the verifier: i32 tiles and int scalars
+            result = BINARY_SEMANTICS[s.op](*(v.to(torch.int64) for v in operands))
+        elif s.op in COMPARE_SEMANTICS:   # integers compared exactly, else as fp32
+            result = COMPARE_SEMANTICS[s.op](*(operands if integer else map(_as_float, operands))).float()
         else:
-            result = BINARY_SEMANTICS[s.op](*operands)   # the verifier checked that the shapes broadcast
+            result = BINARY_SEMANTICS[s.op](*map(_as_float, operands))   # the verifier checked the broadcast
         self._write_reg(co, node, s.dst, result.expand(self._reg(co, node, s.dst).shape).contiguous())
 
     def _h_TileMask(self, co, node):
@@ -170,7 +209,7 @@ class TileHandlers:
         param, tensor, coords, extents = self._global(co, node, s.tensor, reg.shape)
         self.check_global_read(co, node, s.tensor, coords, extents)
         data = read_box(tensor, coords, extents, TORCH_DTYPES[param.dtype])
-        self._write_reg(co, node, s.dst, data.float().reshape(reg.shape))
+        self._write_reg(co, node, s.dst, data.reshape(reg.shape))   # an i32 tensor into an f32 tile: converted
 
     def _h_TileStoreGlobal(self, co, node):
         s = node.stmt
@@ -227,15 +266,14 @@ class TileHandlers:
         reg = self._reg(co, node, s.dst)
         check_verified(len(reg.shape) == 2 and s.axis in (0, 1), "tile.iota fills a 2-D tile along axis 0 or 1")
         start = int(node.ex(co.env))
-        index = torch.arange(reg.shape[s.axis], dtype=torch.float32) + start
+        index = torch.arange(reg.shape[s.axis], dtype=torch.int64) + start   # fp32 tiles round it (int -> float)
         self._write_reg(co, node, s.dst,
                         (index[:, None] if s.axis == 0 else index[None, :]).expand(reg.shape).contiguous())
 
     def _h_TileSelect(self, co, node):
         s = node.stmt
-        values = []
-        for o, fn in zip((s.cond, s.on_true, s.on_false), node.ex):
-            values.append(self._read_reg(co, node, o).value if fn is None else torch.tensor(float(fn(co.env))))
-        cond, on_true, on_false = values
+        cond, on_true, on_false = self._operands(co, node, (s.cond, s.on_true, s.on_false), node.ex)
+        if self._reg(co, node, s.dst).dtype != "i32":
+            on_true, on_false = _as_float(on_true), _as_float(on_false)
         result = torch.where(cond != 0, on_true, on_false)   # the verifier checked that the shapes broadcast
         self._write_reg(co, node, s.dst, result.expand(self._reg(co, node, s.dst).shape).contiguous())

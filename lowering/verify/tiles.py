@@ -10,7 +10,7 @@ expressions (`_expr`), barrier references (`_bar`) and dtypes (`_dtype`).
 from __future__ import annotations
 
 from wsched.target import (
-    DTYPE_NAMES, FLOAT_DTYPES, FRAGMENT_COLUMN_GROUP, OPERAND_SWIZZLES, PAGE_ROWS_ALIGN, SWIZZLE_ROW_BYTES,
+    DTYPE_NAMES, FRAGMENT_COLUMN_GROUP, INT_TILE_OPS, REGISTER_DTYPES, OPERAND_SWIZZLES, PAGE_ROWS_ALIGN, SWIZZLE_ROW_BYTES,
     TMA_INNER_BOX_ALIGNMENT, TMA_MAX_BOX_DIM, TMA_SWIZZLES, WGMMA_ACCUMULATOR_DTYPE, WGMMA_K, WGMMA_M, WGMMA_N, WGMMA_OPERAND_DTYPES,
 )
 
@@ -249,16 +249,43 @@ class TileChecks:
 
     def _RegDecl(self, s: ir.RegDecl, path, scope, ctx):
         self._dtype(s.dtype, lambda m: self.r.at(path, m))
-        if s.dtype in DTYPE_NAMES and s.dtype not in FLOAT_DTYPES:
-            self.r.at(path, f"register tile {s.name} is {s.dtype}: register tiles hold {', '.join(FLOAT_DTYPES)} "
+        if s.dtype in DTYPE_NAMES and s.dtype not in REGISTER_DTYPES:
+            self.r.at(path, f"register tile {s.name} is {s.dtype}: register tiles hold {', '.join(REGISTER_DTYPES)} "
                             f"values; read an {s.dtype} tensor into an f32 tile (tile.load converts)")
         if not s.shape or any(d < 1 for d in s.shape):
             self.r.at(path, f"shape {list(s.shape)}: a register tile needs at least one dim, each >= 1")
         self._declare(s.name, "register tile", path, scope, s)
 
+    # -- i32 tiles (docs/ir.md, "Integer tiles") -------------------------------------------------
+
+    def _is_int_tile(self, name, scope) -> bool:
+        b = scope.get(name) if isinstance(name, str) else None
+        return b is not None and b.what == "register tile" and b.decl.dtype == "i32"
+
+    def _int_operands(self, word, dst_name, operands, path, scope) -> None:
+        """An op computing into an i32 tile reads i32 tiles and integer scalars only (a float
+        operand would be truncated silently)."""
+        for o in operands:
+            if isinstance(o, str):
+                b = scope.get(o)
+                if b is not None and b.what == "register tile" and b.decl.dtype != "i32":
+                    self.r.at(path, f"{word} {dst_name}: {dst_name} is i32 but operand {o} is {b.decl.dtype}; an op "
+                                    f"into an i32 tile computes in integers on i32 tiles and integer scalars "
+                                    f"(tile.cast {dst_name}, {o} truncates a float tile first)")
+            elif any(isinstance(n, ir.FloatConst) for n in expr_nodes(o)):
+                self.r.at(path, f"{word} {dst_name}: {dst_name} is i32 but the scalar {expr_text(o)} is a float; "
+                                f"an op into an i32 tile takes integer scalars")
+
+    def _not_int(self, word, name, path, scope, what: str) -> None:
+        if self._is_int_tile(name, scope):
+            self.r.at(path, f"{word}: {name} is an i32 tile, which {what}; i32 tiles hold ids and positions "
+                            f"for comparisons and integer arithmetic ({', '.join(INT_TILE_OPS)})")
+
     def _TileFill(self, s: ir.TileFill, path, scope, ctx):
         self._tile(s.dst, path, scope, ctx)
         self._expr(s.value, path, scope, ctx)
+        if self._is_int_tile(s.dst, scope):
+            self._int_operands("tile.fill", s.dst, (s.value,), path, scope)
 
     def _TileUnary(self, s: ir.TileUnary, path, scope, ctx):
         if s.op not in ir.UNARY_OPS:
@@ -268,11 +295,26 @@ class TileChecks:
         if dst is not None and src is not None and dst.shape != src.shape:
             self.r.at(path, f"tile.{s.op} {s.dst}, {s.src}: {s.src} is {array_text(src.dtype, src.shape)} but "
                             f"{s.dst} is {array_text(dst.dtype, dst.shape)}; an elementwise op keeps the shape")
+        if self._is_int_tile(s.dst, scope):
+            if s.op not in INT_TILE_OPS:
+                self.r.at(path, f"tile.{s.op} {s.dst}, {s.src}: {s.dst} is i32; an i32 tile is computed by "
+                                f"{', '.join(INT_TILE_OPS)} (write float results into an f32 tile)")
+            elif s.op != "cast":
+                self._int_operands(f"tile.{s.op}", s.dst, (s.src,), path, scope)
 
     def _TileBinary(self, s: ir.TileBinary, path, scope, ctx):
         if s.op not in ir.TILE_BINARY_OPS:
             self.r.at(path, f"tile.{s.op} is not a binary tile op; use one of {', '.join(ir.TILE_BINARY_OPS)}")
         self._broadcast_operands(f"tile.{s.op}", s.dst, (s.lhs, s.rhs), path, scope, ctx)
+        if self._is_int_tile(s.dst, scope):
+            if s.op in ir.COMPARE_OPS:
+                self.r.at(path, f"tile.{s.op} {s.dst}: {s.dst} is i32; a comparison writes 1.0 / 0.0 into a "
+                                f"float tile (its operands may be i32)")
+            elif s.op not in INT_TILE_OPS:
+                self.r.at(path, f"tile.{s.op} {s.dst}: {s.dst} is i32; an i32 tile is computed by "
+                                f"{', '.join(INT_TILE_OPS)} (divide in an f32 tile)")
+            else:
+                self._int_operands(f"tile.{s.op}", s.dst, (s.lhs, s.rhs), path, scope)
 
     def _broadcast_operands(self, word, dst_name, operands, path, scope, ctx) -> None:
         """The tile operands of an elementwise op broadcast to its destination's shape."""
@@ -301,6 +343,7 @@ class TileChecks:
 
     def _TileMask(self, s: ir.TileMask, path, scope, ctx):
         dst = self._tile(s.dst, path, scope, ctx)
+        self._not_int(f"tile.mask {s.dst}", s.dst, path, scope, "holds no -inf")
         for e in (s.row0, s.col0, s.limit) + tuple(x for x in (s.causal, s.period, s.lower) if x is not None):
             self._expr(e, path, scope, ctx)
         if dst is not None and len(dst.shape) != 2:
@@ -311,6 +354,8 @@ class TileChecks:
             self.r.at(path, f"tile.reduce.{s.op} is not a reduction; use one of {', '.join(ir.REDUCE_OPS)}")
         dst = self._tile(s.dst, path, scope, ctx)
         src = self._tile(s.src, path, scope, ctx)
+        for name in (s.src, s.dst):
+            self._not_int(f"tile.reduce.{s.op} {s.dst}, {s.src}", name, path, scope, "is not reduced")
         if dst is None or src is None:
             return
         if not 0 <= s.axis < len(src.shape):
@@ -344,9 +389,14 @@ class TileChecks:
 
     def _TileLoadGlobal(self, s: ir.TileLoadGlobal, path, scope, ctx):
         self._global_tile("tile.load", s.tensor, s.coords, s.dst, path, scope, ctx)
+        b = scope.get(s.tensor)
+        if self._is_int_tile(s.dst, scope) and b is not None and b.what == "global param" and b.decl.dtype != "i32":
+            self.r.at(path, f"tile.load {s.dst} <- {s.tensor}: {s.dst} is i32 but {s.tensor} is {b.decl.dtype}; an "
+                            f"i32 tile reads an i32 tensor (read a float tensor into an f32 tile)")
 
     def _TileStoreGlobal(self, s: ir.TileStoreGlobal, path, scope, ctx):
         self._global_tile("tile.store", s.tensor, s.coords, s.src, path, scope, ctx)
+        self._not_int(f"tile.store {s.tensor}", s.src, path, scope, "is not stored")
         if s.row_limit is None:
             return
         self._expr(s.row_limit, path, scope, ctx)
@@ -364,6 +414,7 @@ class TileChecks:
     def _TileStoreSmem(self, s: ir.TileStoreSmem, path, scope, ctx):
         decl = self._smem(s.dst, path, scope, ctx)
         t = self._tile(s.src, path, scope, ctx)
+        self._not_int(f"tile.store_smem {ref_text(s.dst)}", s.src, path, scope, "is not stored")
         if decl is None or t is None:
             return
         holds = self._smem_tile(s.dst, decl, path)
@@ -385,6 +436,8 @@ class TileChecks:
 
     def _TileSelect(self, s: ir.TileSelect, path, scope, ctx):
         self._broadcast_operands("tile.select", s.dst, (s.cond, s.on_true, s.on_false), path, scope, ctx)
+        if self._is_int_tile(s.dst, scope):
+            self._int_operands("tile.select", s.dst, (s.on_true, s.on_false), path, scope)
 
     # -- sliced epilogues -------------------------------------------------------------------------
 

@@ -44,7 +44,7 @@ from wsched.workloads.batch import batch_index_lets
 
 from .score import Bound, SideInput
 from .schedule import FEW_SPLIT_TILES, MIN_KV_BLOCKS_PER_SPLIT, THIN_MARGIN_VALUE_DIM, chunk_columns
-from .score_ops import ScoreOps
+from .score_ops import ScoreOps, input_dtype
 
 LOG2E = 1.0 / math.log(2.0)
 
@@ -200,8 +200,8 @@ def build_loops(kernel: None, ctx: LoweringContext) -> ir.Kernel:
     ))
 
     rows0 = ir.add("m0", ir.mul("wg", 64))
-    ops = ScoreOps(ctx.partition.fusion, (64, bn))
     tiles = {x.node.id: (f"{x.param}_t", (64 if x.per_query else 1, bn if x.per_key else 1)) for x in read}
+    ops = ScoreOps(ctx.partition.fusion, (64, bn), inputs={tiles[x.node.id][0]: input_dtype(x.node) for x in read})
     positions = {-2: rows0, -1: row}
     loads = {per_key: tuple(ir.TileLoadGlobal(tiles[x.node.id][0], x.param, _side_coords(x, rows0, row))
                             for x in read if x.per_key == per_key) for per_key in (False, True)}
@@ -280,7 +280,7 @@ def build_loops(kernel: None, ctx: LoweringContext) -> ir.Kernel:
         ir.RegDecl("l_run", "f32", (64, 1)),
         ir.RegDecl("m_blk", "f32", (64, 1)),
         ir.RegDecl("corr", "f32", (64, 1)),
-        *(ir.RegDecl(name, "f32", shape) for name, shape in tiles.values()),
+        *(ir.RegDecl(name, ops.inputs[name], shape) for name, shape in tiles.values()),
         *ops.decls.values(),
         *((ir.RegDecl(BIAS_WEIGHT, "f32", (1, 1)), ir.RegDecl(BIAS_COLS, "f32", (1, bn))) if sf.bias else ()),
         *((ir.RegDecl(BIAS_TERM, "f32", (1, 1)),) if len(sf.bias) > 1 else ()),

@@ -267,8 +267,9 @@ def _chain(fusion, scores, qk, fail) -> list:
 
 
 def _check_exact(node, fail) -> None:
-    """Integer values are computed in fp32 in the kernel: exact for +, -, * (below 2**24), not for
-    the truncations of an integer division or a cast to i32."""
+    """The kernel computes integers with +, -, *, min, max and comparisons (exactly, in i32 tiles
+    where an i32 input is involved; positions in fp32, exact below 2**24), not the truncations of
+    an integer division or a cast to i32."""
     if node.op == "div" and node.dtype.name == "i32":
         fail("an integer division in a score function is not supported (the kernel computes in "
              "fp32); divide floats: cast an operand with .to(ws.f32)", node)

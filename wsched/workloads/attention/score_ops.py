@@ -17,7 +17,10 @@ Q K^T is the accumulator itself, an input the score function reads is the tile l
 constant is a multiplication by its reciprocal (within an ulp of the division, one instruction
 instead of a sequence per element). Each value lives in a
 tile of the node's shape on the block ([64, BN] once it involves a position or the scores) and
-dtype (f32 for integers and comparisons: fp32 holds them exactly below 2**24); a tile whose value
+dtype: a float node's own; an integer computed from an i32 input (document ids, positions per
+key) an i32 tile, exact at any value, with a position it meets cast to i32 first; an integer of
+positions and constants alone, and a comparison's result, f32 (positions are below 2**24, where
+fp32 is exact, and a float op on positions needs no conversion per element). A tile whose value
 is dead is reused. The [64, BN] ops come last and in a row, so the emitter runs them as one loop
 over the fragment (`emit_elementwise_run`) and the temporary tiles never occupy registers as
 whole tiles.
@@ -34,8 +37,15 @@ F = ir.FloatConst
 
 
 def node_dtype(node) -> str:
-    """The tile dtype holding a node's values: its own when a float, else f32 (exact)."""
+    """The tile dtype holding a node's values when no i32 input reaches it: its own when a
+    float, else f32 (exact for positions, below 2**24)."""
     return node.dtype.name if node.dtype.is_float else "f32"
+
+
+def input_dtype(node) -> str:
+    """The dtype of the tile an input of the score function is loaded into: i32 ids stay
+    integers (exact at any value), floats are read into f32."""
+    return "i32" if node.dtype.name == "i32" else "f32"
 
 
 @dataclass
@@ -45,6 +55,7 @@ class ScoreOps:
     fusion: object
     full: tuple[int, int]                       # [64, BN]: a block of scores of one warpgroup
     decls: dict = field(default_factory=dict)   # name -> ir.RegDecl, in order
+    inputs: dict = field(default_factory=dict)  # an input's tile name -> its dtype (input_dtype)
 
     def lower(self, root: str, dst: str | None, leaves: dict, positions: dict,
               causal_shift=None) -> tuple[list[ir.Stmt], str | ir.Expr]:
@@ -54,8 +65,10 @@ class ScoreOps:
         nodes, uses = self._needed(root, leaves)
         shapes: dict[str, tuple[int, ...]] = {}
         values: dict[str, str | ir.Expr] = {}
+        dtypes: dict[str, str] = {}   # a tile value's dtype
         for node_id, (operand, shape) in leaves.items():
             values[node_id], shapes[node_id] = operand, shape
+            dtypes[node_id] = self.inputs.get(operand, "f32")
         free: list[str] = []
         owned: set[str] = {dst} if dst is not None else set()   # dst's own value is overwritten anyway
         out: list[ir.Stmt] = []
@@ -85,27 +98,51 @@ class ScoreOps:
                 t = temp("f32", shape, [])
                 axis = 0 if node.attr("dim") == -2 else 1
                 out.append(ir.TileIota(t, axis, positions[node.attr("dim")]))
-                values[node.id] = t
+                values[node.id], dtypes[node.id] = t, "f32"
                 continue
             args = [values[i] for i in node.inputs]
+            # integers from an i32 input are computed (and compared) in i32 tiles: the other
+            # integer operands cast to i32 (positions) or written as integer constants
+            exact = [k for k, i in enumerate(node.inputs) if self._integer(i)]
+            if node.op == "where":
+                exact = [k for k in exact if k > 0]   # the condition is read as non-zero, any dtype
+            integer = bool(exact) and any(dtypes.get(node.inputs[k]) == "i32" for k in exact) and (
+                not node.dtype.is_float and (node.op != "where" or len(exact) == 2)
+                and (node.dtype.name != "bool" or len(exact) == len(node.inputs)))
+            if integer:
+                for k in exact:
+                    i = node.inputs[k]
+                    if isinstance(args[k], ir.FloatConst):
+                        args[k] = ir.IntConst(int(args[k].value))
+                    elif dtypes.get(i) != "i32":
+                        cast = temp("i32", shapes[i], [])
+                        out.append(ir.TileUnary("cast", cast, args[k]))
+                        free.append(cast)   # read once, by this op (a temp is never the op's own dst)
+                        args[k] = cast
             dead = []
             for i in node.inputs:
                 uses[i] -= 1
                 if uses[i] == 0 and isinstance(values[i], str) and values[i] in owned and values[i] not in dead:
                     dead.append(values[i])
-            dtype = node_dtype(node)
+            dtype = "i32" if integer and node.dtype.name != "bool" else node_dtype(node)
             if node.id == root and dst is not None and dtype == "f32":   # dst: the f32 scores
                 target = dst
             else:
                 target = temp(dtype, shape, dead)
             free.extend(d for d in dead if d != target)
             out += self._op(node, target, args, positions, causal_shift)
-            values[node.id] = target
+            values[node.id], dtypes[node.id] = target, dtype
         result = values[root]
         if dst is not None and result != dst:   # a 16-bit score rounded, then widened
             out.append(ir.TileUnary("cast", dst, result))
             result = dst
         return _fold_scalar_products(out), result
+
+    def _integer(self, node_id: str) -> bool:
+        """Whether a node's values are integers (an i32 input, positions, integer arithmetic on
+        them, a whole Python number): those an i32 op may read."""
+        node = self.fusion.node(node_id)
+        return node.dtype.name == "i32" or (node.op == "const" and float(node.attr("value")).is_integer())
 
     def _needed(self, root: str, leaves: dict):
         """The nodes to compute for `root` (topological order) and the uses of each value."""
