@@ -40,8 +40,9 @@ from wsched.target import (MAX_GRID, MAX_PORTABLE_CLUSTER, MAX_THREADS, TMA_GLOB
 
 from .cuda_driver import CudaError, check_cuda, device_index, is_current, torch_context
 
-__all__ = ["ARG_TYPES", "LoadedKernel", "PackedArguments", "check_base_alignment", "check_tensor",
-           "current_stream_handle", "sm_count"]
+__all__ = ["ARG_TYPES", "LoadedKernel", "PackedArguments", "TmaLayoutError", "check_base_alignment", "check_tensor",
+           "current_stream_handle", "sm_count", "tma_aligned_empty", "tma_layout_problem",
+           "tma_ready"]
 
 
 @functools.cache
@@ -65,6 +66,50 @@ def _dtype_text(dtype: object) -> str:
     if isinstance(dtype, (set, frozenset, tuple, list)):
         return " or ".join(sorted(str(d) for d in dtype))
     return str(dtype)
+
+
+class TmaLayoutError(ValueError):
+    """A tensor TMA cannot address as it is: an inner stride other than 1, a base address or a
+    row stride that is not a multiple of 16 bytes. The eager call copies such a tensor into an
+    aligned buffer instead (`CompiledKernel._run_staged`); `name` is the argument."""
+
+    def __init__(self, name: str, message: str):
+        super().__init__(message)
+        self.name = name
+
+
+def tma_layout_problem(tensor: torch.Tensor) -> str | None:
+    """Why TMA cannot address `tensor` as it is (check_tensor's layout rules, in a few words), or
+    None where it can."""
+    if tensor.dim() == 0:
+        return None
+    if tensor.stride(-1) != 1 and tensor.shape[-1] != 1:
+        return f"innermost stride {tensor.stride(-1)}"
+    offset = tensor.data_ptr() % TMA_GLOBAL_ADDRESS_ALIGNMENT
+    if offset:
+        return f"base {offset} bytes past a {TMA_GLOBAL_ADDRESS_ALIGNMENT}-byte boundary"
+    element = tensor.element_size()
+    for d in range(tensor.dim() - 1):
+        if tensor.shape[d] != 1 and tensor.stride(d) * element % TMA_STRIDE_ALIGNMENT:
+            return f"a stride of {tensor.stride(d) * element} bytes in dim {d}"
+    return None
+
+
+def tma_ready(tensor: torch.Tensor) -> bool:
+    """Whether TMA can address `tensor` as it is."""
+    return tma_layout_problem(tensor) is None
+
+
+def tma_aligned_empty(tensor: torch.Tensor) -> torch.Tensor:
+    """An uninitialised tensor of `tensor`'s shape, dtype and device that TMA can address: its
+    last dim padded to a multiple of 16 bytes in memory (a view of the first shape[-1] columns;
+    a TMA map's extents are the shape, so the padding is never read or written)."""
+    if tensor.dim() == 0:
+        return torch.empty((), dtype=tensor.dtype, device=tensor.device)
+    per_row = TMA_STRIDE_ALIGNMENT // tensor.element_size()
+    *outer, last = tensor.shape
+    padded = torch.empty((*outer, -(-last // per_row) * per_row), dtype=tensor.dtype, device=tensor.device)
+    return padded[..., :last]
 
 
 def check_tensor(
@@ -130,7 +175,8 @@ def check_tensor(
     if tensor.dim() == 0 or not alignment:
         return
     if tensor.stride(-1) != 1 and tensor.shape[-1] != 1:
-        raise ValueError(
+        raise TmaLayoutError(
+            name,
             f"{where} is not contiguous in its innermost dimension (shape "
             f"{_shape_text(tensor.shape)}, strides {_shape_text(tensor.stride())}); TMA needs "
             "stride(-1) == 1 — call .contiguous() (a transposed view must be materialised)"
@@ -145,7 +191,8 @@ def check_tensor(
         stride_bytes = tensor.stride(dim) * element
         if stride_bytes % TMA_STRIDE_ALIGNMENT:
             row_elems = TMA_STRIDE_ALIGNMENT // element
-            raise ValueError(
+            raise TmaLayoutError(
+                name,
                 f"{where} has stride {tensor.stride(dim)} elements = {stride_bytes} bytes in dim "
                 f"{dim} (shape {_shape_text(tensor.shape)}); TMA needs {TMA_STRIDE_ALIGNMENT}-byte "
                 f"aligned rows: every stride but the innermost must be a multiple of "
@@ -158,7 +205,8 @@ def check_base_alignment(name: str, data_ptr: int) -> None:
     """TMA's base address rule, checked on every call (a tensor of a seen layout may start anywhere)."""
     offset = data_ptr % TMA_GLOBAL_ADDRESS_ALIGNMENT
     if offset:
-        raise ValueError(
+        raise TmaLayoutError(
+            name,
             f"argument '{name}' has data_ptr {data_ptr:#x}, {offset} bytes past a "
             f"{TMA_GLOBAL_ADDRESS_ALIGNMENT}-byte boundary; TMA needs a "
             f"{TMA_GLOBAL_ADDRESS_ALIGNMENT}-byte aligned base address — a view that starts mid-row "

@@ -7,6 +7,7 @@ import ast
 import contextlib
 import functools
 import ctypes
+import warnings
 import graphlib
 import threading
 from pathlib import Path
@@ -749,20 +750,52 @@ def test_a_new_layout_gets_a_new_plan(fake_gpu, monkeypatch):
     assert len(plans) == len(k._plans) == 3 and len(fake_gpu.launches) == 5
 
 
-def test_a_misaligned_base_of_a_known_layout_is_refused(fake_gpu):
+def test_a_misaligned_base_of_a_known_layout_is_staged(fake_gpu):
+    """A tensor of a planned layout whose base TMA cannot take is copied into an aligned buffer
+    (the launch's map names the copy), with one warning that says why; bind() still refuses it."""
     fusion, (a, b), out, _ = _matmul_call()
     k = fake_gpu.compile(fusion)
     k(a, b, out=out)
     storage = torch.empty(200 * 72 + 8, dtype=torch.bfloat16)
     shifted = storage[1:1 + 200 * 72].view(200, 72)   # the plan's layout, 2 bytes past 16
     shifted.copy_(a)
+    with pytest.warns(UserWarning, match=r"matmul: 'a' \(200, 72\): base 2 bytes past a 16-byte boundary — copied "
+                                         r"to \(outputs: from\) a TMA-aligned buffer on every call"):
+        assert k(shifted, b, out=out) is out["out"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        k(shifted, b, out=out)                          # warned once per layout
+    assert len(k._plans) == 1 and len(fake_gpu.launches) == 3
+    name, address = fake_gpu.encoded[-1]
+    assert name == "a" and address % 16 == 0 and address != shifted.data_ptr()
     with pytest.raises(ValueError) as info:
-        k(shifted, b, out=out)
+        k.bind(shifted, b, out=out)
     assert str(info.value) == (
         f"argument 'a' has data_ptr {shifted.data_ptr():#x}, 2 bytes past a 16-byte boundary; TMA needs "
         "a 16-byte aligned base address — a view that starts mid-row (e.g. t[:, 3:]) must be copied "
         "with .contiguous() or .clone()")
-    assert len(k._plans) == 1 and len(fake_gpu.launches) == 1   # refused before the launch
+
+
+def test_rows_tma_cannot_read_are_staged_both_ways(fake_gpu):
+    """K = 100 and N = 257 (rows of 200 and 514 bytes): the inputs are copied into padded buffers,
+    the kernel writes a padded output, copied into the given one (tests/test_gpu_matmul.py checks
+    the numbers, and an output the call allocates)."""
+    from fusions import matmul
+
+    k = fake_gpu.compile(matmul)
+    a, b = torch.randn(70, 100).bfloat16(), torch.randn(100, 257).bfloat16()
+    out = {"out": torch.empty(70, 257, dtype=torch.bfloat16)}
+    with pytest.warns(UserWarning) as caught:
+        o = k(a, b, out=out)
+    text = str(caught[0].message)
+    for part in ("'a' (70, 100): a stride of 200 bytes in dim 0", "'b' (100, 257): a stride of 514 bytes in dim 0",
+                 "'out' (70, 257): a stride of 514 bytes in dim 0"):
+        assert part in text
+    assert o is out["out"]
+    maps = {name: address for name, address in fake_gpu.encoded}
+    assert set(maps) == {"a", "b", "out"} and maps["out"] != o.data_ptr()
+    assert maps["a"] != a.data_ptr() and maps["b"] != b.data_ptr()
+    assert all(address % 16 == 0 for address in maps.values())
 
 
 def test_bind_launches_its_own_arguments(fake_gpu):

@@ -53,6 +53,27 @@ def test_schedule_variants(overrides):
         check(ws.compile(fusion, build=False, **SMALL, **overrides), fusion, 330, 264, 200, seed=5, num_sms=2)
 
 
+@pytest.mark.parametrize("fusion, M, N, K", [(matmul, 70, 257, 100), (mlp, 130, 300, 36), (matmul, 33, 8, 7)],
+                         ids=["rows_of_odd_k_and_n", "mlp_k36", "k7"])
+def test_rows_tma_cannot_read_are_staged(fusion, M, N, K):
+    """K and N whose rows are no multiple of 16 bytes (a vocabulary of 50257 columns): the
+    inputs are read from aligned copies and the output written to an aligned buffer, then copied
+    into the contiguous output, as on the GPU (CompiledKernel._run_staged)."""
+    inputs = inputs_for(fusion, M, N, K, seed=7)
+    out = ws.compile(fusion, build=False, **SMALL).simulate(*inputs, num_sms=2)
+    assert out.is_contiguous() and out.shape == (M, N)
+    assert rel_error(out, fusion.reference(*inputs)) < 1e-2
+
+
+def test_a_transposed_weight_is_staged():
+    """A [K, N] weight passed as the transposed view of an [N, K] one (innermost stride K)."""
+    a, b = inputs_for(matmul, 100, 136, 72, seed=3)
+    b_t = b.t().contiguous().t()
+    assert b_t.stride() == (1, 72)
+    out = ws.compile(matmul, build=False, **SMALL).simulate(a, b_t, num_sms=2)
+    assert rel_error(out, matmul.reference(a, b)) < 1e-2
+
+
 def test_more_tiles_than_ctas_each_cta_walks_several():
     k = ws.compile(matmul, build=False, **SMALL)
     check(k, matmul, 512, 512, 128, seed=2, num_sms=3)   # 16 tiles on 3 CTAs

@@ -185,9 +185,13 @@ class Fusion:
                 raise FusionError(name, f"output {output!r} is not a node of the fusion", "")
 
     def nodes(self) -> list[Node]:
-        """Every node in a deterministic topological order (creation order breaks ties)."""
-        order = nx.lexicographical_topological_sort(self.graph, key=self._creation.__getitem__)
-        return [self.graph.nodes[node_id]["node"] for node_id in order]
+        """Every node in a deterministic topological order (creation order breaks ties); sorted
+        once (the graph does not change after __init__), a new list per call."""
+        order = self.__dict__.get("_order")
+        if order is None:
+            ids = nx.lexicographical_topological_sort(self.graph, key=self._creation.__getitem__)
+            order = self.__dict__["_order"] = tuple(self.graph.nodes[node_id]["node"] for node_id in ids)
+        return list(order)
 
     def node(self, node_id: str) -> Node:
         return self.graph.nodes[node_id]["node"]
@@ -260,7 +264,8 @@ class Fusion:
 
     def reference(self, *tensors: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, ...]:
         """Evaluate the DAG with torch: inputs upcast to fp32, every node computed in fp32 and
-        rounded to its declared dtype (so bf16 intermediates round where a kernel's would).
+        rounded to its declared dtype (so bf16 intermediates round where a kernel's would); i32
+        values stay exact integers (reference.py).
         Returns the output, or a tuple of outputs, in their declared dtypes."""
         op = f"{self.name}.reference"
         return evaluate(self, tensors, self.bind_tensors(op, tensors))

@@ -14,7 +14,7 @@ import torch
 from cuda.bindings import driver
 
 from .codegen import native
-from .codegen.launch import PackedArguments, check_base_alignment
+from .codegen.launch import PackedArguments, TmaLayoutError, check_base_alignment
 from .codegen.nvcc import BuildError, nvcc_available
 from .errors import ArgumentError, FusionError, check_argument, short_repr
 from .fusion import check_fusion
@@ -57,10 +57,11 @@ class CompiledKernel:
     cuda_source: str
     timings: dict = field(default_factory=dict)  # seconds spent in lower / emit / build
     build: object = None                         # codegen.build.BuildResult once built
-    _plans: dict = field(default_factory=dict, repr=False)  # launch plans by argument layouts
+    _plans: dict = field(default_factory=dict, repr=False)  # launch plans (or TmaLayoutErrors) by argument layouts
     _workspaces: dict = field(default_factory=dict, repr=False)  # (name, device) -> scratch tensors
     _natives: dict = field(default_factory=dict, repr=False)  # out= names (None: none) -> native Launcher
     _held_tables: list = field(default_factory=list, repr=False)  # launch_args' spans tables, the last 8 calls'
+    _staging_warned: set = field(default_factory=set, repr=False)  # layouts _run_staged has warned about
 
     def __post_init__(self):
         self._check_values = knobs.check_values()
@@ -275,7 +276,13 @@ class CompiledKernel:
             key = tuple(key)
             plan = self._plans.get(key)
             if plan is None:
-                plan = self._plans[key] = self._plan(tensors, out)
+                try:
+                    plan = self._plans[key] = self._plan(tensors, out)
+                except TmaLayoutError as error:   # kept: the next call of the layout is staged at once
+                    self._plans[key] = error
+                    raise
+            elif isinstance(plan, TmaLayoutError):
+                raise plan.with_traceback(None)
             plan.calls += 1
         if self._check_values:   # WSCHED_CHECK_INPUTS=1
             self.partition.workload.check_values(self.partition, dict(zip(plan.inputs, tensors)))
@@ -350,7 +357,10 @@ class CompiledKernel:
         """The eager launch (`__call__` and the custom op's CUDA implementation). A layout seen
         twice is then handed to the native launchers `natives` (default: this kernel's), so that
         its next call is launched from C."""
-        plan, packed, outputs = self._prepare(tensors, out)
+        try:
+            plan, packed, outputs = self._prepare(tensors, out)
+        except TmaLayoutError:
+            return self._run_staged(tensors, out)
         # on the tensors' device (its context, module, stream), whatever the current device is
         self._loaded.launch_packed(plan.grid, packed, plan.device_index)
         if plan.calls >= 2 and self._native:   # a layout used once (a decode step's T) is not worth a plan
@@ -361,6 +371,57 @@ class CompiledKernel:
                 self._native = False
                 warnings.warn(f"{self.fusion.name}: the native launch path is off for this kernel "
                               f"({type(error).__name__}: {error}); calls take the Python path", stacklevel=3)
+        return outputs[0] if len(outputs) == 1 else outputs
+
+    def _tma_staging(self, inputs: dict, outs: dict) -> dict:
+        """The aligned stand-ins of the tensors TMA cannot address as they are (tma_ready): a
+        copy of each such input, an empty buffer for each such output (rows padded to 16 bytes:
+        a vocabulary of 50257 columns, an odd K, a transposed view), by parameter name."""
+        from .codegen.launch import tma_aligned_empty, tma_ready
+        from .lowering import ir
+
+        staged: dict[str, torch.Tensor] = {}
+        for p in self.kernel.params:
+            if isinstance(p, ir.TensorMapParam):
+                t = inputs.get(p.name, outs.get(p.name))
+                if t is not None and not tma_ready(t):
+                    staged[p.name] = tma_aligned_empty(t)
+                    if p.name in inputs:
+                        staged[p.name].copy_(t)
+        return staged
+
+    def _run_staged(self, tensors, out: dict[str, torch.Tensor] | None):
+        """A call with a tensor TMA cannot address as it is: each such input copied into an
+        aligned buffer, each such output computed into one and then copied into the output (a
+        warning, once per layout, names them and the copies' cost). Never planned for the
+        native path: every such call comes here."""
+        from .codegen.launch import tma_layout_problem
+
+        inputs, _, sizes = self._bind_inputs(tensors)
+        device = next((t.device for t in inputs.values() if t.is_cuda), None)
+        outs = dict(out) if out is not None else self._outputs(sizes, device)
+        staged = self._tma_staging(inputs, outs)
+        if not staged:   # the error came from elsewhere (not a TMA layout): let the plan raise it
+            self._prepare(tensors, out)
+        given = {**inputs, **outs}
+        problems = {n: tma_layout_problem(given[n]) for n in staged}
+        key = tuple((n, tuple(given[n].shape), problems[n]) for n in staged)
+        if key not in self._staging_warned:
+            self._staging_warned.add(key)
+            described = "; ".join(f"'{n}' {tuple(given[n].shape)}: {problems[n]}" for n in staged)
+            warnings.warn(f"{self.fusion.name}: {described} — copied to (outputs: from) a TMA-aligned buffer on "
+                          f"every call (TMA reads rows of a multiple of 16 bytes from a 16-byte aligned base, "
+                          f"innermost stride 1); pass tensors laid out so (the last dim padded in memory to a "
+                          f"multiple of 16 bytes, .contiguous() for a transposed view or a shifted base) to run "
+                          f"without the copies", stacklevel=3)
+        kernel_inputs = tuple(staged.get(name, t) for name, t in inputs.items())
+        kernel_outs = {name: staged.get(name, t) for name, t in outs.items()}
+        plan, packed, _ = self._prepare(kernel_inputs, kernel_outs)
+        self._loaded.launch_packed(plan.grid, packed, plan.device_index)
+        for name, t in outs.items():
+            if name in staged:
+                t.copy_(staged[name])
+        outputs = tuple(outs.values())
         return outputs[0] if len(outputs) == 1 else outputs
 
     def _install(self, natives: dict, plan: "_LaunchPlan", packed: PackedArguments, tensors: tuple, out) -> None:
@@ -404,9 +465,16 @@ class CompiledKernel:
             return self._result(outs)    # an empty output: nothing to compute (a grid of no CTAs)
         for t in outs.values():
             t.fill_(float("nan"))
-        views = self._kernel_views({**inputs, **outs}, scalars)
+        staged = self._tma_staging(inputs, outs)   # as a GPU call stages them (_run_staged)
+        for name, t in staged.items():
+            if name in outs:
+                t.fill_(float("nan"))
+        views = self._kernel_views({**inputs, **outs, **staged}, scalars)
         self._check_tma_layouts(views)
         simulate(self.kernel, {**views, **scalars}, num_sms=num_sms, seed=seed)
+        for name, t in outs.items():
+            if name in staged:
+                t.copy_(staged[name])
         return self._result(outs)
 
     def _check_tma_layouts(self, views: dict) -> None:
