@@ -3,6 +3,8 @@ and its shape variants (matmul: split-K where the output tiles cannot fill the S
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -112,6 +114,34 @@ def test_simulate_runs_the_chosen_kernel(fusion, m, n, kk):
     out = k.simulate(*inputs, num_sms=4)
     ref = fusion.reference(*inputs)
     assert float((out.float() - ref).norm() / ref.norm()) < 1e-2
+
+
+@pytest.mark.parametrize("m, n, kk", [(16, 257, 96), (300, 1001, 64), (300, 1000, 64)])
+def test_outputs_of_unaligned_rows_are_stored_directly(m, n, kk):
+    """An output whose rows are no multiple of 16 bytes (N = 257, 1001: a vocabulary of 50257)
+    would be staged through a copy under a TMA store: the chosen schedule with plain stores runs
+    instead (built once), and the simulator runs that kernel too."""
+    k = ws.compile(matmul, build=False)
+    inputs = inputs_for(matmul, m, n, kk, seed=n)
+    chosen = k.choose(inputs, 132)
+    kernel = k._unstaged(chosen, inputs)
+    if n % 8 == 0:
+        assert kernel is chosen and chosen.schedule.epilogue == "tma_store"
+    else:
+        assert kernel.schedule == dataclasses.replace(chosen.schedule, epilogue="direct")
+        assert k._unstaged(chosen, inputs) is kernel
+        assert "global out:" in kernel.ir
+    out = k.simulate(*inputs, num_sms=4)
+    assert float((out.float() - matmul.reference(*inputs)).norm() / out.float().norm()) < 1e-2
+
+
+def test_a_large_output_of_unaligned_rows_keeps_the_tma_store():
+    """Beyond DIRECT_STORE_MAX_BYTES the staged copy costs less than storing an element at a time."""
+    k = ws.compile(matmul, build=False)
+    a = torch.empty(8192, 768, dtype=torch.bfloat16, device="meta")
+    b = torch.empty(768, 50257, dtype=torch.bfloat16, device="meta")   # 823 MB of output
+    chosen = k.choose((a, b), 132)
+    assert k._unstaged(chosen, (a, b)) is chosen and chosen.schedule.epilogue == "tma_store"
 
 
 def test_cpu_tensors_raise_the_no_gpu_error(k):

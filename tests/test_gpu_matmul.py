@@ -4,10 +4,13 @@ Outputs are poisoned with NaN before every run, inputs are fresh random normals,
 ones that do not divide the tile, K < BK, and fewer / more tiles than SMs.
 """
 
+import warnings
+
 import pytest
 import torch
 
 import wsched as ws
+from wsched.codegen.launch import tma_ready
 
 from fusions import gated, inputs_for, linear_relu_residual, matmul, matmul_f16, mlp, scaled_silu_f32
 
@@ -91,21 +94,37 @@ def test_wrong_device_and_dtype_are_named():
 
 @pytest.mark.parametrize("M,N,K", [(300, 1001, 100), (8, 50257, 768), (1000, 257, 36)])
 @pytest.mark.parametrize("fusion", [matmul, mlp], ids=lambda f: f.name)
-def test_rows_tma_cannot_read_are_staged(fusion, M, N, K):
+def test_rows_tma_cannot_read(fusion, M, N, K):
     """K and N whose rows are no multiple of 16 bytes (GPT-2's vocabulary of 50257 columns): the
-    default per-shape kernel runs on aligned copies, once warned; a contiguous output returned,
-    a given one filled; repeated calls stay right (they never get a native plan)."""
+    per-shape choice stores such outputs directly (epilogue="direct") and stages the inputs
+    (warned); a contiguous output returned, a given one filled; repeated calls stay right."""
     k = ws.compile(fusion)
     inputs = inputs_for(fusion, M, N, K, device="cuda", seed=M)
     ref = fusion.reference(*inputs).float()
-    with pytest.warns(UserWarning, match="TMA-aligned buffer on every call"):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
         out = k(*inputs)
+    staged_inputs = any(not tma_ready(t) for t in inputs)   # K's rows, or b's [K, N] ones
+    assert any("TMA-aligned buffer" in str(w.message) for w in caught) == staged_inputs
+    assert k.kernel_for(*inputs).schedule.epilogue == "direct"   # outputs of at most 64 MB
     assert out.shape == (M, N) and out.is_contiguous()
     for _ in range(3):
         given = {"out": torch.full((M, N), float("nan"), device="cuda", dtype=out.dtype)}
         assert k(*inputs, out=given) is given["out"]
         assert float((given["out"].float() - ref).norm() / ref.norm()) < 1e-2
     assert float((out.float() - ref).norm() / ref.norm()) < 1e-2
+
+
+@pytest.mark.parametrize("M,N,K", [(300, 1001, 104), (8, 50257, 768)])
+def test_a_tma_stored_output_of_unaligned_rows_is_staged(M, N, K):
+    """A kernel of one schedule (a TMA-store epilogue) computes such an output into an aligned
+    buffer and copies it into the output, warned once."""
+    k = ws.compile(matmul, ws.schedule_for(matmul))
+    a, b = inputs_for(matmul, M, N, K, device="cuda", seed=N)
+    with pytest.warns(UserWarning, match=rf"'out' \({M}, {N}\): a stride of {2 * N} bytes in dim 0"):
+        out = k(a, b)
+    ref = matmul.reference(a, b).float()
+    assert out.is_contiguous() and float((out.float() - ref).norm() / ref.norm()) < 1e-2
 
 
 def test_shifted_and_transposed_views_are_staged():

@@ -43,6 +43,14 @@ class Variant:
     rule: str                      # the rule in words (docs, `describe`)
 
 
+# The largest TMA-stored output of unaligned rows that the per-shape choice stores with plain
+# stores instead of staging it (ShapeDispatchKernel._unstaged). Plain stores of such rows go an
+# element at a time, and a staged call pays the Python path and a copy of the output: on an H100
+# (nk, K 768 / 4096) plain stores won at 1.6 and 8 MB (16x50257: 35 against 7 TFLOP/s; 4096x1001:
+# 375 against 228) and lost at 206-823 MB (2048 and 8192 x 50257: 169-175 against 274-307).
+DIRECT_STORE_MAX_BYTES = 64 << 20
+
+
 class ShapeDispatchKernel:
     """The default kernel of a fusion plus variants chosen per call by shape and SM count."""
 
@@ -55,6 +63,8 @@ class ShapeDispatchKernel:
         self._lock = threading.Lock()
         self._failed: dict[int, Exception] = {}        # variant index -> its build error (built once)
         self._natives: dict = {}   # out= names -> native Launcher: plans of every kernel chosen
+        self._direct: dict = {}    # schedule -> its kernel with plain stores (_unstaged)
+        self._failed_direct: dict = {}   # schedule -> why that kernel did not build
         self.op = torch_ops.register(self)             # registered now: torch.compile cannot trace it
 
     # -- choice -------------------------------------------------------------------------------
@@ -75,6 +85,39 @@ class ShapeDispatchKernel:
                         self._failed[index] = error
                         raise
         return kernel
+
+    def _unstaged(self, kernel, tensors):
+        """`kernel`, or, where one of its TMA-stored outputs would be staged at these sizes (rows
+        of no multiple of 16 bytes: a vocabulary of 50257 columns) and is at most
+        DIRECT_STORE_MAX_BYTES, its schedule with plain stores (epilogue="direct", which takes
+        any row length): no copy of the output, and calls stay eligible for the native path.
+        `kernel` where that schedule does not build."""
+        from dataclasses import replace
+
+        from .codegen.launch import tma_layout_problem
+        from .kernel import build_without_spills
+        from .lowering import ir
+
+        if getattr(kernel.schedule, "epilogue", "direct") == "direct":
+            return kernel
+        _, _, sizes = kernel._bind_inputs(tensors)
+        stored = {p.name for p in kernel.kernel.params if isinstance(p, ir.TensorMapParam)}
+        outputs = [torch.empty([sizes[d] if isinstance(d, str) else d for d in node.shape],
+                               dtype=node.dtype.torch_dtype, device="meta")
+                   for node, name in zip(kernel.partition.outputs, kernel.partition.output_names) if name in stored]
+        if (not any(tma_layout_problem(t) is not None for t in outputs)
+                or sum(t.numel() * t.element_size() for t in outputs) > DIRECT_STORE_MAX_BYTES):
+            return kernel
+        schedule = replace(kernel.schedule, epilogue="direct")
+        with self._lock:
+            direct = self._direct.get(schedule)
+            if direct is None and schedule not in self._failed_direct:
+                try:
+                    direct = self._direct[schedule] = build_without_spills(self.primary.fusion, schedule,
+                                                                           build=self._build)
+                except Exception as error:   # the staged call serves it (a copy of the output)
+                    self._failed_direct[schedule] = error
+        return direct or kernel
 
     @property
     def dropped(self) -> dict[int, str]:
@@ -119,7 +162,7 @@ class ShapeDispatchKernel:
             device = next((t.device for t in tensors if t.is_cuda), None)
             if device is None:
                 return self.primary          # the primary raises the no-GPU / bad-argument error
-            kernel = self.choose(tensors, sm_count(device))
+            kernel = self._unstaged(self.choose(tensors, sm_count(device)), tensors)
             if len(self._choice) >= 256:
                 self._choice.clear()
             self._choice[key] = kernel
@@ -155,7 +198,7 @@ class ShapeDispatchKernel:
         """The kernel a GPU of `num_sms` SMs would pick, run on the simulator."""
         if not isinstance(num_sms, int) or isinstance(num_sms, bool) or num_sms < 1:
             return self.primary.simulate(*tensors, seed=seed, num_sms=num_sms)   # it names the mistake
-        return self.choose(tensors, num_sms).simulate(*tensors, seed=seed, num_sms=num_sms)
+        return self._unstaged(self.choose(tensors, num_sms), tensors).simulate(*tensors, seed=seed, num_sms=num_sms)
 
     def synchronize(self, device: object = None) -> None:
         """Wait for the launches of every kernel that ran; CudaError if one faulted."""
