@@ -5,6 +5,8 @@ tile), on the CPU simulator against the torch reference, the golden IR, the per-
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -224,6 +226,28 @@ def test_split_kv_refuses_a_sink():
     with pytest.raises(ScheduleError, match=r"split_kv=32 does not take an attention sink \(its logit would count "
                                             r"once per split\); use split_kv=1"):
         ws.lower(make_variant(128, "sinks", gqa=True), **dict(DECODE, pack_gqa=False))
+
+
+@pytest.mark.parametrize("overrides, advice", [
+    (dict(tile=(64, 64, 256), consumer_warpgroups=1, split_kv=32, pack_gqa=True),
+     "1 consumer warpgroups needs more registers than a consumer thread has (the merge of the splits beside O): "
+     "ptxas spills; use mma_inflight=0 or split_kv=1"),
+    (dict(split_kv=4), "2 consumer warpgroups needs more registers than a consumer thread has (the merge of the "
+                       "splits beside O): ptxas spills; use mma_inflight=0 or split_kv=1")])
+def test_split_kv_at_head_dim_256_advises_only_what_builds(overrides, advice):
+    """Both warpgroup counts spill at mma_inflight=1: the advice names only the changes that build."""
+    with pytest.raises(ScheduleError, match=re.escape(f"split_kv={overrides['split_kv']} with head dim 256, "
+                                                      f"mma_inflight=1 and {advice}")):
+        ws.schedule_for(make_attention(256, causal="bottom_right", lse=True, gqa=True), **overrides)
+
+
+def test_packing_names_a_causal_mask_written_with_where():
+    f = make_variant(128, "causal", gqa=True)   # ws.where(j <= i, s, -ws.inf)
+    with pytest.raises(ScheduleError, match=re.escape(
+            "pack_gqa=True takes a score function of a scale and a causal mask only; this one: it has masks other "
+            "than one ws.causal_mask (a causal mask written with ws.where, j <= i, is not packed: write "
+            "ws.causal_mask(s), or ws.causal_mask(s, align=\"bottom_right\") for queries at the end of the keys)")):
+        ws.partition(f, ws.schedule_for(f, **DECODE))
 
 
 @pytest.mark.parametrize("value", [0, 33, 2.0])

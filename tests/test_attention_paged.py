@@ -134,12 +134,29 @@ def test_the_producer_reads_pages_from_the_block_table():
 # -- errors ----------------------------------------------------------------------------------
 
 
-def test_page_size_must_tile_a_kv_block():
-    fusion = make_paged(48)
-    with pytest.raises(ScheduleError, match=r"page size 48: TMA fills a kv block of 128 keys from whole pages or "
-                                            r"slices of one page, in boxes of a multiple of 8 rows; the page size "
-                                            r"must be a multiple of 8 that divides 128 or is a multiple of it"):
+@pytest.mark.parametrize("page_size", [48, 1, 2])
+def test_page_size_must_tile_a_kv_block(page_size):
+    """The page size's rule, also where pages this small would have asked for more producer
+    registers than a schedule takes (the registers are sized only for page sizes that fit)."""
+    fusion = make_paged(page_size)
+    with pytest.raises(ScheduleError, match=rf"page size {page_size}: TMA fills a kv block of 128 keys from whole "
+                                            r"pages or slices of one page, in boxes of a multiple of 8 rows; the page "
+                                            r"size must be a multiple of 8 that divides 128 or is a multiple of it"):
         ws.schedule_for(fusion, **DECODE) and ws.partition(fusion, ws.schedule_for(fusion, **DECODE))
+    with pytest.raises(ScheduleError, match=rf"page size {page_size}: "):
+        ws.compile(fusion, build=False)
+
+
+@pytest.mark.parametrize("index", [3, 4])
+def test_the_simulator_names_a_meta_index_input_before_reading_its_values(index):
+    fusion = make_paged(16)
+    inputs = paged_inputs([20, 5], 16)
+    name = fusion.inputs[index].id
+    inputs[index] = inputs[index].to("meta")
+    with pytest.raises(ws.ArgumentError, match=re.escape(
+            f"paged16_d64_causal_lse_bf16.simulate: argument '{name}' is on meta; the simulator runs on CPU "
+            f"tensors with values (pass {name}.cpu(), or a CPU tensor for a meta one)")):
+        compiled(fusion, **DECODE).simulate(*inputs, num_sms=2)
 
 
 def test_a_block_table_entry_a_sequence_uses_must_name_a_page():

@@ -459,6 +459,11 @@ class CompiledKernel:
         check_argument("seed", seed, int, "an int (it picks the interleaving)")
         check_argument("num_sms", num_sms, int, "a positive int (CTAs resident at a time)")
         inputs, scalars, sizes = self._bind_inputs(tensors)
+        for name, t in inputs.items():   # before the values are read (a meta tensor has none)
+            if t.device.type != "cpu":
+                raise ArgumentError(f"{self.fusion.name}.simulate: argument '{name}' is on {t.device}; the simulator "
+                                    f"runs on CPU tensors with values (pass {name}.cpu(), or a CPU tensor for a "
+                                    f"meta one)")
         self.partition.workload.check_values(self.partition, inputs)
         outs = self._outputs(sizes, "cpu")
         if any(t.numel() == 0 for t in outs.values()):

@@ -27,7 +27,7 @@ from wsched.target import PAGE_ROWS_ALIGN, WGMMA_OPERAND_DTYPES
 
 from . import score
 from .schedule import (VALUE_DIMS, AttentionSchedule, chunk_columns, head_dims_text, max_keys_per_block,
-                       PAGED_SPLIT_KV_SPILLS, paged_producer_registers)
+                       PAGED_SPLIT_KV_SPILLS, page_size_fits, paged_producer_registers)
 from .loops import id_spans, kv_range_has_first, takes_tiles_from_counter, two_runs
 from .score import ScoreFunction, SideInput
 
@@ -299,7 +299,9 @@ def sf_plain(sf: ScoreFunction) -> str | None:
     if sf.inner != sf.qk or sf.bias:
         return "it computes on the scores"
     if any(not m.analysed or m.causal is None for m in sf.masks) or len(sf.masks) > 1:
-        return "it has masks other than one causal mask"
+        return ("it has masks other than one ws.causal_mask (a causal mask written with ws.where, j <= i, "
+                "is not packed: write ws.causal_mask(s), or ws.causal_mask(s, align=\"bottom_right\") for "
+                "queries at the end of the keys)")
     if sf.inputs:
         return "it reads inputs"
     return None
@@ -546,7 +548,7 @@ def _paged_cache(nodes, q, k, v, schedule, fail) -> PagedCache | None:
     if not isinstance(page_size, int):
         fail(f"the page size of {k_cache.id} is the symbol {page_size!r}; declare it as a number (16, 32, 64, "
              f"...) so that the kernel's TMA boxes fit the pages", k)
-    if page_size % PAGE_ROWS_ALIGN or (bn % page_size and page_size % bn):
+    if not page_size_fits(page_size, bn):
         fail(f"page size {page_size}: TMA fills a kv block of {bn} keys from whole pages or slices of one page, "
              f"in boxes of a multiple of {PAGE_ROWS_ALIGN} rows; the page size must be a multiple of "
              f"{PAGE_ROWS_ALIGN} that divides {bn} or is a multiple of it (16, 32, 64, 128, 256, ...)", k)

@@ -17,7 +17,7 @@ from typing import Iterator
 
 from wsched.schedule import (PRODUCER_REGISTERS, Schedule, ScheduleError, check_overrides, default_consumer_registers,
                              is_int, max_stages)
-from wsched.target import SETMAXNREG_STEP, SMEM_ALIGN, SWIZZLE_ROW_BYTES, WGMMA_K, launch_registers
+from wsched.target import PAGE_ROWS_ALIGN, SETMAXNREG_STEP, SMEM_ALIGN, SWIZZLE_ROW_BYTES, WGMMA_K, launch_registers
 
 # The head dims of Q and K the kernels implement, and the head dim of V and O beside each.
 VALUE_DIMS = {64: 64, 96: 96, 128: 128, 192: 128, 256: 256}
@@ -188,9 +188,13 @@ class AttentionSchedule(Schedule):
             p.append(f"split_kv={self.split_kv!r} must be an int in [1, {MAX_SPLIT_KV}] (the most CTAs one tile's "
                      f"kv blocks are split across; 1: no split)")
         if self.splits_kv and (self.consumer_warpgroups, self.value_dim, self.mma_inflight) in SPLIT_KV_SPILLS:
+            fixes = [f"mma_inflight={m}" for m in (0, 1)
+                     if m != self.mma_inflight and (self.consumer_warpgroups, self.value_dim, m) not in SPLIT_KV_SPILLS]
+            fixes += [f"consumer_warpgroups={n}" for n in (1, 2)
+                      if n != self.consumer_warpgroups and (n, self.value_dim, self.mma_inflight) not in SPLIT_KV_SPILLS]
             p.append(f"split_kv={self.split_kv} with head dim {self.value_dim}, mma_inflight={self.mma_inflight} and "
                      f"{self.consumer_warpgroups} consumer warpgroups needs more registers than a consumer thread has "
-                     f"(the merge of the splits beside O): ptxas spills; use mma_inflight=0 or one consumer warpgroup")
+                     f"(the merge of the splits beside O): ptxas spills; use {' or '.join(fixes + ['split_kv=1'])}")
         if not isinstance(self.pack_gqa, bool):
             p.append(f"pack_gqa={self.pack_gqa!r} must be True or False")
         if self.epilogue != "direct":
@@ -207,6 +211,12 @@ class AttentionSchedule(Schedule):
                      f"{self.producer_registers}-register producer: ptxas spills; use BN <= {max_keys_per_block(self)} "
                      f"or mma_inflight=0")
         return p
+
+
+def page_size_fits(page_size: int, bn: int) -> bool:
+    """Whether TMA can fill kv blocks of bn keys from pages of page_size keys: whole pages or
+    slices of one, in boxes of a multiple of PAGE_ROWS_ALIGN rows (partition names the rule)."""
+    return page_size % PAGE_ROWS_ALIGN == 0 and (bn % page_size == 0 or page_size % bn == 0)
 
 
 def paged_producer_registers(bn: int, page_size: int, split: bool = False) -> int:
@@ -250,7 +260,7 @@ def default_schedule(head_dim: int, page_size: int | None = None, **overrides) -
     given = overrides.get("tile", tile)
     bn = given[1] if isinstance(given, tuple) and len(given) == 3 else None   # else the schedule's error
     producer = PRODUCER_REGISTERS
-    if page_size and is_int(bn) and bn > 0:
+    if page_size and is_int(bn) and bn > 0 and page_size_fits(page_size, bn):   # else partition names the rule
         producer = paged_producer_registers(bn, page_size, overrides.get("split_kv", 1) != 1)
     producer = overrides.get("producer_registers", producer)
     base = dict(tile=tile, stages=1, consumer_warpgroups=2, producer_registers=producer,
