@@ -440,3 +440,12 @@ def test_tune_the_default_matmul_on_the_gpu(tmp_path, monkeypatch):
     assert hit["from_cache"] and hit["schedule"] == repr(result.schedule)
     assert hit["tune_s"] < 0.1
     assert tuned <= default * 1.02, (tuned, default)
+
+
+@pytest.mark.gpu
+def test_tune_at_rows_tma_cannot_read(tmp_path, monkeypatch):
+    """N = 1001 (rows of 2002 bytes): a bound launch cannot take such tensors, so each candidate's
+    whole call is timed, staging and all; the search still finds a winner."""
+    monkeypatch.setenv("WSCHED_CACHE_DIR", str(tmp_path))
+    result = tune(matmul, {"M": 512, "N": 1001, "K": 256}, max_candidates=3, progress=False)
+    assert result.schedule is not None and len(result.times) >= 2, result.rejected
