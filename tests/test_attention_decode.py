@@ -216,9 +216,9 @@ def test_pack_gqa_needs_the_gqa_layout():
                             "K and V have extent 1")
 
 
-def test_pack_gqa_refuses_score_functions_beyond_scale_and_causal():
-    with pytest.raises(ScheduleError, match=r"pack_gqa=True takes a score function of a scale and a causal mask "
-                                            r"only; this one: it computes on the scores"):
+def test_pack_gqa_refuses_score_functions_beyond_scale_and_diagonal_masks():
+    with pytest.raises(ScheduleError, match=r"pack_gqa=True takes a score function of a scale and masks bounded by "
+                                            r"diagonals only; this one: it computes on the scores"):
         ws.lower(make_variant(128, "softcap", gqa=True), **DECODE)
 
 
@@ -241,12 +241,35 @@ def test_split_kv_at_head_dim_256_advises_only_what_builds(overrides, advice):
         ws.schedule_for(make_attention(256, causal="bottom_right", lse=True, gqa=True), **overrides)
 
 
-def test_packing_names_a_causal_mask_written_with_where():
-    f = make_variant(128, "causal", gqa=True)   # ws.where(j <= i, s, -ws.inf)
+@pytest.mark.parametrize("variant, S, T", [("causal", 3, 513), ("causal", 64, 129), ("window", 16, 300),
+                                            ("window", 1, 300)])
+def test_masks_bounded_by_diagonals_are_packed(variant, S, T):
+    """A causal mask or a sliding window written with ws.where (bounds on j - i) packs like
+    ws.causal_mask: the rows' query positions are row mod S in the tile mask's bounds."""
+    f = make_variant(128, variant, gqa=True, window=100)
+    assert ws.compile(f, build=False).variants[0].schedule.pack_gqa
+    q, k, v = attention_inputs(2, 8, S, T, 128, seed=S + T, gqa_groups=4)
+    o, lse = compiled(f, **DECODE).simulate(q, k, v, num_sms=3)
+    ro, rlse = f.reference(q, k, v)
+    seen = torch.isfinite(rlse)
+    assert (o[~seen] == 0).all() and torch.isneginf(lse[~seen]).all()
+    rel = lambda a, b: float((a.float() - b.float()).norm() / b.float().norm())   # noqa: E731
+    assert rel(o[seen], ro[seen]) < 1e-2 and rel(lse[seen], rlse[seen]) < 1e-3
+
+
+def test_packing_refuses_a_bound_on_the_key_alone():
+    def first_keys(q: ws.Tensor[ws.bf16, "B", "HK", "G", "S", 128], k: ws.Tensor[ws.bf16, "B", "HK", 1, "T", 128],
+                   v: ws.Tensor[ws.bf16, "B", "HK", 1, "T", 128]):
+        s = ws.matmul(q, k.transpose(-1, -2)) * 128 ** -0.5
+        _, j = ws.positions(s)
+        s = ws.where(j < 100, s, -ws.inf)
+        return ws.matmul(ws.softmax(s, dim=-1), v).to(ws.bf16), ws.logsumexp(s, dim=-1)
+
+    f = ws.fusion(first_keys)
     with pytest.raises(ScheduleError, match=re.escape(
-            "pack_gqa=True takes a score function of a scale and a causal mask only; this one: it has masks other "
-            "than one ws.causal_mask (a causal mask written with ws.where, j <= i, is not packed: write "
-            "ws.causal_mask(s), or ws.causal_mask(s, align=\"bottom_right\") for queries at the end of the keys)")):
+            "pack_gqa=True takes a score function of a scale and masks bounded by diagonals only; this one: it has "
+            "masks other than bounds on j - i (causal masks, causal or sliding-window ws.where conditions): a bound "
+            "on the key alone, a union or an unanalysed condition")):
         ws.partition(f, ws.schedule_for(f, **DECODE))
 
 

@@ -45,3 +45,20 @@ def test_few_long_tiles_split_their_keys(causal):
         o, lse = run(f, k, inputs)
         ro, rlse = f.reference(*inputs)
         assert rel(o, ro) < 1e-2 and rel(lse, rlse) < 1e-3
+
+
+@pytest.mark.parametrize("variant, s, t", [("causal", 1, 8193), ("causal", 16, 1000), ("window", 3, 4097),
+                                           ("window", 64, 20000)])
+def test_masks_bounded_by_diagonals_decode_packed(variant, s, t):
+    """A causal mask or a sliding window written with ws.where: the decode kernel packs the G
+    heads as for ws.causal_mask (row mod S in the tile mask's bounds). Top-left, the rows see
+    only the first keys: the splits past them see nothing and the merge takes their empty parts."""
+    from attention_fusions import make_variant
+    from test_gpu_attention import check_variant
+
+    f = make_variant(128, variant, gqa=True, window=1000)
+    k = ws.compile(f)
+    inputs = [x.cuda() for x in attention_inputs(4, 32, s, t, 128, gqa_groups=4, seed=t)]
+    chosen = k.kernel_for(*inputs).schedule
+    assert chosen.pack_gqa and chosen.split_kv > 1
+    check_variant(f, k, inputs)

@@ -294,14 +294,15 @@ def _between(fusion, first: str, last: str) -> set:
 
 def sf_plain(sf: ScoreFunction) -> str | None:
     """Why GQA packing cannot take the score function `sf` (None: it can): packed rows are
-    (head, query) pairs, so only a scale and a causal mask, whose rows are query positions
-    (row mod S), are packed; inputs read per query or per head are not."""
+    (head, query) pairs, so only a scale and masks bounded by diagonals (causal masks, causal or
+    sliding-window `where`s: bounds on j - i, which the tile mask takes with the row's query
+    position, row mod S) are packed; inputs read per query or per head are not, nor bounds on
+    the key alone (a prefix) or unions."""
     if sf.inner != sf.qk or sf.bias:
         return "it computes on the scores"
-    if any(not m.analysed or m.causal is None for m in sf.masks) or len(sf.masks) > 1:
-        return ("it has masks other than one ws.causal_mask (a causal mask written with ws.where, j <= i, "
-                "is not packed: write ws.causal_mask(s), or ws.causal_mask(s, align=\"bottom_right\") for "
-                "queries at the end of the keys)")
+    if any(not m.analysed or m.key_upper or m.key_lower or m.alternatives or m.ids for m in sf.masks):
+        return ("it has masks other than bounds on j - i (causal masks, causal or sliding-window ws.where "
+                "conditions): a bound on the key alone, a union or an unanalysed condition")
     if sf.inputs:
         return "it reads inputs"
     return None
@@ -312,7 +313,8 @@ def _check_packing(fail, why_not: str | None, k_broadcast: tuple[bool, ...], sin
         fail("pack_gqa=True needs Q [..., G, S, D] against K and V [..., 1, T, D]: the G query heads that "
              "share a KV head in the dim before S, where K and V have extent 1")
     if why_not is not None:
-        fail(f"pack_gqa=True takes a score function of a scale and a causal mask only; this one: {why_not}")
+        fail(f"pack_gqa=True takes a score function of a scale and masks bounded by diagonals only; this one: "
+             f"{why_not}")
     if isinstance(sink, SideInput):
         fail("pack_gqa=True does not take a sink input (a per-head logit); use pack_gqa=False")
 
