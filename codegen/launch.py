@@ -73,9 +73,10 @@ class TmaLayoutError(ValueError):
     row stride that is not a multiple of 16 bytes. The eager call copies such a tensor into an
     aligned buffer instead (`CompiledKernel._run_staged`); `name` is the argument."""
 
-    def __init__(self, name: str, message: str):
+    def __init__(self, name: str, message: str, address: bool = False):
         super().__init__(message)
         self.name = name
+        self.address = address   # the base address's fault: another call of the layout may be fine
 
 
 def tma_layout_problem(tensor: torch.Tensor) -> str | None:
@@ -210,7 +211,8 @@ def check_base_alignment(name: str, data_ptr: int) -> None:
             f"argument '{name}' has data_ptr {data_ptr:#x}, {offset} bytes past a "
             f"{TMA_GLOBAL_ADDRESS_ALIGNMENT}-byte boundary; TMA needs a "
             f"{TMA_GLOBAL_ADDRESS_ALIGNMENT}-byte aligned base address — a view that starts mid-row "
-            "(e.g. t[:, 3:]) must be copied with .contiguous() or .clone()"
+            "(e.g. t[:, 3:]) must be copied with .contiguous() or .clone()",
+            address=True,
         )
 
 

@@ -823,3 +823,19 @@ def test_threads_pack_into_their_own_buffers(fake_gpu):
     call()
     call()
     assert buffers[0] is not buffers[1] and buffers[2] is buffers[3] not in buffers[:2]
+
+
+def test_a_layout_first_seen_at_a_misaligned_base_is_planned_on_its_next_aligned_call(fake_gpu):
+    """A misaligned base is that call's alone: the layout's later calls at aligned addresses are
+    planned and launched directly (not staged for ever after)."""
+    fusion, (a, b), out, _ = _matmul_call()
+    k = fake_gpu.compile(fusion)
+    storage = torch.empty(200 * 72 + 8, dtype=torch.bfloat16)
+    shifted = storage[1:1 + 200 * 72].view(200, 72)
+    shifted.copy_(a)
+    with pytest.warns(UserWarning, match="base 2 bytes past a 16-byte boundary"):
+        k(shifted, b, out=out)
+    k(a, b, out=out)
+    address = next(address for name, address in reversed(fake_gpu.encoded) if name == "a")
+    assert address == a.data_ptr()                      # a's own address: no staged copy
+    assert [type(p).__name__ for p in k._plans.values()] == ["_LaunchPlan"]

@@ -279,7 +279,8 @@ class CompiledKernel:
                 try:
                     plan = self._plans[key] = self._plan(tensors, out)
                 except TmaLayoutError as error:   # kept: the next call of the layout is staged at once
-                    self._plans[key] = error
+                    if not error.address:          # (a misaligned base is this call's alone)
+                        self._plans[key] = error
                     raise
             elif isinstance(plan, TmaLayoutError):
                 raise plan.with_traceback(None)
