@@ -79,21 +79,35 @@ class TmaLayoutError(ValueError):
         self.address = address   # the base address's fault: another call of the layout may be fine
 
 
-def tma_layout_problem(tensor: torch.Tensor) -> str | None:
-    """Why TMA cannot address `tensor` as it is (check_tensor's layout rules, in a few words), or
-    None where it can."""
+def _tma_fault(tensor: torch.Tensor) -> tuple[str, int] | None:
+    """The first of TMA's layout rules `tensor` breaks, in check order: ("inner", its innermost
+    stride), ("base", bytes past the alignment) or ("stride", the dim); None where it breaks none.
+    A dim of extent 1 is never stepped, so its stride is free (tensor_map_for normalises it)."""
     if tensor.dim() == 0:
         return None
     if tensor.stride(-1) != 1 and tensor.shape[-1] != 1:
-        return f"innermost stride {tensor.stride(-1)}"
+        return "inner", tensor.stride(-1)
     offset = tensor.data_ptr() % TMA_GLOBAL_ADDRESS_ALIGNMENT
     if offset:
-        return f"base {offset} bytes past a {TMA_GLOBAL_ADDRESS_ALIGNMENT}-byte boundary"
+        return "base", offset
     element = tensor.element_size()
-    for d in range(tensor.dim() - 1):
-        if tensor.shape[d] != 1 and tensor.stride(d) * element % TMA_STRIDE_ALIGNMENT:
-            return f"a stride of {tensor.stride(d) * element} bytes in dim {d}"
+    for dim in range(tensor.dim() - 1):
+        if tensor.shape[dim] != 1 and tensor.stride(dim) * element % TMA_STRIDE_ALIGNMENT:
+            return "stride", dim
     return None
+
+
+def tma_layout_problem(tensor: torch.Tensor) -> str | None:
+    """Why TMA cannot address `tensor` as it is (check_tensor's rules, in a few words), or None."""
+    fault = _tma_fault(tensor)
+    if fault is None:
+        return None
+    kind, value = fault
+    if kind == "inner":
+        return f"innermost stride {value}"
+    if kind == "base":
+        return f"base {value} bytes past a {TMA_GLOBAL_ADDRESS_ALIGNMENT}-byte boundary"
+    return f"a stride of {tensor.stride(value) * tensor.element_size()} bytes in dim {value}"
 
 
 def tma_ready(tensor: torch.Tensor) -> bool:
@@ -173,33 +187,28 @@ def check_tensor(
                 wanted = "(" + ", ".join("*" if e is None else str(e) for e in expected) + ")"
                 raise ValueError(f"{where} has shape {_shape_text(shape)}; required shape {wanted}")
 
-    if tensor.dim() == 0 or not alignment:
+    fault = _tma_fault(tensor) if alignment else None
+    if fault is None:
         return
-    if tensor.stride(-1) != 1 and tensor.shape[-1] != 1:
+    kind, value = fault
+    if kind == "inner":
         raise TmaLayoutError(
             name,
             f"{where} is not contiguous in its innermost dimension (shape "
             f"{_shape_text(tensor.shape)}, strides {_shape_text(tensor.stride())}); TMA needs "
             "stride(-1) == 1 — call .contiguous() (a transposed view must be materialised)"
         )
-
+    if kind == "base":
+        check_base_alignment(name, tensor.data_ptr())
     element = tensor.element_size()
-    check_base_alignment(name, tensor.data_ptr())
-
-    for dim in range(tensor.dim() - 1):
-        if tensor.shape[dim] == 1:
-            continue  # never stepped, so its stride is free (tensor_map_for normalises it)
-        stride_bytes = tensor.stride(dim) * element
-        if stride_bytes % TMA_STRIDE_ALIGNMENT:
-            row_elems = TMA_STRIDE_ALIGNMENT // element
-            raise TmaLayoutError(
-                name,
-                f"{where} has stride {tensor.stride(dim)} elements = {stride_bytes} bytes in dim "
-                f"{dim} (shape {_shape_text(tensor.shape)}); TMA needs {TMA_STRIDE_ALIGNMENT}-byte "
-                f"aligned rows: every stride but the innermost must be a multiple of "
-                f"{TMA_STRIDE_ALIGNMENT} bytes — pad the inner dimension to a multiple of {row_elems} "
-                f"{tensor.dtype} elements"
-            )
+    raise TmaLayoutError(
+        name,
+        f"{where} has stride {tensor.stride(value)} elements = {tensor.stride(value) * element} bytes in dim "
+        f"{value} (shape {_shape_text(tensor.shape)}); TMA needs {TMA_STRIDE_ALIGNMENT}-byte "
+        f"aligned rows: every stride but the innermost must be a multiple of "
+        f"{TMA_STRIDE_ALIGNMENT} bytes — pad the inner dimension to a multiple of "
+        f"{TMA_STRIDE_ALIGNMENT // element} {tensor.dtype} elements"
+    )
 
 
 def check_base_alignment(name: str, data_ptr: int) -> None:

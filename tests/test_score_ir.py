@@ -120,10 +120,11 @@ def test_the_cuda_spelling():
 
 
 @pytest.mark.nvcc
-def test_the_cuda_builds():
+@pytest.mark.parametrize("make", [lambda: mask_kernel(), lambda: int_kernel()], ids=["masks", "i32_tiles"])
+def test_the_cuda_builds(make):
     from wsched.codegen.build import compile_cuda
 
-    emitted = emit_kernel(mask_kernel())
+    emitted = emit_kernel(make())
     assert compile_cuda(emitted.source, name=emitted.name).resources[emitted.name].spill_stores == 0
 
 
@@ -197,10 +198,14 @@ def test_i32_tiles_compute_integers_exactly_in_the_simulator():
      "tile.reduce.max r_t, d_t: d_t is an i32 tile, which is not reduced"),
     (lambda b: b[:-1] + [ir.TileFill("d_t", ir.FloatConst(1.5))],
      "tile.fill d_t: d_t is i32 but the scalar 1.5 is a float"),
+    (lambda b: b[:12] + [ir.TileBinary("add", "d_t", "d_t", ir.add("R", "scale"))] + b[13:],
+     "tile.add d_t: d_t is i32 but the scalar R + scale is a float"),
 ])
 def test_the_verifier_names_misused_i32_tiles(edit, message):
+    kernel = int_kernel(edit)
+    kernel = ir.Kernel(**{**kernel.__dict__, "params": kernel.params + (ir.ScalarParam("scale", "f32"),)})
     with pytest.raises(VerifyError) as error:
-        verify(int_kernel(edit))
+        verify(kernel)
     assert message in str(error.value)
 
 
@@ -218,10 +223,3 @@ def test_the_cuda_spelling_of_i32_tiles():
     assert ("o_t[4 * fj + 2 * fi + 0] = (m_t[4 * fj + 2 * fi + 0]) != 0.0f ? "
             "static_cast<float>(d_t[4 * fj + 2 * fi + 0]) : -INFINITY;") in source
 
-
-@pytest.mark.nvcc
-def test_the_cuda_of_i32_tiles_builds():
-    from wsched.codegen.build import compile_cuda
-
-    emitted = emit_kernel(int_kernel())
-    assert compile_cuda(emitted.source, name=emitted.name).resources[emitted.name].spill_stores == 0

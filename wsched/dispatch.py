@@ -102,9 +102,7 @@ class ShapeDispatchKernel:
             return kernel
         _, _, sizes = kernel._bind_inputs(tensors)
         stored = {p.name for p in kernel.kernel.params if isinstance(p, ir.TensorMapParam)}
-        outputs = [torch.empty([sizes[d] if isinstance(d, str) else d for d in node.shape],
-                               dtype=node.dtype.torch_dtype, device="meta")
-                   for node, name in zip(kernel.partition.outputs, kernel.partition.output_names) if name in stored]
+        outputs = [t for name, t in kernel._outputs(sizes, "meta").items() if name in stored]
         if (not any(tma_layout_problem(t) is not None for t in outputs)
                 or sum(t.numel() * t.element_size() for t in outputs) > DIRECT_STORE_MAX_BYTES):
             return kernel

@@ -272,9 +272,15 @@ class TileChecks:
                     self.r.at(path, f"{word} {dst_name}: {dst_name} is i32 but operand {o} is {b.decl.dtype}; an op "
                                     f"into an i32 tile computes in integers on i32 tiles and integer scalars "
                                     f"(tile.cast {dst_name}, {o} truncates a float tile first)")
-            elif any(isinstance(n, ir.FloatConst) for n in expr_nodes(o)):
+            elif any(isinstance(n, ir.FloatConst) or (isinstance(n, ir.Var) and self._is_float_scalar(n.name, scope))
+                     for n in expr_nodes(o)):
                 self.r.at(path, f"{word} {dst_name}: {dst_name} is i32 but the scalar {expr_text(o)} is a float; "
                                 f"an op into an i32 tile takes integer scalars")
+
+    @staticmethod
+    def _is_float_scalar(name, scope) -> bool:
+        b = scope.get(name)
+        return b is not None and b.what == "scalar param" and b.decl.dtype != "i32"
 
     def _not_int(self, word, name, path, scope, what: str) -> None:
         if self._is_int_tile(name, scope):
