@@ -102,10 +102,10 @@ def tma_layout_problem(tensor: torch.Tensor) -> str | None:
     fault = _tma_fault(tensor)
     if fault is None:
         return None
-    kind, value = fault
-    if kind == "inner":
+    rule, value = fault
+    if rule == "inner":
         return f"innermost stride {value}"
-    if kind == "base":
+    if rule == "base":
         return f"base {value} bytes past a {TMA_GLOBAL_ADDRESS_ALIGNMENT}-byte boundary"
     return f"a stride of {tensor.stride(value) * tensor.element_size()} bytes in dim {value}"
 
@@ -190,15 +190,15 @@ def check_tensor(
     fault = _tma_fault(tensor) if alignment else None
     if fault is None:
         return
-    kind, value = fault
-    if kind == "inner":
+    rule, value = fault
+    if rule == "inner":
         raise TmaLayoutError(
             name,
             f"{where} is not contiguous in its innermost dimension (shape "
             f"{_shape_text(tensor.shape)}, strides {_shape_text(tensor.stride())}); TMA needs "
             "stride(-1) == 1 — call .contiguous() (a transposed view must be materialised)"
         )
-    if kind == "base":
+    if rule == "base":
         check_base_alignment(name, tensor.data_ptr())
     element = tensor.element_size()
     raise TmaLayoutError(
