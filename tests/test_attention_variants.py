@@ -361,6 +361,32 @@ def _spans_of(kernel):
     return [p for p in kernel.params if isinstance(p, ir.SpanParam)]
 
 
+def _consumer_tile_body(kernel):
+    consumer = next(r for r in kernel.roles() if r.name == "consumer")
+    return next(s for s in consumer.body if isinstance(s, ir.For) and s.var == "tile").body
+
+
+@pytest.mark.parametrize("variant, tile, moved", [("document", "doc_q_t", True), ("sinks", "sink_t", False)])
+def test_per_row_score_inputs_load_in_the_first_kv_block_unless_the_tile_reads_them_outside(variant, tile, moved):
+    """defer_row_loads: the document's per-query ids, read only by the mask in the kv loop, load in
+    the first kv block after its wgmmas are issued (before the first wgmma.wait); the sink's
+    logit, which the running state reads before the loop, stays in the tile's prologue."""
+    kernel = ws.lower(make_variant(128, variant))
+    body = _consumer_tile_body(kernel)
+    at = next(i for i, s in enumerate(body) if isinstance(s, ir.For) and s.var == "k")
+    loads = [s for s in body[:at] if isinstance(s, ir.TileLoadGlobal) and s.dst == tile]
+    kv = body[at].body
+    wait = next(i for i, s in enumerate(kv) if isinstance(s, ir.WgmmaWait))
+    first = kv[wait - 1]
+    if moved:
+        assert not loads
+        assert isinstance(first, ir.If) and print_expr(first.cond) == "k == 0"
+        assert [(type(s).__name__, s.dst) for s in first.then] == [("TileLoadGlobal", tile)]
+        assert any(isinstance(s, ir.Wgmma) for s in kv[:wait])
+    else:
+        assert len(loads) == 1 and not (isinstance(first, ir.If) and print_expr(first.cond) == "k == 0")
+
+
 def test_a_document_mask_bounds_each_tile_by_the_spans_table(golden):
     """doc_q == doc_k gives the kernel a spans table of its ids; both roles read their tile's row
     and intersect it with the analysed masks' range (the causal one here)."""

@@ -5,7 +5,7 @@ consumer warpgroups run S = Q K^T, the score function and the online softmax in 
 O += P V, then normalise and store O (and the log-sum-exp). It takes fusions of the form
 matmul -> softmax -> matmul whose operands are inputs, with any elementwise score function and
 masks between Q K^T and the softmax (score.py: what is analysed, score_ops.py: the tile ops).
-Its own passes: overlap_softmax (mma_inflight=1) and pingpong (mode="pingpong").
+Its own passes: overlap_softmax (mma_inflight=1), pingpong (mode="pingpong") and defer_row_loads.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from wsched.lowering.passes import dynamic_tiles
 from wsched.schedule import ScheduleError, is_int
 from wsched.workloads.base import Workload
 
-from . import epilogue, loops, overlap_softmax, partition, pingpong, schedule
+from . import defer_row_loads, epilogue, loops, overlap_softmax, partition, pingpong, schedule
 from . import schedule as schedule_mod
 from .schedule import AttentionSchedule
 
@@ -36,6 +36,9 @@ class AttentionWorkload(Workload):
         Step("overlap_softmax", overlap_softmax.run, True, lambda s: s.mma_inflight == 1, "mma_inflight=1"),
         # Token passing around the GEMM issue that overlap_softmax grouped together.
         Step("pingpong", pingpong.run, True, lambda s: s.mode == "pingpong", 'mode="pingpong"'),
+        # Per-row score inputs read only in the kv loop: loaded in its first block, after the
+        # wgmmas are issued (the protocol above is final).
+        Step("defer_row_loads", defer_row_loads.run, True),
     )
     # Tiles of unequal work (a mask bounds the keys by the row; packed sequences) are dealt out
     # from a counter (build_loops declares it): the shared pass reads the workspace.
