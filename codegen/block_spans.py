@@ -5,8 +5,8 @@ by one small CUDA kernel, `wsched_block_spans`, built once through the build cac
 kernel computes the same table in one launch, where the dozen torch ops of that definition
 would cost a call some 60 us of host time. tests/test_gpu_attention.py checks the two agree.
 
-One CTA of 128 threads per (batch index, block of `rows` query rows): the block's id range by a
-block-wide min / max, then each warp takes every 4th block of `cols` keys, its range by a
+One CTA of 256 threads per (batch index, block of `rows` query rows): the block's id range by a
+block-wide min / max, then each warp takes every 8th block of `cols` keys, its range by a
 warp-wide min / max, and keeps the first and last key block whose range meets the rows' range,
 and the first, last and number of the blocks that hold the rows' one id only.
 Batch dims (up to MAX_BATCH_DIMS) are decoded from the CTA index; the ids' strides are passed,
@@ -20,10 +20,10 @@ import threading
 import torch
 
 KERNEL = "wsched_block_spans"
-THREADS = 128
+THREADS = 256
 MAX_BATCH_DIMS = 4
 
-SOURCE = r"""
+SOURCE = f"#define WARPS {THREADS // 32}\n" + r"""
 // wsched_block_spans: the table of a `spans` kernel parameter (codegen/block_spans.py; the
 // definition, which the simulator runs: lowering/block_spans.py).
 #include <climits>
@@ -39,24 +39,29 @@ __device__ __forceinline__ int warp_max(int v) {
 }
 
 // (min over the CTA of lo, max over the CTA of hi), to every thread
-__device__ __forceinline__ void block_min_max(int& lo, int& hi, int (*scratch)[4]) {
+__device__ __forceinline__ void block_min_max(int& lo, int& hi, int (*scratch)[WARPS]) {
     lo = warp_min(lo);
     hi = warp_max(hi);
     const int warp = threadIdx.x >> 5;
     __syncthreads();   // scratch may still be read by a previous call
     if ((threadIdx.x & 31) == 0) { scratch[0][warp] = lo; scratch[1][warp] = hi; }
     __syncthreads();
-    lo = min(min(scratch[0][0], scratch[0][1]), min(scratch[0][2], scratch[0][3]));
-    hi = max(max(scratch[1][0], scratch[1][1]), max(scratch[1][2], scratch[1][3]));
+    lo = scratch[0][0];
+    hi = scratch[1][0];
+#pragma unroll
+    for (int w = 1; w < WARPS; ++w) {
+        lo = min(lo, scratch[0][w]);
+        hi = max(hi, scratch[1][w]);
+    }
 }
 
-extern "C" __global__ void __launch_bounds__(128) wsched_block_spans(
+extern "C" __global__ void __launch_bounds__(WARPS * 32) wsched_block_spans(
         const int* __restrict__ q, const int* __restrict__ k, int* __restrict__ table,
         int S, int T, int rows, int cols, int row_blocks, int key_blocks,
         int d1, int d2, int d3,
         int qs0, int qs1, int qs2, int qs3, int q_row,
         int ks0, int ks1, int ks2, int ks3, int k_col) {
-    __shared__ int scratch[2][4];
+    __shared__ int scratch[2][WARPS];
     const int x = blockIdx.x;
     const int r = x % row_blocks;
     int b = x / row_blocks;
@@ -69,7 +74,7 @@ extern "C" __global__ void __launch_bounds__(128) wsched_block_spans(
 
     int q_lo = INT_MAX, q_hi = INT_MIN;
     const int row_end = min(S, r * rows + rows);
-    for (int i = r * rows + threadIdx.x; i < row_end; i += 128) {
+    for (int i = r * rows + threadIdx.x; i < row_end; i += WARPS * 32) {
         const int v = qb[(long long)i * q_row];
         q_lo = min(q_lo, v);
         q_hi = max(q_hi, v);
@@ -78,9 +83,13 @@ extern "C" __global__ void __launch_bounds__(128) wsched_block_spans(
 
     int first = INT_MAX, last = INT_MIN, full_first = INT_MAX, full_last = INT_MIN, fulls = 0;
     const int lane = threadIdx.x & 31;
-    for (int c = threadIdx.x >> 5; c < key_blocks; c += 4) {
+    // unrolled: a warp's loads of two blocks (each lane's four ids of a block of 128) in flight
+    // at once; the loop is latency-bound, not bandwidth-bound
+#pragma unroll 2
+    for (int c = threadIdx.x >> 5; c < key_blocks; c += WARPS) {
         int k_lo = INT_MAX, k_hi = INT_MIN;
         const int key_end = min(T, c * cols + cols);
+#pragma unroll 4
         for (int j = c * cols + lane; j < key_end; j += 32) {
             const int v = kb[(long long)j * k_col];
             k_lo = min(k_lo, v);
@@ -103,7 +112,9 @@ extern "C" __global__ void __launch_bounds__(128) wsched_block_spans(
     __syncthreads();   // the full blocks counted: each warp's lane 0 holds its warp's count
     if (lane == 0) scratch[0][threadIdx.x >> 5] = fulls;
     __syncthreads();
-    fulls = scratch[0][0] + scratch[0][1] + scratch[0][2] + scratch[0][3];
+    fulls = 0;
+#pragma unroll
+    for (int w = 0; w < WARPS; ++w) fulls += scratch[0][w];
     if (threadIdx.x == 0) {
         const int count = last >= first ? last - first + 1 : 0;
         int full_count = full_last >= full_first ? full_last - full_first + 1 : 0;

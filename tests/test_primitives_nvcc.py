@@ -309,3 +309,18 @@ def test_the_spans_table_kernel_builds_without_spills():
     result = compile_cuda(SOURCE, name=KERNEL)
     r = result.resources[KERNEL]
     assert r.spill_stores == 0 and r.spill_loads == 0
+
+
+@pytest.mark.nvcc
+@needs_nvcc
+def test_the_spans_helper_kernel_compiles_for_its_block_size(tmp_path):
+    """The document mask's spans helper (codegen/block_spans.py) builds without spills, for the
+    block size its launch uses (the CUDA's warp count is THREADS / 32)."""
+    from wsched.codegen import block_spans
+
+    res = compile_cuda(block_spans.SOURCE, name="block_spans", cache_dir=tmp_path)
+    assert f"#define WARPS {block_spans.THREADS // 32}" in block_spans.SOURCE
+    r = res.resources[block_spans.KERNEL]
+    assert r.spill_stores == 0 and r.spill_loads == 0
+    ptx = compile_ptx(block_spans.SOURCE, name="block_spans_ptx", cache_dir=tmp_path)
+    assert f".maxntid {block_spans.THREADS}, 1, 1" in ptx
