@@ -53,6 +53,8 @@ def _tile(loop: ir.For) -> ir.For:
     if at is None:
         return loop
     kv = body[at]
+    if kv.start != ir.IntConst(0) or kv.iteration != "serial":   # `k == 0` must be its first block
+        return loop
     first_wait = next((i for i, s in enumerate(kv.body) if isinstance(s, ir.WgmmaWait)), None)
     if first_wait is None:
         return loop
