@@ -22,9 +22,9 @@ The routes, step by step (`route(workload, schedule)`; a test keeps this list tr
                pingpong (if mode="pingpong"), cluster (if a cluster of more than one CTA),
                reg_realloc
     attention: build_loops, circular_buffer, insert_barriers, lower_tma, lower_mma,
-               overlap_softmax (if mma_inflight=1), pingpong (if mode="pingpong"), defer_row_loads,
-               epilogue,
-               dynamic_tiles (if split_kv=1), cluster (if a cluster of more than one CTA), reg_realloc
+               overlap_softmax (if mma_inflight=1), pingpong (if mode="pingpong"), epilogue,
+               defer_row_loads, dynamic_tiles (if split_kv=1), cluster (if a cluster of more than one
+               CTA), reg_realloc
 
 The IR after each step is kept by name (`kernel.ir_after["insert_barriers"]`); the verifier
 runs after every step when `WSCHED_DEBUG` is on (always in tests), with the load/compute

@@ -387,6 +387,23 @@ def test_per_row_score_inputs_load_in_the_first_kv_block_unless_the_tile_reads_t
         assert len(loads) == 1 and not (isinstance(first, ir.If) and print_expr(first.cond) == "k == 0")
 
 
+def test_defer_row_loads_leaves_a_load_that_the_tile_reads_after_its_kv_loop():
+    """The pass runs after the epilogue: a per-row tile that something after the kv loop also
+    reads (a tile with no kv block would read it unloaded) keeps its load in the prologue."""
+    from dataclasses import replace
+
+    from wsched.workloads.attention import defer_row_loads
+
+    before = ws.lower(make_variant(128, "document")).ir_after["epilogue"]
+    consumer = next(r for r in before.roles() if r.name == "consumer")
+    loop = next(s for s in consumer.body if isinstance(s, ir.For) and s.var == "tile")
+    moved = defer_row_loads._tile(loop)
+    assert not any(isinstance(s, ir.TileLoadGlobal) and s.dst == "doc_q_t" for s in moved.body)
+    reader = ir.TileBinary("add", "doc_q_t", "doc_q_t", ir.FloatConst(0.0))
+    kept = defer_row_loads._tile(replace(loop, body=loop.body + (reader,)))
+    assert kept.body[:-1] == loop.body
+
+
 def test_a_document_mask_bounds_each_tile_by_the_spans_table(golden):
     """doc_q == doc_k gives the kernel a spans table of its ids; both roles read their tile's row
     and intersect it with the analysed masks' range (the causal one here)."""

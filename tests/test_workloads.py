@@ -67,7 +67,7 @@ def test_pipeline_docstring_lists_every_route():
         names = [s.name + (f" (if {s.condition})" if s.condition else "") for s in pipeline.route(workload)]
         assert f"{workload.name}: {', '.join(names)}" in doc, workload.name
     assert pipeline.pass_names(ATTENTION, ws.schedule_for(make_attention(64), mma_inflight=0)) == (
-        "build_loops", "circular_buffer", "insert_barriers", "lower_tma", "lower_mma", "defer_row_loads", "epilogue",
+        "build_loops", "circular_buffer", "insert_barriers", "lower_tma", "lower_mma", "epilogue", "defer_row_loads",
         "dynamic_tiles", "reg_realloc")
     # dynamic_tiles leaves a kernel without a tile counter (not causal) as it is, defer_row_loads
     # one without per-row score inputs

@@ -36,13 +36,15 @@ class AttentionWorkload(Workload):
         Step("overlap_softmax", overlap_softmax.run, True, lambda s: s.mma_inflight == 1, "mma_inflight=1"),
         # Token passing around the GEMM issue that overlap_softmax grouped together.
         Step("pingpong", pingpong.run, True, lambda s: s.mode == "pingpong", 'mode="pingpong"'),
-        # Per-row score inputs read only in the kv loop: loaded in its first block, after the
-        # wgmmas are issued (the protocol above is final).
-        Step("defer_row_loads", defer_row_loads.run, True),
     )
     # Tiles of unequal work (a mask bounds the keys by the row; packed sequences) are dealt out
     # from a counter (build_loops declares it): the shared pass reads the workspace.
-    late_passes = (Step("dynamic_tiles", dynamic_tiles.run, True, lambda s: not s.splits_kv, "split_kv=1"),)
+    late_passes = (
+        # Per-row score inputs read only in the kv loop: loaded in its first block, after the
+        # wgmmas are issued (after the epilogue, which may read such an input too).
+        Step("defer_row_loads", defer_row_loads.run, True),
+        Step("dynamic_tiles", dynamic_tiles.run, True, lambda s: not s.splits_kv, "split_kv=1"),
+    )
 
     def check_values(self, part, tensors: dict) -> None:
         partition.check_cache_values(part, tensors)

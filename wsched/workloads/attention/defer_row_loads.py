@@ -28,8 +28,9 @@ block that sees no key) never reads the input, so it need not be loaded. An inpu
 prologue or the tile's end also reads (an attention sink's logit, ALiBi's slope, which the
 running state or the LSE use) stays where it is.
 
-Runs after the wgmma protocol is final (lower_mma, overlap_softmax, pingpong): it places the
-loads before the kv block's first `wgmma.wait`.
+A late pass: it runs after the wgmma protocol is final (lower_mma, overlap_softmax, pingpong),
+so it places the loads before the kv block's first `wgmma.wait`, and after the epilogue, so that
+an input the epilogue reads (after the kv loop) is seen and stays.
 """
 
 from __future__ import annotations
@@ -59,7 +60,7 @@ def _tile(loop: ir.For) -> ir.For:
     if first_wait is None:
         return loop
     outside = [s for i, s in enumerate(body) if i != at]
-    moved = [s for s in body[:at] if isinstance(s, ir.TileLoadGlobal)
+    moved = [s for s in body[:at] if isinstance(s, ir.TileLoadGlobal) and _mentions(kv.body, s.dst)
              and not any(_mentions(o, s.dst) for o in outside if o is not s)]
     if not moved:
         return loop
