@@ -62,6 +62,18 @@ def test_a_score_function_is_a_dag_of_elementwise_nodes():
     assert re.search(r"where\(n\d+, n\d+, n\d+\) : f32\[B, H, S, T\]", text)
 
 
+@pytest.mark.parametrize("overrides", [{}, {"mma_inflight": 0}, {"split_kv": 4}], ids=["default", "inflight0", "split4"])
+def test_a_where_inside_a_longer_score_function_hides_whole_rows_without_nan(overrides):
+    """`ws.where(..., -inf)` not as the outermost op (a bias follows it) is no mask the analysis
+    sees: the rows it hides entirely must still store O = 0 and LSE = -inf, not NaN (the row
+    max of a block of -inf scores is kept finite)."""
+    f = make_biased(lambda s, i, j, u, p: ws.where(p > -0.5, s, -ws.inf) - u * ((j - i) * (j - i)) * 0.01,
+                    per_query=True)
+    inputs = biased_inputs(2, 2, 127, 130, per_query=True)
+    o, lse = check(f, inputs, **overrides)
+    assert torch.isneginf(lse).any() and torch.isfinite(lse).any()   # rows of both kinds
+
+
 def test_dtype_rules_of_positions_and_comparisons():
     @ws.fusion
     def f(x: ws.Tensor[ws.f32, "H", "S", "T"], slope: ws.Tensor[ws.f32, "H", 1, 1]):

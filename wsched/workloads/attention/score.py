@@ -155,8 +155,13 @@ class ScoreFunction:
     @property
     def rows_may_see_nothing(self) -> bool:
         """Whether a row may see no key in some block (or in all of them): any mask but the
-        top-left causal one, which always shows a row its own key and every key before it."""
-        return self.lengths is not None or any(m.causal != "top_left" for m in self.masks)
+        top-left causal one, which always shows a row its own key and every key before it; or a
+        score function that computes on the scores (`inner`), which may itself give -inf (a
+        `ws.where(..., -ws.inf)` inside a longer expression, a log of 0): the kernel then keeps
+        each block's row max finite and stores O = 0, LSE = -inf for a row with no finite score,
+        instead of NaN."""
+        return (self.lengths is not None or any(m.causal != "top_left" for m in self.masks)
+                or self.inner != self.qk)
 
 
 def analyse(fusion, scores, qk, roles: dict, batch: int, fail, param_name,
