@@ -74,6 +74,28 @@ def test_a_where_inside_a_longer_score_function_hides_whole_rows_without_nan(ove
     assert torch.isneginf(lse).any() and torch.isfinite(lse).any()   # rows of both kinds
 
 
+def test_a_bottom_right_causal_mask_inside_key_lengths_is_refused():
+    """Inside ws.key_lengths a bottom-right causal mask ends its diagonal at the last of all T keys
+    (the reference); the kernel aligns to each sequence's last key: refused, with the spelling
+    that aligns per sequence. That spelling compiles and matches the reference."""
+    def make(inside: bool):
+        def attention(q: ws.Tensor[ws.bf16, "B", "H", "S", 64], k: ws.Tensor[ws.bf16, "B", "H", "T", 64],
+                      v: ws.Tensor[ws.bf16, "B", "H", "T", 64], lens: ws.Tensor[ws.i32, "B"]):
+            s = ws.matmul(q, k.transpose(-1, -2)) * 0.125
+            s = (ws.key_lengths(ws.causal_mask(s, align="bottom_right"), lens) if inside
+                 else ws.causal_mask(ws.key_lengths(s, lens), align="bottom_right"))
+            return ws.matmul(ws.softmax(s, dim=-1), v).to(ws.bf16), ws.logsumexp(s, dim=-1)
+        return ws.fusion(attention)
+
+    with pytest.raises(ScheduleError) as e:
+        ws.lower(make(inside=True))
+    assert ("a bottom-right ws.causal_mask inside ws.key_lengths aligns to the whole key dim T, not to each "
+            "sequence's length; write ws.causal_mask(ws.key_lengths(s, lengths), align='bottom_right')") in str(e.value)
+    assert "causal_mask" in str(e.value) and "test_attention_variants.py" in str(e.value)
+    q, k, v = attention_inputs(2, 2, 127, 130, 64, seed=3)
+    check(make(inside=False), [q, k, v, torch.tensor([100, 130], dtype=torch.int32)])
+
+
 def test_dtype_rules_of_positions_and_comparisons():
     @ws.fusion
     def f(x: ws.Tensor[ws.f32, "H", "S", "T"], slope: ws.Tensor[ws.f32, "H", 1, 1]):

@@ -202,6 +202,12 @@ def analyse(fusion, scores, qk, roles: dict, batch: int, fail, param_name,
             lengths = x.inputs[1]
             x = fusion.node(x.inputs[0])
         elif x.op == "causal_mask":
+            if lengths is not None and x.attr("align") == "bottom_right":
+                # inside ws.key_lengths the mask sees the whole key dim: its diagonal ends at the
+                # last of T keys, not at each sequence's last key, as the kernel's would
+                fail("a bottom-right ws.causal_mask inside ws.key_lengths aligns to the whole key dim T, not "
+                     "to each sequence's length; write ws.causal_mask(ws.key_lengths(s, lengths), "
+                     "align='bottom_right') to end each sequence's diagonal at its last key", x)
             bound = Bound(0, x.attr("align") == "bottom_right")
             masks.append(Mask(x, analysed=True, upper=(bound,)))
             x = fusion.node(x.inputs[0])
