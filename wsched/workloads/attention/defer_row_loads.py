@@ -1,6 +1,7 @@
-"""defer_row_loads: a tile's score inputs of one value per query row (a document id per query,
-a per-query position) are loaded in the tile's first kv block, after its wgmmas are issued,
-instead of in the tile's prologue before them.
+"""defer_row_loads: a tile's score inputs read once per tile (one value per query row: a
+document id per query, a per-query position; or one per head or batch that only the score ops
+read) are loaded in the tile's first kv block, after its wgmmas are issued, instead of in the
+tile's prologue before them.
 
 build_loops reads such an input once per tile, before the kv loop. Where the input is read only
 inside the kv loop (its mask or score ops), this pass moves the load there:
