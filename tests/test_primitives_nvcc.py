@@ -301,26 +301,16 @@ def test_wgmma_function_text():
 
 @pytest.mark.nvcc
 @needs_nvcc
-def test_the_spans_table_kernel_builds_without_spills():
-    """codegen/block_spans.py's helper (a spans param's table on the GPU) builds for sm_90a."""
-    from wsched.codegen.block_spans import KERNEL, SOURCE
+def test_the_spans_table_kernel_builds_without_spills(tmp_path):
+    """codegen/block_spans.py's helper (a spans param's table on the GPU) builds for sm_90a, for
+    the block size its launch uses (the CUDA's warp count is THREADS / 32)."""
+    from wsched.codegen.block_spans import KERNEL, SOURCE, THREADS
     from wsched.codegen.build import compile_cuda
 
     result = compile_cuda(SOURCE, name=KERNEL)
     r = result.resources[KERNEL]
     assert r.spill_stores == 0 and r.spill_loads == 0
+    assert f"#define WARPS {THREADS // 32}" in SOURCE
+    ptx = compile_ptx(SOURCE, name="block_spans_ptx", cache_dir=tmp_path)
+    assert f".maxntid {THREADS}, 1, 1" in ptx
 
-
-@pytest.mark.nvcc
-@needs_nvcc
-def test_the_spans_helper_kernel_compiles_for_its_block_size(tmp_path):
-    """The document mask's spans helper (codegen/block_spans.py) builds without spills, for the
-    block size its launch uses (the CUDA's warp count is THREADS / 32)."""
-    from wsched.codegen import block_spans
-
-    res = compile_cuda(block_spans.SOURCE, name="block_spans", cache_dir=tmp_path)
-    assert f"#define WARPS {block_spans.THREADS // 32}" in block_spans.SOURCE
-    r = res.resources[block_spans.KERNEL]
-    assert r.spill_stores == 0 and r.spill_loads == 0
-    ptx = compile_ptx(block_spans.SOURCE, name="block_spans_ptx", cache_dir=tmp_path)
-    assert f".maxntid {block_spans.THREADS}, 1, 1" in ptx
