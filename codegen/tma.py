@@ -9,8 +9,10 @@ and what would be right. Only then is it
 turned around for the driver (innermost first, byte strides without the innermost one) and
 encoded.
 
-Fixed choices for every map: interleave NONE, element strides all 1, L2 promotion 256B,
-out-of-bounds fill NONE (out-of-bounds elements read as zero — partial tiles rely on it).
+Fixed choices for every map: interleave NONE, element strides all 1, out-of-bounds fill NONE
+(out-of-bounds elements read as zero — partial tiles rely on it). L2 promotion is 256B where every
+row of the tensor starts on a `TMA_FAST_ROW_ALIGNMENT` (64-byte) boundary and 128B where rows do
+not (`l2_promotion`: on such rows 256B promotion made a matmul's loads a fifth slower again).
 """
 from __future__ import annotations
 
@@ -22,7 +24,8 @@ from cuda.bindings import driver
 
 from wsched.target import (DTYPE_BYTES, DTYPE_OF_TORCH, ELEMENT_TYPES, TMA_DTYPES, TMA_GLOBAL_ADDRESS_ALIGNMENT,
                            TMA_INNER_BOX_ALIGNMENT, TMA_MAX_BOX_DIM, TMA_MAX_GLOBAL_DIM, TMA_MAX_RANK,
-                           TMA_MAX_STRIDE_BYTES, TMA_STRIDE_ALIGNMENT, TMA_SWIZZLES, TORCH_DTYPES)
+                           TMA_FAST_ROW_ALIGNMENT, TMA_MAX_STRIDE_BYTES, TMA_STRIDE_ALIGNMENT, TMA_SWIZZLES,
+                           TORCH_DTYPES)
 
 from .cuda_driver import CudaError, check_cuda, torch_context
 from .launch import check_tensor
@@ -33,6 +36,7 @@ __all__ = [
     "describe_tensor_map",
     "driver_arguments",
     "encode_tensor_map",
+    "row_alignment",
     "spec_for_tensor",
     "tensor_map_for",
     "validate_tensor_map",
@@ -59,7 +63,8 @@ _SWIZZLES = {  # the driver's spelling of each swizzle span
     for span in TMA_SWIZZLES
 }
 _INTERLEAVE = driver.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE
-_L2_PROMOTION = driver.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_256B
+_L2_PROMOTION = {True: driver.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_256B,    # rows aligned
+                 False: driver.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_128B}
 _OOB_FILL = driver.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE
 
 
@@ -152,6 +157,21 @@ def validate_tensor_map(spec: TensorMapSpec, data_ptr: int) -> None:
                     f"use box[-1] <= {limit} {spec.dtype} and load the rest of the row with more boxes")
 
 
+def row_alignment(shape: Sequence[int], strides: Sequence[int], element_bytes: int) -> int:
+    """The largest power of two, up to 128 bytes, that divides every row of a tensor: each byte
+    stride of its dims but the innermost, of the dims whose extent is above 1 (128 for one row)."""
+    align = 128
+    for size, stride in zip(shape[:-1], strides[:-1]):
+        if size > 1:
+            align = min(align, (stride * element_bytes) & -(stride * element_bytes) or 128)
+    return align
+
+
+def rows_aligned(spec: TensorMapSpec) -> bool:
+    """Whether every row of the map starts on a TMA_FAST_ROW_ALIGNMENT boundary."""
+    return row_alignment(spec.shape, spec.strides, DTYPE_BYTES[spec.dtype]) >= TMA_FAST_ROW_ALIGNMENT
+
+
 def driver_arguments(spec: TensorMapSpec) -> dict[str, object]:
     """cuTensorMapEncodeTiled's arguments for `spec`, as plain ints: innermost dimension first,
     byte strides of dimensions 1..rank-1 only (the innermost one is implicitly one element)."""
@@ -166,7 +186,7 @@ def driver_arguments(spec: TensorMapSpec) -> dict[str, object]:
         "elementStrides": [1] * rank,
         "interleave": _INTERLEAVE,
         "swizzle": _SWIZZLES[spec.swizzle],
-        "l2Promotion": _L2_PROMOTION,
+        "l2Promotion": _L2_PROMOTION[rows_aligned(spec)],
         "oobFill": _OOB_FILL,
     }
 

@@ -158,11 +158,11 @@ def test_long_causal_sequences_walk_sections_heaviest_first(split, num_sms, sect
 
 
 @pytest.mark.parametrize("variant", [v for v in VARIANTS if v != "sinks"])
-@pytest.mark.parametrize("s, num_sms", [(3, 4), (300, 8)])
+@pytest.mark.parametrize("s, num_sms", [(3, 4), (300, 10)])
 def test_score_functions_run_in_the_kernels_compile_picks(variant, s, num_sms):
     """Every score function of the variants issue in the decode variant (S <= 64: not packed, a
-    score function may read per-head or per-query inputs) and in the split default (3 tiles on 8
-    SMs): 17 kv blocks split in 2."""
+    score function may read per-head or per-query inputs) and in the few-tiles variant (3 128-row
+    tiles on 10 SMs: 5 64-row tiles): 17 kv blocks split in 2."""
     fusion = make_variant(64, variant, window=300)
     k = ws.compile(fusion, build=False)
     inputs = variant_inputs(fusion, 1, 1, s, 2100, 64, seed=s)
@@ -181,7 +181,8 @@ def _call(b, h, s, t, g=4):
     ((8, 32, 1, 8192), 132, "decode"),      # S <= 64: packed, split where the tiles leave SMs idle
     ((64, 32, 1, 2048), 132, "decode"),
     ((1, 32, 64, 32768), 132, "decode"),
-    ((1, 8, 1024, 32768), 132, "split"),     # 2 KV heads x 4 x 8 = 64 tiles <= 66
+    ((1, 8, 1024, 32768), 132, "split"),     # 2 KV heads x 4 x 8 = 64 tiles <= 66: 64-row tiles, split-KV
+    ((1, 8, 200, 200), 132, "split"),        # 8 x 2 = 16 tiles: 64-row tiles (the host splits nothing)
     ((4, 32, 1024, 1024), 132, "default"),   # 256 tiles
     ((1, 8, 4096, 4096), 132, "default"),    # 256 tiles
 ])
@@ -189,7 +190,9 @@ def test_compile_picks_decode_split_or_default_by_shape(shape, sms, chosen):
     k = ws.compile(make_attention(128, causal="bottom_right", lse=True, gqa=True), build=False)
     decode, split = k.variants
     assert decode.schedule == ws.schedule_for(k.primary.fusion, **DECODE)
-    assert split.schedule == ws.schedule_for(k.primary.fusion, split_kv=MAX_SPLIT_KV)
+    # few 128-row tiles: 64-row tiles on one warpgroup, not packed (H100: B1 H16/4 S512 0.69 -> 1.10 of
+    # cuDNN against 128-row tiles with split-KV; 1.02-1.81x those with 4K-32K keys)
+    assert split.schedule == ws.schedule_for(k.primary.fusion, **{**DECODE, "pack_gqa": False})
     want = {"decode": decode.schedule, "split": split.schedule, "default": k.primary.schedule}[chosen]
     assert k.choose(_call(*shape), sms).schedule == want
 
@@ -287,3 +290,17 @@ def test_a_packed_q_that_is_not_one_run_of_rows_is_named():
     with pytest.raises(ws.ArgumentError, match=r"argument 'q' \(shape \[1, 2, 4, 2, 128\], strides .*\) cannot be "
                                                r"read as \[1, 2, 8, 128\] without a copy; .* pass q.contiguous\(\)"):
         kernel.simulate(q, k, v, num_sms=2)
+
+
+@pytest.mark.nvcc
+@pytest.mark.parametrize("head_dim, causal", [(64, False), (128, True), (192, "bottom_right")])
+def test_the_few_tiles_variant_builds_without_spills(head_dim, causal):
+    """Where the 128-row tiles fill at most half the SMs ws.compile runs 64-row tiles on one
+    consumer warpgroup, unpacked, split-KV: GQA fusions with the LSE at three head dims."""
+    from test_attention_variants import build_resources
+
+    f = make_attention(head_dim, causal=causal, lse=True, gqa=True)
+    few = ws.compile(f, build=False).variants[1].schedule
+    assert (few.bm, few.consumer_warpgroups, few.pack_gqa, few.split_kv) == (64, 1, False, MAX_SPLIT_KV)
+    resources = build_resources(ws.lower(f, few))
+    assert resources.spill_stores == 0 and resources.spill_loads == 0

@@ -263,7 +263,8 @@ def _paged_kernels(head_dim, page_size):
 @pytest.mark.parametrize("head_dim, page_size", [(64, 16), (128, 16), (128, 256), (256, 16), (256, 32)])
 def test_paged_kernels_build_without_spills(head_dim, page_size):
     """The producer's registers for the page indices (paged_producer_registers) and the split-KV
-    variants a paged cache refuses (PAGED_SPLIT_KV_SPILLS) keep every kernel free of spills."""
+    schedules a paged cache refuses (PAGED_SPLIT_KV_SPILLS) keep every kernel free of spills: the
+    default and the per-call variants."""
     from test_attention_variants import build_resources
 
     fusion, schedules = _paged_kernels(head_dim, page_size)

@@ -316,3 +316,22 @@ def test_cluster_grid_counts_the_sms_clusters_can_hold():
     a, b = inputs_for(matmul, 8192, 8192, 128, device="cuda", seed=0)
     plan, _, _ = k._prepare((a, b), None)
     assert plan.grid == held
+
+
+
+@pytest.mark.parametrize("M,N,K,pad", [(2048, 2048, 1000, 8), (4096, 1000, 2000, 8), (3001, 4200, 3920, 0)])
+@pytest.mark.parametrize("fusion", [matmul, gated], ids=lambda f: f.name)
+def test_rows_off_a_64_byte_boundary_run_in_clusters(fusion, M, N, K, pad):
+    """A and B whose rows start off a 64-byte boundary (views of buffers `pad` elements wider, or
+    contiguous with K and N no multiples of 32) take the clustered variant where their tiles fill
+    half the SMs; its result against torch, outputs NaN-poisoned first."""
+    k = compiled(fusion)
+    a, b, *rest = inputs_for(fusion, M, N + pad, K + pad, device="cuda", seed=M + pad)
+    inputs = [a[:, :K], b[:K, :N], *(t[:, :N].contiguous() for t in rest)]
+    assert k.kernel_for(*inputs).schedule.cluster == (2, 1, 1)
+    out = torch.full((M, N), float("nan"), device="cuda", dtype=torch.bfloat16)
+    k(*inputs, out={"out": out})
+    k.synchronize()
+    ref = fusion.reference(*inputs).float()
+    assert not torch.isnan(out.float()).any()
+    assert float((out.float() - ref).norm() / ref.norm()) < 1e-2

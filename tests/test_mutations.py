@@ -124,10 +124,11 @@ FAMILIES = [
     # (tiles skip blocks at both ends), the mask applied on every block
     Family("attention_document_causal_d128.ir", make_variant(128, "document_causal"),
            golden="attention_document_causal_d128.ir"),
-    # On 4 SMs: 2 output tiles of 10 k steps, split in 2 (the last unit of a tile sums them); and 9
-    # tiles, more than the SMs, not split (each CTA walks several tiles and reuses its staging tile)
+    # On 4 SMs: 2 output tiles of 16 k steps, split in 2 (no split under 8 k steps; the last unit of
+    # a tile sums them); and 9 tiles, more than the SMs, not split (each CTA walks several tiles and
+    # reuses its staging tile)
     Family("matmul_split_k.ir", matmul, (("split_k", 4),), golden="matmul_split_k.ir",
-           shapes=((100, 264, 640), (300, 520, 320)), num_sms=4),
+           shapes=((100, 264, 1024), (300, 520, 320)), num_sms=4),
     # Ping-pong, 128 x 128 tiles of two row blocks a warpgroup: on 2 SMs 9 tiles (5 and 4 a CTA:
     # the last token taken back by each warpgroup in turn) of 10 k steps over 4 stages, and one
     # tile (warpgroup 1 idle)

@@ -35,7 +35,7 @@ def rel_error(out, ref) -> float:
 
 @pytest.fixture(scope="module")
 def split_matmul():
-    return ws.compile(matmul, split_k=8, build=False)
+    return ws.compile(matmul, split_k=8, split_min_steps=1, build=False)
 
 
 # --- the kernel --------------------------------------------------------------------------------
@@ -46,7 +46,7 @@ def test_split_k_final_ir_is_golden(golden):
 
 def test_the_split_count_is_a_host_param_and_split_1_builds_the_plain_kernel():
     plain, split = print_kernel(ws.lower(matmul)), print_kernel(ws.lower(matmul, split_k=4))
-    assert "i32 splits = min(min(4, ceil_div(K, 64)), max(1, num_sms / (ceil_div(M, 128) * ceil_div(N, 256))))" in split
+    assert "i32 splits = min(min(4, max(1, ceil_div(K, 64) / 8)), max(1, num_sms / (ceil_div(M, 128) * ceil_div(N, 256))))" in split
     assert "workspace partials: f32[splits, M, 2 * ceil_div(N, 2)], workspace tickets: i32[ceil_div(M, 128) * ceil_div(N, 256) * 2] zeroed" in split
     assert "grid(min(num_sms, ceil_div(M, 128) * ceil_div(N, 256) * splits))" in split
     for word in ("splits", "partials", "tickets", "atomic.inc", "fence.acq_rel.gpu"):
@@ -109,7 +109,7 @@ def test_the_sum_is_the_same_bits_whichever_unit_arrives_last(split_matmul):
 
 @pytest.mark.parametrize("fusion", [mlp, gated, linear_relu_residual, scaled_silu_f32], ids=lambda f: f.name)
 def test_fused_epilogues_run_on_the_sum(fusion):
-    k = ws.compile(fusion, split_k=4, build=False)
+    k = ws.compile(fusion, split_k=4, split_min_steps=1, build=False)
     x = inputs_for(fusion, 33, 264, 512, seed=2)
     out = k.simulate(*x, num_sms=4)
     assert not torch.isnan(out.float()).any()
@@ -117,7 +117,7 @@ def test_fused_epilogues_run_on_the_sum(fusion):
 
 
 def test_direct_epilogue_with_split_k():
-    k = ws.compile(gated, split_k=4, epilogue="direct", build=False)
+    k = ws.compile(gated, split_k=4, split_min_steps=1, epilogue="direct", build=False)
     x = inputs_for(gated, 17, 128, 512, seed=4)
     assert rel_error(k.simulate(*x, num_sms=4), gated.reference(*x)) < 1e-2
 
@@ -249,7 +249,7 @@ def test_verifier_messages(case):
 
 def test_emitted_cuda_of_the_ticket(split_matmul):
     src = split_matmul.cuda_source
-    assert "//   host      splits = min(min(8, ceil_div(K, 64)), max(1, num_sms / (ceil_div(M, 128) * " \
+    assert "//   host      splits = min(min(8, max(1, ceil_div(K, 64) / 1)), max(1, num_sms / (ceil_div(M, 128) * " \
            "ceil_div(N, 256)))) (computed per call)" in src
     assert "    int splits,\n" in src and "    float* __restrict__ partials,\n    int* __restrict__ tickets) {" in src
     assert re.search(r"wsp::fence_acq_rel_gpu\(\);\n\s+\*reinterpret_cast<int\*>\(smem_ticket_slot \+ wg \* 4\) = "
@@ -283,7 +283,7 @@ def test_an_odd_n_pads_the_partials_rows_and_drops_the_extra_column():
     the output."""
     from fusions import linear_relu_residual
 
-    k = ws.compile(linear_relu_residual, split_k=4, epilogue="direct", build=False)
+    k = ws.compile(linear_relu_residual, split_k=4, split_min_steps=1, epilogue="direct", build=False)
     inputs = inputs_for(linear_relu_residual, 33, 201, 640, seed=5)
     _, scalars, _ = k._bind_inputs(inputs)
     params = k._host_params(scalars, 4)
@@ -293,3 +293,29 @@ def test_an_odd_n_pads_the_partials_rows_and_drops_the_extra_column():
     out = k.simulate(*inputs, num_sms=4)
     assert out.shape == (33, 201) and not torch.isnan(out.float()).any()
     assert rel_error(out, linear_relu_residual.reference(*inputs)) < 1e-2
+
+
+@pytest.mark.parametrize("K, num_sms, splits", [
+    (728, 132, 1),     # 12 k steps: no split of fewer than 8
+    (1024, 132, 2),    # 16 k steps: two splits of 8
+    (4096, 132, 8),    # 64 k steps: 8 splits of 8 (16 would fill the SMs, but are shorter)
+    (4096, 4, 4),      # the SMs bound it first
+])
+def test_the_host_splits_no_unit_shorter_than_split_min_steps(K, num_sms, splits):
+    """One 128x256 output tile (M 72, N 200): the default `split_min_steps` (8) bounds the split
+    count where the SMs would take more; split_min_steps=1 splits as far as the k steps go."""
+    from wsched.workloads.matmul.schedule import MIN_K_STEPS_PER_SPLIT
+
+    assert MIN_K_STEPS_PER_SPLIT == 8
+    k = ws.compile(matmul, split_k=16, build=False)
+    _, scalars, _ = k._bind_inputs(inputs_for(matmul, 72, 200, K, seed=0))
+    assert k._host_params(scalars, num_sms)["splits"] == splits
+    one = ws.compile(matmul, split_k=16, split_min_steps=1, build=False)
+    assert one._host_params(scalars, num_sms)["splits"] == min(16, -(-K // 64), num_sms)
+
+
+@pytest.mark.parametrize("value", [0, 2.0])
+def test_a_bad_split_min_steps_is_named(value):
+    with pytest.raises(ws.ScheduleError, match=rf"split_min_steps={value!r} must be an int >= 1 \(the fewest k "
+                                               r"steps a split-K unit takes; default 8\)"):
+        ws.schedule_for(matmul, split_k=4, split_min_steps=value)

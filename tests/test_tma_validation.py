@@ -197,8 +197,28 @@ def test_driver_arguments_innermost_first_with_byte_strides():
     assert args["elementStrides"] == [1, 1, 1]
     assert args["interleave"] == driver.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE
     assert args["swizzle"] == driver.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B
-    assert args["l2Promotion"] == driver.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_256B
+    # rows of 160 bytes: off a 64-byte boundary, so 128-byte L2 promotion (below)
+    assert args["l2Promotion"] == driver.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_128B
     assert args["oobFill"] == driver.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE
+
+
+@pytest.mark.parametrize("shape, strides, promotion", [
+    ((4096, 4096), (4096, 1), "L2_256B"),           # 8192-byte rows
+    ((4096, 4104), (4104, 1), "L2_128B"),           # 8208 bytes: 16 off a 64-byte boundary
+    ((4096, 4112), (4112, 1), "L2_128B"),           # 32 off
+    ((4096, 4128), (4128, 1), "L2_256B"),           # 64-byte aligned is enough
+    ((1, 4104), (4104, 1), "L2_256B"),              # one row: its stride is never used
+    ((3, 64, 128), (8200, 128, 1), "L2_128B"),      # an outer dim's stride counts too
+])
+def test_l2_promotion_follows_the_row_alignment(shape, strides, promotion):
+    """256-byte L2 promotion where every row starts on a 64-byte boundary (TMA_FAST_ROW_ALIGNMENT),
+    128-byte where one does not: on such rows 256-byte promotion slowed a matmul's loads further."""
+    from wsched.target import TMA_FAST_ROW_ALIGNMENT
+
+    assert TMA_FAST_ROW_ALIGNMENT == 64
+    args = driver_arguments(TensorMapSpec(name="x", dtype="bf16", shape=shape, strides=strides,
+                                          box=(1,) * (len(shape) - 2) + (64, 64), swizzle=128))
+    assert args["l2Promotion"] == getattr(driver.CUtensorMapL2promotion, f"CU_TENSOR_MAP_L2_PROMOTION_{promotion}")
 
 
 @pytest.mark.parametrize("dtype, enum, size", [

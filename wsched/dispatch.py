@@ -33,10 +33,25 @@ from .errors import ArgumentError
 from .schedule import Schedule
 
 
+# The value a variant's rule reads beside the sizes and `num_sms`: the row alignment in bytes (a
+# power of two up to 128, `codegen.tma.row_alignment`) of the inputs the default kernel reads by
+# TMA, the least of them (rows off a 64-byte boundary load slower: target.TMA_FAST_ROW_ALIGNMENT).
+ROW_ALIGN = "tma_row_align"
+
+
+def tma_row_align(kernel, layouts: Mapping[str, tuple]) -> int:
+    """ROW_ALIGN of a call: `layouts` maps input param names to (shape, strides, element bytes)."""
+    from .codegen.tma import row_alignment
+    from .lowering import ir
+
+    loaded = {p.name for p in kernel.kernel.params if isinstance(p, ir.TensorMapParam)}
+    return min((row_alignment(*layouts[name]) for name in loaded if name in layouts), default=128)
+
+
 @dataclass(frozen=True)
 class Variant:
     """A schedule a call switches to, and when: `applies(values)` with values = the call's
-    scalar params (the sizes, e.g. M, N, K) and `num_sms`."""
+    scalar params (the sizes, e.g. M, N, K), `num_sms` and ROW_ALIGN."""
 
     schedule: Schedule
     applies: Callable[[Mapping[str, int]], bool]
@@ -78,9 +93,12 @@ class ShapeDispatchKernel:
                 if kernel is None:
                     if index in self._failed:
                         raise self._failed[index]
+                    schedule = self.variants[index].schedule
+                    # two rules of one schedule share its kernel (built once)
+                    kernel = next((k for i, k in self._built.items() if self.variants[i].schedule == schedule), None)
                     try:
-                        kernel = self._built[index] = build_without_spills(
-                            self.primary.fusion, self.variants[index].schedule, build=self._build)
+                        kernel = self._built[index] = kernel or build_without_spills(
+                            self.primary.fusion, schedule, build=self._build)
                     except Exception as error:
                         self._failed[index] = error
                         raise
@@ -127,8 +145,9 @@ class ShapeDispatchKernel:
         rule holds for the call's sizes, else the default. A variant is built without spills
         (`kernel.build_without_spills`: a lighter schedule where its own spills); one that still
         fails to build is dropped with a warning and the next one is tried."""
-        _, scalars, _ = self.primary._bind_inputs(tensors)
-        values = {**scalars, "num_sms": num_sms}
+        inputs, scalars, _ = self.primary._bind_inputs(tensors)
+        layouts = {name: (t.shape, t.stride(), t.element_size()) for name, t in inputs.items()}
+        values = {**scalars, "num_sms": num_sms, ROW_ALIGN: tma_row_align(self.primary, layouts)}
         for index, variant in enumerate(self.variants):
             if index in self._failed or not variant.applies(values):
                 continue
@@ -142,9 +161,9 @@ class ShapeDispatchKernel:
 
     @staticmethod
     def _key(tensors) -> tuple:
-        """What the choice depends on: the shapes and the device (AttributeError if an argument
-        is not a tensor)."""
-        return tuple([t.shape for t in tensors]), tensors[0].get_device()
+        """What the choice depends on: the shapes, the strides (ROW_ALIGN) and the device
+        (AttributeError if an argument is not a tensor)."""
+        return tuple([(t.shape, t.stride()) for t in tensors]), tensors[0].get_device()
 
     def kernel_for(self, *tensors):
         """The kernel that runs a call with these tensors on their GPU (decided once per shape
@@ -207,7 +226,7 @@ class ShapeDispatchKernel:
     @property
     def kernels(self) -> list:
         """The default kernel and every variant built so far."""
-        return [self.primary] + [self._built[i] for i in sorted(self._built)]
+        return [self.primary] + list({id(k): k for k in (self._built[i] for i in sorted(self._built))}.values())
 
     def describe(self) -> str:
         lines = [f"{self.primary.fusion.name}: {self.primary.schedule.short()} (default)"]

@@ -55,6 +55,13 @@ TMA_MAX_BOX_DIM = 256
 TMA_INNER_BOX_ALIGNMENT = 16             # bytes of the innermost box extent
 TMA_SMEM_ALIGNMENT = 128                 # bytes, the shared-memory address of a tensor copy
 TMA_SWIZZLES = (0, 32, 64, 128)          # swizzle spans in bytes; the inner box row must fit in it
+# Rows (byte strides of dims 1..rank-1) on a multiple of this are read by TMA at full speed; rows
+# only 16- or 32-byte aligned are not. H100, 4096^3 bf16 matmul with row strides padded by 8 / 16 /
+# 32 elements (16 / 32 / 64 bytes off a 128-byte boundary), cuBLAS 181-188 us throughout: the default
+# kernel 321 / 212 / 184 us with 256-byte L2 promotion, 269 / 199 / 184 with 128-byte promotion,
+# and 192 / 189 / 183 in clusters of 2 CTAs along M sharing B by multicast (2026-11-24; the map's
+# promotion: codegen/tma.py, the per-call choice: MatmulWorkload.variants).
+TMA_FAST_ROW_ALIGNMENT = 64              # bytes
 SWIZZLE_ROW_BYTES = 128                  # the 128-byte swizzle the operand layouts use
 # wgmma operand layouts in shared memory: rows (or column chunks) of one swizzle span, swizzled
 # with it; 128 bytes where the extent allows (64 x 16-bit), 64 bytes where it is a multiple of

@@ -12,12 +12,13 @@ from __future__ import annotations
 from dataclasses import replace
 
 from wsched.lowering.context import Step
+from wsched.target import TMA_FAST_ROW_ALIGNMENT
 from wsched.schedule import ScheduleError, max_stages
 from wsched.workloads.base import Workload
 
 from . import epilogue, loops, partition, pingpong, schedule
 
-from .schedule import MAX_SPLIT_K, MatmulSchedule, output_tiles, saves_waves
+from .schedule import MAX_SPLIT_K, MatmulSchedule, cluster_waves_no_more, output_tiles, saves_waves
 
 # Ping-pong's variant keeps five stages of its 128 x 128 tiles (32 KB each) where they fit beside
 # the staged outputs. Against four, one interleaved H100 run at square shapes was mixed (-5% to +7%,
@@ -59,6 +60,10 @@ class MatmulWorkload(Workload):
 
         - M <= 64: 64x128 tiles (one consumer warpgroup: a 128-row tile would be at least half
           empty rows) with split-K; the host splits K when the tiles fill at most half the SMs.
+        - rows of an input off a 64-byte boundary (`dispatch.ROW_ALIGN` below
+          target.TMA_FAST_ROW_ALIGNMENT: TMA loads such rows slower), where the default's tiles
+          fill at least half the SMs and pairs of them along M take no more waves: the default's
+          tile in clusters of 2 CTAs along M, B multicast to both (half the B loads per CTA).
         - otherwise, where 128x128 tiles take at least 10% less wave work than the default's
           (`saves_waves`: waves x tile area): ping-pong 128x128 tiles where they fill more than
           half the SMs (nothing to split; each warpgroup's epilogue hides under the other's
@@ -69,7 +74,7 @@ class MatmulWorkload(Workload):
         left out. A batched matmul has none: its rules count one batch's tiles, and split-K
         takes 2-D matmuls only; nor has a schedule that asks for a cluster (the variants have
         none)."""
-        from wsched.dispatch import Variant
+        from wsched.dispatch import ROW_ALIGN, Variant
 
         if (schedule.tile != (128, 256, 64) or schedule.split_k != 1 or schedule.cluster != (1, 1, 1)
                 or _batched(fusion)):
@@ -80,6 +85,12 @@ class MatmulWorkload(Workload):
         for fields, stages, applies, rule in (
                 (dict(tile=(64, 128, 64), consumer_warpgroups=1, split_k=MAX_SPLIT_K), SMALL_M_STAGES,
                  lambda v, tile: v["M"] <= 64, "M <= 64" + split),
+                (dict(tile=schedule.tile, cluster=(2, 1, 1)), None,
+                 lambda v, tile: (v[ROW_ALIGN] < TMA_FAST_ROW_ALIGNMENT
+                                  and 2 * output_tiles(v["M"], v["N"], tile) >= v["num_sms"]
+                                  and cluster_waves_no_more(v["M"], v["N"], v["num_sms"], tile, 2)),
+                 f"rows of an input off a {TMA_FAST_ROW_ALIGNMENT}-byte boundary, tiles that fill at least half "
+                 "the SMs and pairs along M that take no more waves: clusters of 2 along M (B multicast)"),
                 (dict(tile=(128, 128, 64), mode="pingpong"), PINGPONG_STAGES,
                  lambda v, tile: better(v, tile) and 2 * output_tiles(v["M"], v["N"], tile) > v["num_sms"],
                  "128x128 tiles take 10% less wave work than 128x256 ones and fill more than half the SMs: "

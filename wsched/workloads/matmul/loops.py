@@ -235,10 +235,12 @@ def batch_count(nb: int) -> ir.Expr:
 
 def split_count(s) -> ir.Expr:
     """The host's split count for a call: enough (tile, split) units to fill the SMs in one wave,
-    at most `split_k`, and at least one k step per split."""
+    at most `split_k`, and at least `split_min_steps` k steps per split (one split where there
+    are fewer)."""
     bm, bn, bk = s.tile
     tiles = ir.mul(ir.ceil_div("M", bm), ir.ceil_div("N", bn))
-    return ir.emin(ir.emin(s.split_k, ir.ceil_div("K", bk)), ir.emax(1, ir.div("num_sms", tiles)))
+    longest = ir.emax(1, ir.div(ir.ceil_div("K", bk), s.split_min_steps))
+    return ir.emin(ir.emin(s.split_k, longest), ir.emax(1, ir.div("num_sms", tiles)))
 
 
 def k_loop(body: tuple[ir.Stmt, ...], split: bool = False) -> ir.For:

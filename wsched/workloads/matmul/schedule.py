@@ -33,6 +33,13 @@ CLUSTER_SIZES = (1, 2, 4)
 
 # The most CTAs one output tile's k range is split across (split-K).
 MAX_SPLIT_K = 16
+# The fewest k steps a split takes (loops.split_count). A split costs its fp32 partial's store,
+# the ticket and one more partial for the last unit to sum: a few microseconds, what ~6-8 k steps
+# of a lone 128 x 128 unit take. Measured on an H100 (cold L2, us, no split / 2 / 4 / 8 / 16
+# splits, 2026-11-24; cuBLAS in the same run): M72 N672 K728 (12 k steps) 9.6 / 12.1 / 12.9 /
+# 15.8 / 18.7 (6.7); M37 N280 K792 8.7 / 9.8 / 9.8 / 11.8 / 14.3 (6.5); M1 N912 K1120 9.8 / 10.0 /
+# 9.9 / 10.9 / 13.8 (7.3); M16 N4096 K4096 (64 steps) 31.6 / 27.0 / 23.6 / 23.6 / 23.6 (21.6).
+MIN_K_STEPS_PER_SPLIT = 8
 
 
 @dataclass(frozen=True)
@@ -47,13 +54,15 @@ class MatmulSchedule(Schedule):
 
     `split_k` is the most CTAs an output tile's k range may be split across. 1 builds the plain
     persistent kernel; above 1 the kernel takes a host param `splits` that the host computes per
-    call (`splits = min(split_k, k_tiles, max(1, num_sms / tiles))`: enough work units for the
-    SMs, never a second wave), each unit stores its fp32 partial to a workspace, and the last of
+    call (`splits = min(split_k, max(1, k_tiles / split_min_steps), max(1, num_sms / tiles))`:
+    enough work units for the SMs, never a second wave, and no split of fewer than
+    `split_min_steps` k steps, MIN_K_STEPS_PER_SPLIT by default), each unit stores its fp32 partial to a workspace, and the last of
     a tile's units to take its ticket sums the partials in split order and runs the epilogue
     (docs/architecture.md, "Split-K")."""
 
     workload = "matmul"
     split_k: int = 1
+    split_min_steps: int = MIN_K_STEPS_PER_SPLIT
     # A warpgroup owns 64 or 128 rows: one or two m64 wgmmas per k step, each into an accumulator
     # of its own (ping-pong's 128 x 128 tiles, cooperative 256 x 128).
     consumer_rows = (WGMMA_M, 2 * WGMMA_M)
@@ -94,6 +103,7 @@ class MatmulSchedule(Schedule):
     def short(self) -> str:
         return (super().short() + (" pingpong" if self.mode == "pingpong" else "")
                 + (f" split_k={self.split_k}" if self.split_k != 1 else "")
+                + (f" split_min_steps={self.split_min_steps}" if self.split_min_steps != MIN_K_STEPS_PER_SPLIT else "")
                 + (f" cluster={'x'.join(map(str, self.cluster))}"
                    if isinstance(self.cluster, tuple) and self.cluster != (1, 1, 1) else "")
                 + (" mma_inflight=0" if self.mma_inflight == 0 and is_int(self.stages) and self.stages >= 2 else ""))
@@ -104,6 +114,9 @@ class MatmulSchedule(Schedule):
         if not is_int(self.split_k) or not 1 <= self.split_k <= MAX_SPLIT_K:
             p.append(f"split_k={self.split_k!r} must be an int in [1, {MAX_SPLIT_K}] (the most CTAs one output "
                      f"tile's k range is split across; 1: no split)")
+        if not is_int(self.split_min_steps) or self.split_min_steps < 1:
+            p.append(f"split_min_steps={self.split_min_steps!r} must be an int >= 1 (the fewest k steps a split-K "
+                     f"unit takes; default {MIN_K_STEPS_PER_SPLIT})")
         if self.mode == "pingpong" and self.consumer_warpgroups != 2:
             p.append(f"mode 'pingpong' alternates two consumer warpgroups on tiles of their own: it needs "
                      f"consumer_warpgroups=2 (not {self.consumer_warpgroups})")
@@ -181,6 +194,15 @@ def saves_waves(m: int, n: int, num_sms: int, tile, than) -> bool:
     of few (512 x 10240: 2 waves of 160 wide tiles on 132 SMs, 3 of 320 narrow ones). At many
     waves the last wave's fill hardly counts and the wider tile stays (8192 x 28672: 55 waves)."""
     return wave_work(m, n, num_sms, tile) < NARROW_TILE_MARGIN * wave_work(m, n, num_sms, than)
+
+
+def cluster_waves_no_more(m: int, n: int, num_sms: int, tile, cluster_m: int) -> bool:
+    """Whether clusters of `cluster_m` CTAs on tiles along M (num_sms / cluster_m of them at a
+    time) take no more waves than single CTAs on the same tiles: the pairs' last row of tiles may
+    be half empty."""
+    bm, bn = tile[0], tile[1]
+    clusters = -(-(-(-m // bm)) // cluster_m) * -(-n // bn)
+    return -(-clusters // (num_sms // cluster_m)) <= -(-output_tiles(m, n, tile) // num_sms)
 
 
 def default_schedule(**overrides) -> MatmulSchedule:
