@@ -99,8 +99,10 @@ class ShapeDispatchKernel:
                     try:
                         kernel = self._built[index] = kernel or build_without_spills(
                             self.primary.fusion, schedule, build=self._build)
-                    except Exception as error:
-                        self._failed[index] = error
+                    except Exception as error:   # every rule of this schedule is dropped with it
+                        for i, variant in enumerate(self.variants):
+                            if variant.schedule == schedule:
+                                self._failed[i] = error
                         raise
         return kernel
 

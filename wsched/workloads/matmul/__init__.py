@@ -67,8 +67,11 @@ class MatmulWorkload(Workload):
         - otherwise, where 128x128 tiles take at least 10% less wave work than the default's
           (`saves_waves`: waves x tile area): ping-pong 128x128 tiles where they fill more than
           half the SMs (nothing to split; each warpgroup's epilogue hides under the other's
-          mainloop), else cooperative 128x128 tiles with split-K (the host splits K when they
-          fill at most half the SMs).
+          mainloop), else (few tiles) the M <= 64 variant's 64x128 tiles on one consumer
+          warpgroup with split-K. Against cooperative 128x128 tiles with split-K, which this
+          rule ran before (H100, cold L2, 2026-11-24, ten calls it picks, cuBLAS in the same
+          run): 0.59 -> 0.70 of cuBLAS at 258x1320x2152, 0.65 -> 0.80 at 265x656x6672, 0.71 ->
+          0.89 at 72x672x728, 0.73 -> 0.85 at nk 128x4096x4096, none lower.
 
         A variant this fusion cannot take (its staged outputs do not fit beside two stages) is
         left out. A batched matmul has none: its rules count one batch's tiles, and split-K
@@ -95,7 +98,8 @@ class MatmulWorkload(Workload):
                  lambda v, tile: better(v, tile) and 2 * output_tiles(v["M"], v["N"], tile) > v["num_sms"],
                  "128x128 tiles take 10% less wave work than 128x256 ones and fill more than half the SMs: "
                  "ping-pong"),
-                (dict(tile=(128, 128, 64), consumer_warpgroups=2, split_k=MAX_SPLIT_K), None, better,
+                (dict(tile=(64, 128, 64), consumer_warpgroups=1, split_k=MAX_SPLIT_K), SMALL_M_STAGES,
+                 lambda v, tile: better(v, (128, 128, 64)),
                  "128x128 tiles take 10% less wave work than 128x256 ones" + split)):
             try:
                 variant = self.default_schedule(fusion, **fields)
