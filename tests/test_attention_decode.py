@@ -190,8 +190,8 @@ def test_compile_picks_decode_split_or_default_by_shape(shape, sms, chosen):
     k = ws.compile(make_attention(128, causal="bottom_right", lse=True, gqa=True), build=False)
     decode, split = k.variants
     assert decode.schedule == ws.schedule_for(k.primary.fusion, **DECODE)
-    # few 128-row tiles: 64-row tiles on one warpgroup, not packed (H100: B1 H16/4 S512 0.69 -> 1.10 of
-    # cuDNN against 128-row tiles with split-KV; 1.02-1.81x those with 4K-32K keys)
+    # few 128-row tiles: 64-row tiles on one warpgroup, not packed (H100: B1 H16/4 S512 0.69 -> 1.02 of
+    # cuDNN against 128-row tiles with split-KV; 1.02-1.80x those with 4K-32K keys)
     assert split.schedule == ws.schedule_for(k.primary.fusion, **{**DECODE, "pack_gqa": False})
     want = {"decode": decode.schedule, "split": split.schedule, "default": k.primary.schedule}[chosen]
     assert k.choose(_call(*shape), sms).schedule == want

@@ -107,10 +107,10 @@ class AttentionWorkload(Workload):
           sequences, few heads, long keys): 64-row tiles on one consumer warpgroup (twice the
           tiles), not packed, with split-KV where the keys are long; at value dim 256 the
           default's tiles with split-KV (unpacked 64 x 32 tiles spilled beside a paged producer,
-          split or not; nvcc 2026-11-24). Measured on an H100 against
-          the default with split-KV (2026-11-24, 16 calls, S 200-1024 and chunks of 128-512
-          queries against 4K-32K keys): at or above it in every call, 1.15-1.49x at S <= 1024
-          (B1 H16/4 S512: 0.69 -> 1.10 of cuDNN), 1.02-1.81x on long keys.
+          split or not; nvcc 2026-11-24). Measured on an H100 against the default with
+          split-KV (2026-11-24, 35 calls at head dim 128, S 200-1024 and chunks of 128-512
+          queries against 4K-32K keys): at or above it in every call, 1.18-1.48x at S <= 1024
+          (B1 H16/4 S512: 0.69 -> 1.02 of cuDNN), 1.02-1.80x on long keys.
 
         A fusion these cannot take (an attention sink) has none."""
         from wsched.dispatch import Variant
