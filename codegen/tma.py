@@ -12,7 +12,7 @@ encoded.
 Fixed choices for every map: interleave NONE, element strides all 1, out-of-bounds fill NONE
 (out-of-bounds elements read as zero — partial tiles rely on it). L2 promotion is 256B where every
 row of the tensor starts on a `TMA_FAST_ROW_ALIGNMENT` (64-byte) boundary and 128B where rows do
-not (`l2_promotion`: on such rows 256B promotion made a matmul's loads a fifth slower again).
+not (`rows_aligned`: on such rows 256B promotion made a matmul's loads a fifth slower again).
 """
 from __future__ import annotations
 

@@ -175,9 +175,10 @@ def renamed(x: ws.Tensor[ws.bf16, "tokens", "hidden"], w: ws.Tensor[ws.bf16, "ou
 @pytest.mark.parametrize("fusion, sizes", [
     (renamed, {"tokens": 16, "hidden": 4096, "out": 4096}),
     (renamed, {"tokens": 3072, "hidden": 1024, "out": 3072}),
+    (renamed, {"tokens": 2289, "hidden": 3920, "out": 4200}),   # rows of 7840 bytes: clusters along M
     (make_attention(128), {"B": 8, "H": 32, "S": 1024, "T": 1024}),    # 512 tiles: the plain default
     (make_attention(128, gqa=True), {"B": 1, "HK": 8, "G": 4, "S": 1, "T": 8192}),
-], ids=["linear M=16", "linear ping-pong", "attention prefill", "attention decode"])
+], ids=["linear M=16", "linear ping-pong", "linear unaligned rows", "attention prefill", "attention decode"])
 def test_the_default_choice_reads_the_sizes_as_a_call_binds_them(fusion, sizes):
     """The variants' rules read the kernel's size scalars (M, N, S, batch0, ...), not the
     fusion's own names for them: default_choice binds them as a call does, whatever the
@@ -449,3 +450,14 @@ def test_tune_at_rows_tma_cannot_read(tmp_path, monkeypatch):
     monkeypatch.setenv("WSCHED_CACHE_DIR", str(tmp_path))
     result = tune(matmul, {"M": 512, "N": 1001, "K": 256}, max_candidates=3, progress=False)
     assert result.schedule is not None and len(result.times) >= 2, result.rejected
+
+
+def test_the_default_choice_reads_the_row_alignment_of_contiguous_inputs():
+    """K = 3920 (rows of 7840 bytes, 32 off a 64-byte boundary): the call and default_choice both
+    pick the clustered variant; K = 3968 neither does."""
+    from wsched.inputs import random_inputs
+
+    for hidden, cluster in ((3920, (2, 1, 1)), (3968, (1, 1, 1))):
+        sizes = {"tokens": 2289, "hidden": hidden, "out": 4224}
+        chosen = ws.compile(renamed, build=False).choose(random_inputs(renamed, sizes), 132).schedule
+        assert chosen.cluster == cluster and autotune.default_choice(renamed, sizes, 132) == chosen

@@ -62,10 +62,10 @@ def test_paged_prefill_chunk_against_its_cache():
     (128, 64, 4, 1, 188, [2373, 2373]), (256, 16, 4, 8, 119, [1774, 823, 5128])])
 def test_paged_chunks_on_two_consumer_warpgroups_with_pages_shorter_than_a_block(d, page_size, hk, g, s, lens):
     """Chunks of more than 64 queries. `ws.compile`'s choice where the 128-row tiles fill at most
-    half the SMs: 64-row tiles on one consumer warpgroup. And the 128-row tiles on two (with split-KV where the kernel takes
-    it; not at head dim 256), whose producer needs 32 or more registers for its page indices:
-    these hung (GPU fuzzer, seed 3) while the consumers asked for 240 registers each: 128 x 32 +
-    256 x 240 is more than the CTA holds."""
+    half the SMs: 64-row tiles on one consumer warpgroup. And the 128-row tiles on two (with
+    split-KV where the kernel takes it; not at head dim 256), whose producer needs 32 or more
+    registers for its page indices: these hung (GPU fuzzer, seed 3) while the consumers asked for
+    240 registers each: 128 x 32 + 256 x 240 is more than the CTA holds."""
     f, k = compiled(d, page_size, True)
     inputs = paged_inputs(lens, page_size, d, hk=hk, g=g, s=s, seed=page_size + s, device="cuda")
     chosen = k.kernel_for(*inputs).schedule

@@ -414,27 +414,13 @@ def resolve_sizes(fusion, sizes_or_tensors) -> tuple[dict[str, int], torch.devic
     return sizes, device
 
 
-def contiguous_row_align(fusion, shapes: Mapping[str, Sequence[int]]) -> int:
-    """dispatch.ROW_ALIGN of a call whose inputs are contiguous tensors of these shapes (by input
-    id): the least row alignment over the inputs."""
-    from .codegen.tma import row_alignment
-    from .target import DTYPE_BYTES
-
-    aligns = []
-    for node in fusion.inputs:
-        shape = list(shapes[node.id])
-        strides = [1] * len(shape)
-        for i in reversed(range(len(shape) - 1)):
-            strides[i] = strides[i + 1] * shape[i + 1]
-        aligns.append(row_alignment(shape, strides, DTYPE_BYTES[node.dtype.name]))
-    return min(aligns, default=128)
-
-
 def default_choice(fusion, sizes: Mapping[str, int] | None = None, num_sms: int = HOPPER_SMS) -> Schedule:
     """The schedule `ws.compile(fusion)` runs at `sizes` on a GPU of `num_sms` SMs: the first of
     the workload's variants whose rule holds there (wsched/dispatch.py), else the default."""
-    from .dispatch import ROW_ALIGN
+    from .dispatch import ROW_ALIGN, row_align
     from .inputs import input_shapes
+    from .partition import param_name
+    from .target import DTYPE_BYTES
     from .workloads import partition
 
     workload = workload_for(fusion)
@@ -443,9 +429,13 @@ def default_choice(fusion, sizes: Mapping[str, int] | None = None, num_sms: int 
     if variants:
         # the rules read the kernel's size scalars (M, N, S, batch0, ...), as a call binds them
         shapes = input_shapes(fusion, sizes)
-        values = {dim: shapes[name][axis] for dim, (name, axis) in partition(fusion, default).dims.items()}
+        part = partition(fusion, default)
+        values = {dim: shapes[name][axis] for dim, (name, axis) in part.dims.items()}
         values["num_sms"] = num_sms
-        values[ROW_ALIGN] = contiguous_row_align(fusion, shapes)
+        # contiguous inputs of these shapes
+        layouts = {param_name(n.id): (shapes[n.id], torch.empty(shapes[n.id], device="meta").stride(),
+                                      DTYPE_BYTES[n.dtype.name]) for n in fusion.inputs}
+        values[ROW_ALIGN] = row_align(part, layouts)
         for variant in variants:
             if variant.applies(values):
                 return variant.schedule

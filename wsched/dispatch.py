@@ -34,17 +34,18 @@ from .schedule import Schedule
 
 
 # The value a variant's rule reads beside the sizes and `num_sms`: the row alignment in bytes (a
-# power of two up to 128, `codegen.tma.row_alignment`) of the inputs the default kernel reads by
-# TMA, the least of them (rows off a 64-byte boundary load slower: target.TMA_FAST_ROW_ALIGNMENT).
+# power of two up to 128, `codegen.tma.row_alignment`) of the operands the kernel loads by TMA, the
+# least of them (rows off a 64-byte boundary load slower: target.TMA_FAST_ROW_ALIGNMENT).
 ROW_ALIGN = "tma_row_align"
 
 
-def tma_row_align(kernel, layouts: Mapping[str, tuple]) -> int:
-    """ROW_ALIGN of a call: `layouts` maps input param names to (shape, strides, element bytes)."""
+def row_align(partition, layouts: Mapping[str, tuple]) -> int:
+    """ROW_ALIGN of a call: `layouts` maps input param names to (shape, strides, element bytes);
+    the operands the partition's channels load count (the dispatch and the autotuner's
+    `default_choice` both read it here)."""
     from .codegen.tma import row_alignment
-    from .lowering import ir
 
-    loaded = {p.name for p in kernel.kernel.params if isinstance(p, ir.TensorMapParam)}
+    loaded = {load.tensor for channel in partition.channels for load in channel.loads}
     return min((row_alignment(*layouts[name]) for name in loaded if name in layouts), default=128)
 
 
@@ -149,7 +150,7 @@ class ShapeDispatchKernel:
         fails to build is dropped with a warning and the next one is tried."""
         inputs, scalars, _ = self.primary._bind_inputs(tensors)
         layouts = {name: (t.shape, t.stride(), t.element_size()) for name, t in inputs.items()}
-        values = {**scalars, "num_sms": num_sms, ROW_ALIGN: tma_row_align(self.primary, layouts)}
+        values = {**scalars, "num_sms": num_sms, ROW_ALIGN: row_align(self.primary.partition, layouts)}
         for index, variant in enumerate(self.variants):
             if index in self._failed or not variant.applies(values):
                 continue

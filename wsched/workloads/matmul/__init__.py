@@ -75,8 +75,8 @@ class MatmulWorkload(Workload):
 
         A variant this fusion cannot take (its staged outputs do not fit beside two stages) is
         left out. A batched matmul has none: its rules count one batch's tiles, and split-K
-        takes 2-D matmuls only; nor has a schedule that asks for a cluster (the variants have
-        none)."""
+        takes 2-D matmuls only; nor has a schedule other than the plain default (a cluster,
+        split-K or another tile asked for)."""
         from wsched.dispatch import ROW_ALIGN, Variant
 
         if (schedule.tile != (128, 256, 64) or schedule.split_k != 1 or schedule.cluster != (1, 1, 1)

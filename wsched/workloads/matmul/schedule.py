@@ -34,8 +34,8 @@ CLUSTER_SIZES = (1, 2, 4)
 # The most CTAs one output tile's k range is split across (split-K).
 MAX_SPLIT_K = 16
 # The fewest k steps a split takes (loops.split_count). A split costs its fp32 partial's store,
-# the ticket and one more partial for the last unit to sum: a few microseconds, what ~6-8 k steps
-# of a lone 128 x 128 unit take. Measured on an H100 (cold L2, us, no split / 2 / 4 / 8 / 16
+# the ticket and one more partial for the last unit to sum (a GPU trace of 258x1320x2152 split 4
+# ways: ~1.1 us the ticket, ~2.1 us a 64-column slice's sum). Measured on an H100 (cold L2, us, no split / 2 / 4 / 8 / 16
 # splits, 2026-11-24; cuBLAS in the same run): M72 N672 K728 (12 k steps) 9.6 / 12.1 / 12.9 /
 # 15.8 / 18.7 (6.7); M37 N280 K792 8.7 / 9.8 / 9.8 / 11.8 / 14.3 (6.5); M1 N912 K1120 9.8 / 10.0 /
 # 9.9 / 10.9 / 13.8 (7.3); M16 N4096 K4096 (64 steps) 31.6 / 27.0 / 23.6 / 23.6 / 23.6 (21.6).
@@ -56,8 +56,8 @@ class MatmulSchedule(Schedule):
     persistent kernel; above 1 the kernel takes a host param `splits` that the host computes per
     call (`splits = min(split_k, max(1, k_tiles / split_min_steps), max(1, num_sms / tiles))`:
     enough work units for the SMs, never a second wave, and no split of fewer than
-    `split_min_steps` k steps, MIN_K_STEPS_PER_SPLIT by default), each unit stores its fp32 partial to a workspace, and the last of
-    a tile's units to take its ticket sums the partials in split order and runs the epilogue
+    `split_min_steps` k steps, MIN_K_STEPS_PER_SPLIT by default), each unit stores its fp32
+    partial to a workspace, and the last of a tile's units to take its ticket sums the partials in split order and runs the epilogue
     (docs/architecture.md, "Split-K")."""
 
     workload = "matmul"
@@ -103,7 +103,8 @@ class MatmulSchedule(Schedule):
     def short(self) -> str:
         return (super().short() + (" pingpong" if self.mode == "pingpong" else "")
                 + (f" split_k={self.split_k}" if self.split_k != 1 else "")
-                + (f" split_min_steps={self.split_min_steps}" if self.split_min_steps != MIN_K_STEPS_PER_SPLIT else "")
+                + (f" split_min_steps={self.split_min_steps}"
+                   if self.split_min_steps != MIN_K_STEPS_PER_SPLIT else "")
                 + (f" cluster={'x'.join(map(str, self.cluster))}"
                    if isinstance(self.cluster, tuple) and self.cluster != (1, 1, 1) else "")
                 + (" mma_inflight=0" if self.mma_inflight == 0 and is_int(self.stages) and self.stages >= 2 else ""))
@@ -200,8 +201,8 @@ def cluster_waves_no_more(m: int, n: int, num_sms: int, tile, cluster_m: int) ->
     """Whether clusters of `cluster_m` CTAs on tiles along M (num_sms / cluster_m of them at a
     time) take no more waves than single CTAs on the same tiles: the pairs' last row of tiles may
     be half empty."""
-    bm, bn = tile[0], tile[1]
-    clusters = -(-(-(-m // bm)) // cluster_m) * -(-n // bn)
+    tiles_m, tiles_n = -(-m // tile[0]), -(-n // tile[1])
+    clusters = -(-tiles_m // cluster_m) * tiles_n
     return -(-clusters // (num_sms // cluster_m)) <= -(-output_tiles(m, n, tile) // num_sms)
 
 
