@@ -15,6 +15,9 @@ Rows, each as µs of host time per call and as a ratio to the Triton launch:
     the native launcher alone  `k(a, b)` without the Python method around the C call
     ..., Python path       the same calls with the native path off (WSCHED_NATIVE_LAUNCH=0): the
                            layout key, the cached plan, packing and a cuda-python launch in Python
+    document k(q, k, v, ids)  an attention kernel with a document mask (B1 H2 S256 D64): its
+                           spans table computed per call by a helper kernel launched before it
+                           (native path: both launches from C), and the same on the Python path
     bound()                `k.bind(a, b)` once, then only the launch
     bare cuLaunchKernel    the same cubin's function through cuda-python, arguments packed once
     bare, (values, types)  the same with cuda-python packing the argument tuple on every call
@@ -46,6 +49,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 import wsched as ws  # noqa: E402
+from attention_fusions import make_variant, variant_inputs  # noqa: E402
 from fusions import inputs_for, matmul  # noqa: E402
 
 
@@ -142,6 +146,10 @@ def main():
     packed_once, tuple_each_call, keep = bare_launches(k, a, b)
     python_path = ws.compile(matmul, ws.schedule_for(matmul))
     python_path._native = False                       # what WSCHED_NATIVE_LAUNCH=0 gives
+    document = make_variant(64, "document", name="host_document")
+    kd, kd_python = (ws.compile(document, ws.schedule_for(document)) for _ in range(2))
+    kd_python._native = False
+    doc_args = variant_inputs(document, 1, 2, 256, 256, 64, device="cuda", documents=3)
     rows = {
         "k(a, b)": lambda: k(a, b),
         "k(a, b, out=)": lambda: k(a, b, out=out),
@@ -150,6 +158,8 @@ def main():
         "the native launcher alone": lambda: k._natives[None]((a, b)),
         "k(a, b), Python path": lambda: python_path(a, b),
         "k(a, b, out=), Python path": lambda: python_path(a, b, out=out),
+        "document k(q, k, v, ids)": lambda: kd(*doc_args),
+        "document k(...), Python path": lambda: kd_python(*doc_args),
         "bound() (k.bind(a, b))": bound,
         "bare cuLaunchKernel": packed_once,
         "bare, (values, types)": tuple_each_call,
@@ -170,8 +180,9 @@ def main():
         print(f"  {name:32s} {us:7.2f} us  {ratio}")
     own = times["k(a, b)"] - times["torch.empty (the output)"] - times["bare cuLaunchKernel"]
     print(f"  k(a, b) - torch.empty - bare cuLaunchKernel: {own:.2f} us of wsched's own host work")
+    hits = [kernel._natives[None].stats()["hits"] if None in kernel._natives else 0 for kernel in (k, kd)]
     print(f"  native path: {'on' if k._native else 'OFF (' + ws.codegen.native.available.reason + ')'}; "
-          f"launcher hits {k._natives[None].stats()['hits'] if None in k._natives else 0}")
+          f"launcher hits: matmul {hits[0]}, document {hits[1]}")
     ours_gpu = gpu_us(bound, args.calls)
     triton_gpu = gpu_us(triton, args.calls) if triton else None
     kept_up = ours_gpu < times["bound() (k.bind(a, b))"] and (

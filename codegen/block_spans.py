@@ -176,6 +176,14 @@ class SpansLaunch:
         self._packed = PackedArguments(args)
         self._lock = threading.Lock()
 
+    def raw(self) -> list[bytes]:
+        """The packed arguments' bytes (the three pointers zero): what the native launch path
+        repeats (codegen/native.py), setting the pointers per call."""
+        with self._lock:
+            for position in range(3):
+                self._packed.set_pointer(position, 0)
+            return self._packed.raw()
+
     def __call__(self, query: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
         table = torch.empty(self.shape, dtype=torch.int32, device=query.device)
         if self.ctas == 0:

@@ -16,7 +16,10 @@ extension from another version of the C source is not used (`ABI`).
 
 What a plan repeats per call is exactly what `_LaunchPlan.pack` and `LoadedKernel.launch_packed`
 do: data pointers into their slots, TMA maps encoded once per (parameter, address) and kept,
-torch's current stream of the device, `cuLaunchKernel`. The driver's entry points are read from
+torch's current stream of the device, `cuLaunchKernel`. A kernel with a spans table (a document
+mask's) has its helper launched first, as `_LaunchPlan.pack_spans` does, into a table the plan
+holds (calls on one stream are ordered; like the kernel's tile counter, it is one launch at a time
+per device). The driver's entry points are read from
 libcuda by address (ctypes), so the extension links against nothing but Python.
 
 `WSCHED_NATIVE_LAUNCH=0` turns the path off (every call takes the Python path); `native.available()`
@@ -32,7 +35,7 @@ import torch
 
 from wsched import knobs
 
-ABI = 2   # native_launch.c's NATIVE_ABI: what this module calls it with
+ABI = 3   # native_launch.c's NATIVE_ABI: what this module calls it with
 
 try:
     from . import _native_launch
@@ -46,10 +49,11 @@ else:
                          f"another version of codegen/native_launch.c; rebuild it with `pip install -e .`")
         _native_launch = None
 
-__all__ = ["CAPACITY", "MAX_TENSORS", "available", "call", "launcher", "plan"]
+__all__ = ["CAPACITY", "MAX_PRE", "MAX_TENSORS", "available", "call", "launcher", "plan"]
 
 CAPACITY = 8   # argument layouts a launcher keeps (the most recently used first)
 MAX_TENSORS = _native_launch.MAX_TENSORS if _native_launch is not None else 0   # tensors a plan takes
+MAX_PRE = _native_launch.MAX_PRE if _native_launch is not None else 0   # helper launches before its kernel
 TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)   # exact types a native call takes
 
 
@@ -102,7 +106,9 @@ def plan(launch_plan, packed, tensors: tuple, n_alloc: int, function: int, conte
          threads: int, smem: int):
     """The Plan of one call the Python path has checked and launched: `tensors` are
     (*given, *allocated) — the call's tensors (inputs, then the out= tensors if any) and the
-    outputs it allocated — and `packed` its packed arguments."""
+    outputs it allocated — and `packed` its packed arguments. A spans table (a document mask's)
+    becomes a scratch tensor the plan holds and a launch of its helper before the kernel's
+    (`spans_launches`)."""
     from .tma import spec_for_tensor
 
     given = tensors[:len(tensors) - n_alloc]
@@ -114,6 +120,7 @@ def plan(launch_plan, packed, tensors: tuple, n_alloc: int, function: int, conte
         view = t.view(shape) if tuple(t.shape) != shape else t
         maps.append(map_slot(position, source,   # the call has checked the tensor (device too)
                               spec_for_tensor(view, p.box, p.swizzle, p.name, require_cuda=False)))
+    scratch, pre, table_slots = spans_launches(launch_plan, len(tensors))
     return _native_launch.Plan(
         tuple(tuple(t.shape) for t in given), tuple(t.stride() for t in given),
         tuple(t.dtype for t in given), tuple(t.device for t in given),
@@ -121,7 +128,34 @@ def plan(launch_plan, packed, tensors: tuple, n_alloc: int, function: int, conte
         tuple(tuple(shape) if shape else (shape,) for _, shape, _ in alloc),
         tuple({"dtype": dtype, "device": launch_plan.device} for _, _, dtype in alloc),
         len(launch_plan.outputs), function, context, launch_plan.grid, threads, smem,
-        launch_plan.device_index, tuple(packed.raw()), launch_plan.pointer_slots, tuple(maps))
+        launch_plan.device_index, tuple(packed.raw()), launch_plan.pointer_slots + table_slots, tuple(maps),
+        # on the device of the call's tensors (the call checked they share one)
+        tuple(torch.empty(shape, dtype=torch.int32, device=tensors[0].device) for shape in scratch), pre)
+
+
+def spans_launches(launch_plan, first_scratch: int) -> tuple[list, tuple, tuple]:
+    """(the shapes of the spans tables, the helper's launches that fill them, the kernel's pointer
+    slots of the tables) for a plan whose tensors (*given, *allocated) number `first_scratch`:
+    table i is tensor first_scratch + i. The helper must have run on the device (the Python
+    path's calls of the layout launched it)."""
+    from . import block_spans
+
+    if not launch_plan.span_slots:
+        return [], (), ()
+    function = block_spans._loaded()._functions.get(launch_plan.device_index)
+    if function is None:
+        raise RuntimeError("the spans helper is not loaded on the device")
+    shapes, pre, slots = [], [], []
+    for i, (position, query, key, _) in enumerate(launch_plan.span_slots):
+        launch = launch_plan.span_launches[position]
+        if launch.ctas == 0:   # no rows or no keys: the Python path zeroes the table instead
+            raise ValueError("a spans table of no rows or keys is not launched")
+        table = first_scratch + i
+        shapes.append(launch.shape)
+        pre.append((int(function), launch.ctas, block_spans.THREADS, 0, tuple(launch.raw()),
+                    ((0, query), (1, key), (2, table))))
+        slots.append((position, table))
+    return shapes, tuple(pre), tuple(slots)
 
 
 def call(kernel, tensors: tuple, out):

@@ -11,6 +11,13 @@
  * path runs the call, checks everything and says what is wrong. So this file never decides an
  * error message: it only repeats, for a layout the Python path has accepted, what that path does.
  *
+ * A plan may launch helper kernels first, on the same stream (a document mask's spans table:
+ * codegen/block_spans.py): each with its own packed parameters and data pointers, reading the
+ * call's tensors and writing scratch tensors the plan holds (allocated once, with the plan),
+ * which the kernel then reads. Calls on one stream are ordered, so a call's helper writes a
+ * scratch tensor only after the previous call's kernel has read it; like the kernel's own
+ * workspaces (a tile counter), scratch is one launch at a time per device.
+ *
  * The driver entry points and the torch callables are given to the Launcher (plain addresses and
  * Python objects), so the module links against nothing but Python and the tests drive it on a
  * machine without a GPU through stand-ins.
@@ -36,14 +43,27 @@ typedef CUresult (*encode_fn)(void *map, int dtype, uint32_t rank, void *address
                               const uint64_t *strides, const uint32_t *box, const uint32_t *element_strides,
                               int interleave, int swizzle, int l2_promotion, int oob_fill);
 
-#define NATIVE_ABI 2      /* codegen/native.py refuses a build of another ABI (a stale in-place .so) */
+#define NATIVE_ABI 3      /* codegen/native.py refuses a build of another ABI (a stale in-place .so) */
 #define PARAM_BYTES 128   /* the largest parameter: a CUtensorMap */
 #define MAP_ALIGN 64      /* a CUtensorMap is 64-byte aligned */
 #define MAX_RANK 5        /* TMA's rank limit */
 #define MAPS_PER_SLOT 8   /* encoded maps kept per parameter (by address) */
-#define MAX_TENSORS 32    /* tensors a call may take (inputs and outputs) */
+#define MAX_TENSORS 32    /* tensors of a call: inputs, outputs and scratch */
+#define MAX_PRE 4         /* helper launches before the kernel */
 
 /* ------------------------------------------------------------------------------------ Plan */
+
+static PyObject *s_shape, *s_stride, *s_dtype, *s_device, *s_data_ptr;
+
+/* a tensor's data_ptr() */
+static int read_address(PyObject *t, uint64_t *address) {
+    PyObject *value = PyObject_CallMethodNoArgs(t, s_data_ptr);
+    if (!value) return -1;
+    *address = PyLong_AsUnsignedLongLong(value);
+    Py_DECREF(value);
+    return PyErr_Occurred() ? -1 : 0;
+}
+
 
 typedef struct {
     Py_ssize_t param;            /* parameter index */
@@ -61,13 +81,24 @@ typedef struct {
     unsigned char *maps;         /* MAPS_PER_SLOT * PARAM_BYTES, MAP_ALIGN-aligned */
 } MapSlot;
 
+typedef struct {                 /* a launch of a helper kernel before the plan's own */
+    void *function;
+    unsigned grid, threads, smem;
+    Py_ssize_t n_params, n_pointers;
+    unsigned char *storage;      /* n_params * PARAM_BYTES */
+    void **kernel_params;
+    PointerSlot *pointers;       /* tensor: an index into (*given, *allocated, *scratch) */
+} PreLaunch;
+
 typedef struct {
     PyObject_HEAD
     int ready;                   /* Plan_init ran to the end */
     Py_ssize_t n_given;          /* tensors the call passes */
     PyObject *shapes, *strides, *dtypes, *devices;   /* tuples of n_given each */
     PyObject *alloc_args, *alloc_kwargs;            /* tuples: per allocated output */
-    Py_ssize_t n_alloc, n_return;
+    PyObject *scratch;           /* tuple: tensors the helpers write and the kernel reads (not returned) */
+    uint64_t scratch_addresses[MAX_TENSORS];
+    Py_ssize_t n_alloc, n_scratch, n_return;
     void *function, *context;
     unsigned grid, threads, smem;
     PyObject *stream_arg;
@@ -77,6 +108,8 @@ typedef struct {
     Py_ssize_t n_pointers, n_maps;
     PointerSlot *pointers;
     MapSlot *map_slots;
+    Py_ssize_t n_pre;
+    PreLaunch pre[MAX_PRE];
 } Plan;
 
 static void *aligned_zeroed(size_t bytes) {
@@ -93,7 +126,13 @@ static void Plan_dealloc(Plan *self) {
     Py_XDECREF(self->devices);
     Py_XDECREF(self->alloc_args);
     Py_XDECREF(self->alloc_kwargs);
+    Py_XDECREF(self->scratch);
     Py_XDECREF(self->stream_arg);
+    for (Py_ssize_t i = 0; i < self->n_pre; i++) {
+        free(self->pre[i].storage);
+        free(self->pre[i].kernel_params);
+        free(self->pre[i].pointers);
+    }
     free(self->storage);
     free(self->kernel_params);
     free(self->pointers);
@@ -124,34 +163,103 @@ static int tuple_of(PyObject *value, Py_ssize_t n, const char *what) {
     return 0;
 }
 
+/* Parameter storage from a tuple of bytes objects (each at most PARAM_BYTES). */
+static int read_params(PyObject *params, unsigned char **storage, void ***kernel_params) {
+    Py_ssize_t n = PyTuple_GET_SIZE(params);
+    *storage = aligned_zeroed((size_t)n * PARAM_BYTES);
+    *kernel_params = calloc(n ? n : 1, sizeof(void *));
+    if (!*storage || !*kernel_params) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        char *bytes;
+        Py_ssize_t size;
+        if (PyBytes_AsStringAndSize(PyTuple_GET_ITEM(params, i), &bytes, &size) < 0) return -1;
+        if (size > PARAM_BYTES) {
+            PyErr_Format(PyExc_ValueError, "Plan: parameter %zd has %zd bytes (at most %d)", i, size, PARAM_BYTES);
+            return -1;
+        }
+        memcpy(*storage + i * PARAM_BYTES, bytes, size);
+        (*kernel_params)[i] = *storage + i * PARAM_BYTES;
+    }
+    return 0;
+}
+
+/* Pointer slots from a tuple of (param, tensor) pairs, each in range. */
+static int read_pointer_slots(PyObject *slots, PointerSlot **out, Py_ssize_t *count, Py_ssize_t n_params,
+                              Py_ssize_t n_tensors) {
+    Py_ssize_t n = *count = PyTuple_GET_SIZE(slots);
+    *out = calloc(n ? n : 1, sizeof(PointerSlot));
+    if (!*out) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PointerSlot *slot = &(*out)[i];
+        if (!PyArg_ParseTuple(PyTuple_GET_ITEM(slots, i), "nn", &slot->param, &slot->tensor)) return -1;
+        if (slot->param < 0 || slot->param >= n_params || slot->tensor < 0 || slot->tensor >= n_tensors) {
+            PyErr_SetString(PyExc_ValueError, "Plan: pointer slot out of range");
+            return -1;
+        }
+    }
+    return 0;
+}
+
 /* Plan(shapes, strides, dtypes, devices, alloc_args, alloc_kwargs, n_return, function, context,
- *      grid, threads, smem, stream_arg, params, pointer_slots, map_slots)
+ *      grid, threads, smem, stream_arg, params, pointer_slots, map_slots[, scratch, pre_launches])
  * map_slots: tuples (param, tensor, dtype, dims, strides, box, element_strides, interleave,
- * swizzle, l2_promotion, oob_fill) with dims etc. as cuTensorMapEncodeTiled takes them. */
+ * swizzle, l2_promotion, oob_fill) with dims etc. as cuTensorMapEncodeTiled takes them.
+ * pre_launches: tuples (function, grid, threads, smem, params, pointer_slots), launched in order
+ * before the kernel; scratch: tensors the plan holds. Tensor indices count (*given, *allocated
+ * outputs, *scratch). */
+static int Plan_fill(Plan *self, PyObject *shapes, PyObject *strides, PyObject *dtypes, PyObject *devices,
+                     PyObject *alloc_args, PyObject *alloc_kwargs, Py_ssize_t n_return, unsigned long long function,
+                     unsigned long long context, unsigned grid, unsigned threads, unsigned smem, PyObject *stream_arg,
+                     PyObject *params, PyObject *pointer_slots, PyObject *map_slots, PyObject *scratch,
+                     PyObject *pre_launches);
+
 static int Plan_init(Plan *self, PyObject *args, PyObject *kwargs) {
     PyObject *shapes, *strides, *dtypes, *devices, *alloc_args, *alloc_kwargs, *stream_arg, *params;
     PyObject *pointer_slots, *map_slots;
+    PyObject *scratch = NULL, *pre_launches = NULL;
     Py_ssize_t n_return;
     unsigned long long function, context;
     unsigned grid, threads, smem;
-    if (!PyArg_ParseTuple(args, "OOOOOOnKKIIIOOOO", &shapes, &strides, &dtypes, &devices, &alloc_args,
+    if (!PyArg_ParseTuple(args, "OOOOOOnKKIIIOOOO|OO", &shapes, &strides, &dtypes, &devices, &alloc_args,
                           &alloc_kwargs, &n_return, &function, &context, &grid, &threads, &smem,
-                          &stream_arg, &params, &pointer_slots, &map_slots))
+                          &stream_arg, &params, &pointer_slots, &map_slots, &scratch, &pre_launches))
         return -1;
     if (self->storage) {
         PyErr_SetString(PyExc_RuntimeError, "Plan: already initialised");
         return -1;
     }
+    PyObject *none = PyTuple_New(0);   /* the optional two default to empty tuples */
+    if (!none) return -1;
+    int result = Plan_fill(self, shapes, strides, dtypes, devices, alloc_args, alloc_kwargs, n_return, function,
+                           context, grid, threads, smem, stream_arg, params, pointer_slots, map_slots,
+                           scratch ? scratch : none, pre_launches ? pre_launches : none);
+    Py_DECREF(none);
+    return result;
+}
+
+static int Plan_fill(Plan *self, PyObject *shapes, PyObject *strides, PyObject *dtypes, PyObject *devices,
+                     PyObject *alloc_args, PyObject *alloc_kwargs, Py_ssize_t n_return, unsigned long long function,
+                     unsigned long long context, unsigned grid, unsigned threads, unsigned smem, PyObject *stream_arg,
+                     PyObject *params, PyObject *pointer_slots, PyObject *map_slots, PyObject *scratch,
+                     PyObject *pre_launches) {
     if (tuple_of(shapes, -1, "shapes") < 0) return -1;
     Py_ssize_t n_given = PyTuple_GET_SIZE(shapes);
     if (tuple_of(strides, n_given, "strides") < 0 || tuple_of(dtypes, n_given, "dtypes") < 0 ||
         tuple_of(devices, n_given, "devices") < 0 || tuple_of(alloc_args, -1, "alloc_args") < 0 ||
         tuple_of(alloc_kwargs, PyTuple_GET_SIZE(alloc_args), "alloc_kwargs") < 0 ||
         tuple_of(params, -1, "params") < 0 || tuple_of(pointer_slots, -1, "pointer_slots") < 0 ||
-        tuple_of(map_slots, -1, "map_slots") < 0)
+        tuple_of(map_slots, -1, "map_slots") < 0 || tuple_of(scratch, -1, "scratch") < 0 ||
+        tuple_of(pre_launches, -1, "pre_launches") < 0)
         return -1;
-    Py_ssize_t n_alloc = PyTuple_GET_SIZE(alloc_args);
-    if (n_given + n_alloc > MAX_TENSORS || n_return < 1 || n_return > n_given + n_alloc) {
+    Py_ssize_t n_alloc = PyTuple_GET_SIZE(alloc_args), n_scratch = PyTuple_GET_SIZE(scratch);
+    if (n_given + n_alloc + n_scratch > MAX_TENSORS || n_return < 1 || n_return > n_given + n_alloc ||
+        PyTuple_GET_SIZE(pre_launches) > MAX_PRE) {
         PyErr_SetString(PyExc_ValueError, "Plan: tensor counts out of range");
         return -1;
     }
@@ -164,6 +272,10 @@ static int Plan_init(Plan *self, PyObject *args, PyObject *kwargs) {
     Py_INCREF(stream_arg); self->stream_arg = stream_arg;
     self->n_given = n_given;
     self->n_alloc = n_alloc;
+    self->n_scratch = n_scratch;
+    Py_INCREF(scratch); self->scratch = scratch;
+    for (Py_ssize_t j = 0; j < n_scratch; j++)
+        if (read_address(PyTuple_GET_ITEM(scratch, j), &self->scratch_addresses[j]) < 0) return -1;
     self->n_return = n_return;
     self->function = (void *)(uintptr_t)function;
     self->context = (void *)(uintptr_t)context;
@@ -172,39 +284,23 @@ static int Plan_init(Plan *self, PyObject *args, PyObject *kwargs) {
     self->smem = smem;
 
     Py_ssize_t n_params = self->n_params = PyTuple_GET_SIZE(params);
-    self->storage = aligned_zeroed((size_t)n_params * PARAM_BYTES);
-    self->kernel_params = calloc(n_params ? n_params : 1, sizeof(void *));
-    if (!self->storage || !self->kernel_params) {
-        PyErr_NoMemory();
+    Py_ssize_t n_tensors = n_given + n_alloc + n_scratch;
+    if (read_params(params, &self->storage, &self->kernel_params) < 0 ||
+        read_pointer_slots(pointer_slots, &self->pointers, &self->n_pointers, n_params, n_tensors) < 0)
         return -1;
-    }
-    for (Py_ssize_t i = 0; i < n_params; i++) {
-        PyObject *value = PyTuple_GET_ITEM(params, i);
-        char *bytes;
-        Py_ssize_t size;
-        if (PyBytes_AsStringAndSize(value, &bytes, &size) < 0) return -1;
-        if (size > PARAM_BYTES) {
-            PyErr_Format(PyExc_ValueError, "Plan: parameter %zd has %zd bytes (at most %d)", i, size, PARAM_BYTES);
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(pre_launches); i++) {
+        PreLaunch *pre = &self->pre[i];
+        PyObject *pre_params, *pre_slots;
+        unsigned long long pre_function;
+        self->n_pre = i + 1;   /* freed by the dealloc from here */
+        if (!PyArg_ParseTuple(PyTuple_GET_ITEM(pre_launches, i), "KIIIO!O!", &pre_function, &pre->grid,
+                              &pre->threads, &pre->smem, &PyTuple_Type, &pre_params, &PyTuple_Type, &pre_slots))
             return -1;
-        }
-        memcpy(self->storage + i * PARAM_BYTES, bytes, size);
-        self->kernel_params[i] = self->storage + i * PARAM_BYTES;
-    }
-
-    Py_ssize_t n_tensors = n_given + n_alloc;
-    self->n_pointers = PyTuple_GET_SIZE(pointer_slots);
-    self->pointers = calloc(self->n_pointers ? self->n_pointers : 1, sizeof(PointerSlot));
-    if (!self->pointers) {
-        PyErr_NoMemory();
-        return -1;
-    }
-    for (Py_ssize_t i = 0; i < self->n_pointers; i++) {
-        PointerSlot *slot = &self->pointers[i];
-        if (!PyArg_ParseTuple(PyTuple_GET_ITEM(pointer_slots, i), "nn", &slot->param, &slot->tensor)) return -1;
-        if (slot->param < 0 || slot->param >= n_params || slot->tensor < 0 || slot->tensor >= n_tensors) {
-            PyErr_SetString(PyExc_ValueError, "Plan: pointer slot out of range");
+        pre->function = (void *)(uintptr_t)pre_function;
+        pre->n_params = PyTuple_GET_SIZE(pre_params);
+        if (read_params(pre_params, &pre->storage, &pre->kernel_params) < 0 ||
+            read_pointer_slots(pre_slots, &pre->pointers, &pre->n_pointers, pre->n_params, n_tensors) < 0)
             return -1;
-        }
     }
     self->n_maps = PyTuple_GET_SIZE(map_slots);
     self->map_slots = calloc(self->n_maps ? self->n_maps : 1, sizeof(MapSlot));
@@ -267,8 +363,6 @@ typedef struct {
     PyObject **plans;            /* owned; the newest first */
     unsigned long long hits, misses;
 } Launcher;
-
-static PyObject *s_shape, *s_stride, *s_dtype, *s_device, *s_data_ptr;
 
 static void Launcher_clear_plans(Launcher *self) {
     for (Py_ssize_t i = 0; i < self->count; i++) Py_CLEAR(self->plans[i]);
@@ -361,14 +455,6 @@ static int exact_tensor(Launcher *self, PyObject *t) {
     return 0;
 }
 
-static int read_address(PyObject *t, uint64_t *address) {
-    PyObject *value = PyObject_CallMethodNoArgs(t, s_data_ptr);
-    if (!value) return -1;
-    *address = PyLong_AsUnsignedLongLong(value);
-    Py_DECREF(value);
-    return PyErr_Occurred() ? -1 : 0;
-}
-
 /* 0: equal; 1: not equal; -1: error */
 static int differs(PyObject *a, PyObject *b) {
     if (a == b) return 0;
@@ -445,6 +531,7 @@ static PyObject *Launcher_call(Launcher *self, PyObject *args, PyObject *kwargs)
             goto done;
         }
     }
+    memcpy(addresses + n + plan->n_alloc, plan->scratch_addresses, plan->n_scratch * sizeof(uint64_t));
     stream_value = PyObject_CallOneArg(self->stream_fn, plan->stream_arg);
     if (!stream_value) {
         failed = 1;
@@ -485,9 +572,20 @@ static PyObject *Launcher_call(Launcher *self, PyObject *args, PyObject *kwargs)
         }
         memcpy(plan->storage + slot->param * PARAM_BYTES, slot->maps + found * PARAM_BYTES, PARAM_BYTES);
     }
+    /* the helpers first (their tables are the kernel's inputs); a failed launch is a miss: the
+     * Python path runs the whole call again, helpers included, and reports the driver's error */
+    for (Py_ssize_t h = 0; h < plan->n_pre; h++) {
+        PreLaunch *pre = &plan->pre[h];
+        for (Py_ssize_t i = 0; i < pre->n_pointers; i++)
+            memcpy(pre->storage + pre->pointers[i].param * PARAM_BYTES, &addresses[pre->pointers[i].tensor],
+                   sizeof(uint64_t));
+        if (self->launch(pre->function, pre->grid, 1, 1, pre->threads, 1, 1, pre->smem, stream,
+                         pre->kernel_params, NULL) != 0)
+            goto miss;
+    }
     if (self->launch(plan->function, plan->grid, 1, 1, plan->threads, 1, 1, plan->smem, stream,
                      plan->kernel_params, NULL) != 0)
-        goto miss;   /* nothing ran: the Python path launches again and reports the driver's error */
+        goto miss;   /* the kernel did not run: the Python path launches again and reports the driver's error */
 
     self->hits++;
     Py_ssize_t total = n + plan->n_alloc;
@@ -575,5 +673,6 @@ PyMODINIT_FUNC PyInit__native_launch(void) {
     PyModule_AddIntConstant(m, "ABI", NATIVE_ABI);
     PyModule_AddIntConstant(m, "MAX_TENSORS", MAX_TENSORS);
     PyModule_AddIntConstant(m, "MAPS_PER_SLOT", MAPS_PER_SLOT);
+    PyModule_AddIntConstant(m, "MAX_PRE", MAX_PRE);
     return m;
 }

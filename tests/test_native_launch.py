@@ -42,12 +42,14 @@ FUNCTION_HANDLE = 0xF00D0
 class FakeDriver:
     """Stand-ins for the three driver calls; `params` says how many bytes each parameter has."""
 
-    def __init__(self, params: list[int]):
+    def __init__(self, params: list[int], helpers: dict[int, list[int]] | None = None):
         self.sizes = params
+        self.helper_sizes = helpers or {}   # a helper kernel's function handle -> its params' bytes
         self.launches: list[dict] = []
         self.encodes: list[dict] = []
         self.context = CONTEXT_HANDLE
         self.launch_result = 0
+        self.failing = None                 # a function handle whose launches fail
         self.encode_result = 0
         self.streams: list[int] = []
 
@@ -55,8 +57,9 @@ class FakeDriver:
             self.launches.append({
                 "function": function, "grid": (gx, gy, gz), "block": (bx, by, bz), "smem": smem,
                 "stream": stream or 0, "extra": extra,
-                "params": [ctypes.string_at(params[i], size) for i, size in enumerate(self.sizes)]})
-            return self.launch_result
+                "params": [ctypes.string_at(params[i], size)
+                           for i, size in enumerate(self.helper_sizes.get(function, self.sizes))]})
+            return 1 if function == self.failing else self.launch_result
 
         def current(out):
             out[0] = self.context
@@ -326,6 +329,184 @@ def test_the_knob_turns_the_path_off(monkeypatch):
     assert native.available()
 
 
+HELPER_HANDLE = 0xBEEF0
+
+
+def test_a_plans_helper_launches_first_with_the_ids_and_a_scratch_table_the_kernel_then_reads(driver):
+    """A plan with a scratch tensor and a helper launch (a spans table): each call launches the
+    helper with its own grid, block and scalars and the pointers of the given ids and the plan's
+    table, then the kernel with the table's pointer in its slot; the plan holds the table."""
+    import sys
+
+    driver.helper_sizes = {HELPER_HANDLE: [8, 8, 8, 4]}
+    launcher = make_launcher(driver)
+    a, b = torch.randn(4, 16), torch.randn(16, 8)
+    table = torch.empty(2, 3, 4, dtype=torch.int32)
+    helper = (HELPER_HANDLE, 6, 256, 0, (bytes(8), bytes(8), bytes(8), struct.pack("<i", 77)),
+              ((0, 1), (1, 0), (2, 3)))   # (ids b, ids a, the table: tensor 3 = the first scratch)
+    refs = sys.getrefcount(table)
+    plan = Plan(*layouts(a, b), ((4, 8),), ({"dtype": torch.bfloat16, "device": torch.device("cpu")},), 1,
+                FUNCTION_HANDLE, CONTEXT_HANDLE, 132, 384, 1024, 0,
+                (bytes(8), bytes(8), bytes(8), struct.pack("<i", 4), struct.pack("<f", 0.5)),
+                ((0, 0), (1, 3), (2, 2)), (), (table,), (helper,))
+    assert sys.getrefcount(table) == refs + 1   # held by the plan
+    launcher.add(plan)
+    for call in range(2):
+        out = launcher((a, b))
+        assert isinstance(out, torch.Tensor) and out.shape == (4, 8) and out.dtype == torch.bfloat16
+        spans, kernel = driver.launches[2 * call:]
+        assert (spans["function"], spans["grid"], spans["block"], spans["smem"]) == (HELPER_HANDLE, (6, 1, 1),
+                                                                                     (256, 1, 1), 0)
+        assert spans["stream"] == kernel["stream"] == 0x5000
+        assert [pointer(p) for p in spans["params"][:3]] == [b.data_ptr(), a.data_ptr(), table.data_ptr()]
+        assert spans["params"][3] == struct.pack("<i", 77)
+        assert kernel["function"] == FUNCTION_HANDLE
+        assert [pointer(p) for p in kernel["params"][:3]] == [a.data_ptr(), table.data_ptr(), out.data_ptr()]
+        assert kernel["params"][3:] == [struct.pack("<i", 4), struct.pack("<f", 0.5)]
+    del plan
+    launcher.clear()
+    assert sys.getrefcount(table) == refs
+
+
+@pytest.mark.parametrize("fault", [HELPER_HANDLE, FUNCTION_HANDLE])
+def test_a_failed_helper_or_kernel_launch_is_a_miss(driver, fault):
+    """A driver error on the helper's launch or the kernel's returns None: the Python path runs
+    the whole call again, helper included, and reports it."""
+    driver.helper_sizes = {HELPER_HANDLE: [8]}
+    launcher = make_launcher(driver)
+    a, b = torch.randn(4, 16), torch.randn(16, 8)
+    launcher.add(Plan(*layouts(a, b), ((4, 8),), ({"dtype": torch.bfloat16, "device": torch.device("cpu")},), 1,
+                      FUNCTION_HANDLE, CONTEXT_HANDLE, 132, 384, 1024, 0,
+                      (bytes(8), bytes(8), bytes(8), struct.pack("<i", 4), struct.pack("<f", 0.5)),
+                      ((0, 0), (1, 3), (2, 2)), (), (torch.empty(8, dtype=torch.int32),),
+                      ((HELPER_HANDLE, 1, 32, 0, (bytes(8),), ((0, 3),)),)))
+    assert launcher((a, b)) is not None
+    driver.failing = fault
+    assert launcher((a, b)) is None
+    assert [x["function"] for x in driver.launches[2:]] == [HELPER_HANDLE, FUNCTION_HANDLE][:1 + (fault == FUNCTION_HANDLE)]
+    assert launcher.stats() == {"hits": 1, "misses": 1, "plans": 1}
+
+
+@pytest.mark.parametrize("bad, message", [
+    (lambda p: p.__setitem__(6, 0), "tensor counts out of range"),
+    (lambda p: p.__setitem__(13, (bytes(129),)), "parameter 0 has 129 bytes (at most 128)"),
+    (lambda p: p.__setitem__(14, ((7, 0),)), "pointer slot out of range"),
+    (lambda p: p.__setitem__(15, ((0, 9, *map_args()),)), "map slot out of range"),
+])
+def test_a_malformed_plan_is_refused(bad, message):
+    a, b = torch.randn(4, 16), torch.randn(16, 8)
+    args = [*layouts(a, b), ((4, 8),), ({"dtype": torch.bfloat16},), 1, 1, 1, 1, 128, 0, 0,
+            (bytes(8), bytes(8), bytes(8)), ((0, 0),), ()]
+    bad(args)
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        Plan(*args)
+
+
+def test_the_map_slot_of_a_spec_is_what_the_python_encode_passes():
+    """native.map_slot gives cuTensorMapEncodeTiled's arguments as tma.driver_arguments does."""
+    from wsched.codegen.tma import driver_arguments, spec_for_tensor
+
+    t = torch.randn(2, 64, 128).bfloat16()
+    spec = spec_for_tensor(t, (1, 64, 64), 128, "q", require_cuda=False)
+    slot = native.map_slot(3, 1, spec)
+    a = driver_arguments(spec)
+    assert slot[:2] == (3, 1)
+    assert slot[3:7] == ((128, 64, 2), (256, 256 * 64), (64, 64, 1), (1, 1, 1))
+    assert slot[2] == int(a["tensorDataType"]) and slot[8] == int(a["swizzle"])
+
+
+def test_the_knob_turns_the_path_off(monkeypatch):
+    monkeypatch.setenv("WSCHED_NATIVE_LAUNCH", "0")
+    assert not native.available() and native.available.reason == "WSCHED_NATIVE_LAUNCH=0"
+    monkeypatch.delenv("WSCHED_NATIVE_LAUNCH")
+    assert native.available()
+
+
+HELPER_HANDLE = 0xBEEF0
+
+
+def test_a_plans_helper_launches_first_with_the_ids_and_a_scratch_table_the_kernel_then_reads(driver):
+    """A plan with a scratch tensor and a helper launch (a spans table): each call launches the
+    helper with its own grid, block and scalars and the pointers of the given ids and the plan's
+    table, then the kernel with the table's pointer in its slot; the plan holds the table."""
+    import sys
+
+    driver.helper_sizes = {HELPER_HANDLE: [8, 8, 8, 4]}
+    launcher = make_launcher(driver)
+    a, b = torch.randn(4, 16), torch.randn(16, 8)
+    table = torch.empty(2, 3, 4, dtype=torch.int32)
+    helper = (HELPER_HANDLE, 6, 256, 0, (bytes(8), bytes(8), bytes(8), struct.pack("<i", 77)),
+              ((0, 1), (1, 0), (2, 3)))   # (ids b, ids a, the table: tensor 3 = the first scratch)
+    refs = sys.getrefcount(table)
+    plan = Plan(*layouts(a, b), ((4, 8),), ({"dtype": torch.bfloat16, "device": torch.device("cpu")},), 1,
+                FUNCTION_HANDLE, CONTEXT_HANDLE, 132, 384, 1024, 0,
+                (bytes(8), bytes(8), bytes(8), struct.pack("<i", 4), struct.pack("<f", 0.5)),
+                ((0, 0), (1, 3), (2, 2)), (), (table,), (helper,))
+    assert sys.getrefcount(table) == refs + 1   # held by the plan
+    launcher.add(plan)
+    for call in range(2):
+        out = launcher((a, b))
+        assert isinstance(out, torch.Tensor) and out.shape == (4, 8) and out.dtype == torch.bfloat16
+        spans, kernel = driver.launches[2 * call:]
+        assert (spans["function"], spans["grid"], spans["block"], spans["smem"]) == (HELPER_HANDLE, (6, 1, 1),
+                                                                                     (256, 1, 1), 0)
+        assert spans["stream"] == kernel["stream"] == 0x5000
+        assert [pointer(p) for p in spans["params"][:3]] == [b.data_ptr(), a.data_ptr(), table.data_ptr()]
+        assert spans["params"][3] == struct.pack("<i", 77)
+        assert kernel["function"] == FUNCTION_HANDLE
+        assert [pointer(p) for p in kernel["params"][:3]] == [a.data_ptr(), table.data_ptr(), out.data_ptr()]
+        assert kernel["params"][3:] == [struct.pack("<i", 4), struct.pack("<f", 0.5)]
+    del plan
+    launcher.clear()
+    assert sys.getrefcount(table) == refs
+
+
+@pytest.mark.parametrize("fault", ["helper", "kernel"])
+def test_a_failed_helper_or_kernel_launch_is_a_miss(driver, fault):
+    """A driver error on either launch returns None (the Python path runs the whole call again,
+    helper included, and reports it)."""
+    driver.helper_sizes = {HELPER_HANDLE: [8]}
+    launcher = make_launcher(driver)
+    a, b = torch.randn(4, 16), torch.randn(16, 8)
+    plan = Plan(*layouts(a, b), ((4, 8),), ({"dtype": torch.bfloat16, "device": torch.device("cpu")},), 1,
+                FUNCTION_HANDLE, CONTEXT_HANDLE, 132, 384, 1024, 0,
+                (bytes(8), bytes(8), bytes(8), struct.pack("<i", 4), struct.pack("<f", 0.5)),
+                ((0, 0), (1, 3), (2, 2)), (), (torch.empty(8, dtype=torch.int32),),
+                ((HELPER_HANDLE, 1, 32, 0, (bytes(8),), ((0, 3),)),))
+    launcher.add(plan)
+    calls = []
+    real = driver.launches.append
+    driver.launch_result = 0
+
+    def record(entry):
+        real(entry)
+        calls.append(entry["function"])
+        driver.launch_result = 1 if (fault == "helper") == (len(calls) == 0) else driver.launch_result
+    assert launcher((a, b)) is not None
+    driver.launch_result = 1
+    if fault == "kernel":   # the helper launches, the kernel fails
+        def launch_fails_second(entry, seen=[]):
+            seen.append(entry)
+        driver.launches.clear()
+    assert launcher((a, b)) is None
+    assert launcher.stats()["misses"] == 1
+
+
+@pytest.mark.parametrize("bad, message", [
+    (dict(scratch=[torch.empty(8)]), "scratch must be a tuple"),
+    (dict(scratch=(torch.empty(8), 3)), "'int' object has no attribute 'data_ptr'"),
+    (dict(pre=((HELPER_HANDLE, 1, 32, 0, (bytes(8),), ((0, 4),)),)), "pointer slot out of range"),
+    (dict(pre=((HELPER_HANDLE, 1, 32, 0, (bytes(8),), ((1, 0),)),)), "pointer slot out of range"),
+    (dict(pre=((HELPER_HANDLE, 1, 32, 0, (bytes(8),), ((0, 0),)),) * 5), "tensor counts out of range"),
+])
+def test_a_plans_scratch_and_helpers_are_checked(bad, message):
+    a, b = torch.randn(4, 16), torch.randn(16, 8)
+    with pytest.raises((ValueError, AttributeError), match=message):
+        Plan(*layouts(a, b), ((4, 8),), ({"dtype": torch.bfloat16, "device": torch.device("cpu")},), 1,
+             FUNCTION_HANDLE, CONTEXT_HANDLE, 132, 384, 1024, 0, (bytes(8),) * 3, ((0, 0),), (),
+             bad.get("scratch", (torch.empty(8, dtype=torch.int32),)), bad.get("pre", ()))
+
+
 # -- a compiled kernel's calls: the native launch repeats the Python path's --------------------
 
 
@@ -380,6 +561,55 @@ def test_a_kernels_second_call_launches_natively_with_the_python_paths_arguments
     assert [e["address"] for e in driver.encodes] == [by_name[p.name].data_ptr() for p in maps]
     assert [tuple(reversed(e["box"])) for e in driver.encodes] == [tuple(p.box) for p in maps]
     assert k._natives[tuple(out)].stats() == {"hits": 1, "misses": 0, "plans": 1}
+
+
+def test_a_document_masks_call_launches_its_spans_helper_then_the_kernel_natively(monkeypatch):
+    """A kernel with a spans table (a document mask) is planned too: its third call launches the
+    helper with the bytes the Python path packed for it (the ids' pointers), then the kernel with
+    the Python path's bytes but the table's pointer, which is the helper's new table."""
+    from attention_fusions import make_variant, variant_inputs
+
+    from wsched.codegen import block_spans
+    from wsched.codegen.launch import PARAM_BYTES
+    from wsched.lowering import ir
+
+    fusion = make_variant(128, "document")
+    q, k_, v, doc_q, doc_k = variant_inputs(fusion, 2, 2, 150, 150, 128)
+    gpu, k = native_on_fake_gpu(monkeypatch, fusion)
+
+    class Helper:   # the spans helper's LoadedKernel: the Python path's launches recorded
+        _functions = {0: HELPER_HANDLE}
+        launches = []
+
+        def launch_packed(self, grid, packed, device_index):
+            self.launches.append((grid, packed.raw()))
+    monkeypatch.setattr(block_spans, "_loaded", Helper)
+    kinds = ["tensor_map" if isinstance(p, ir.TensorMapParam) else "ptr" if isinstance(p, ir.GlobalParam)
+             else p.dtype for p in k.kernel.params]
+    driver = FakeDriver([PARAM_BYTES.get(kind, 4) if kind != "ptr" else 8 for kind in kinds],
+                        {HELPER_HANDLE: [PARAM_BYTES.get("ptr", 8)] * 3 + [4] * 19})
+    real = native.launcher
+    monkeypatch.setattr(native, "launcher", lambda: real(driver.entry_points(), stream=driver.stream))
+
+    out = {"o": torch.empty(2, 2, 150, 128, dtype=torch.bfloat16), "lse": torch.empty(2, 2, 150)}
+    for _ in range(3):   # the second call hands its plan over
+        assert k(q, k_, v, doc_q, doc_k, out=out) == tuple(out.values())
+    assert k._natives[tuple(out)].stats() == {"hits": 1, "misses": 0, "plans": 1}
+    (helper_grid, helper_raw), _ = Helper.launches
+    (python_grid, python_raw, _), _ = gpu.launches
+    spans, kernel = driver.launches
+    assert spans["function"] == HELPER_HANDLE and spans["grid"] == (helper_grid, 1, 1)
+    assert spans["block"] == (block_spans.THREADS, 1, 1) and spans["smem"] == 0
+    assert [pointer(x) for x in spans["params"][:2]] == [doc_q.data_ptr(), doc_k.data_ptr()]
+    assert spans["params"][3:] == [x[:4] for x in helper_raw[3:]]
+    table = pointer(spans["params"][2])
+    assert kernel["function"] == FUNCTION_HANDLE and kernel["grid"] == (python_grid, 1, 1)
+    (position,) = [i for i, p in enumerate(k.kernel.params) if isinstance(p, ir.SpanParam)]
+    for i, (kind, ours, theirs) in enumerate(zip(kinds, kernel["params"], python_raw)):
+        if i == position:
+            assert pointer(ours) == table
+        elif kind != "tensor_map":
+            assert ours == theirs[:len(ours)], k.kernel.params[i].name
 
 
 def test_a_failed_install_never_fails_a_call_that_launched(monkeypatch):

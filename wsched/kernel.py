@@ -432,9 +432,11 @@ class CompiledKernel:
 
         loaded = self._loaded
         function, context = loaded._functions.get(plan.device_index), _primary_handles.get(plan.device_index)
-        if function is None or context is None or len(tensors) > native.MAX_TENSORS or plan.span_slots:
-            return   # not launched through the primary context yet, more tensors than a plan takes, or
-            # a spans table to compute per call (torch ops the native launcher does not run)
+        tables = len(plan.span_slots)
+        if (function is None or context is None or len(tensors) + tables > native.MAX_TENSORS
+                or tables > native.MAX_PRE or any(launch.ctas == 0 for launch in plan.span_launches.values())):
+            return   # not launched through the primary context yet, more tensors or spans tables than a
+            # plan takes, or a spans table of no rows or keys (zeroed on the host, not computed)
         key = None if out is None else tuple(out)
         launcher = natives.get(key)
         if launcher is None:
