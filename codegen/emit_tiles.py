@@ -23,12 +23,13 @@ from wsched.target import ELEMENT_TYPES, WGMMA_M
 from .emit_context import ROLE, EmitError, Emitter, describe, paren
 from .fragment import COL, FULL, ROW, SCALAR, Tile
 
-# The CUDA spelling of each of target.UNARY_OPS / BINARY_OPS, computed in fp32 (tanh with the
+# The CUDA spelling of each of target.TILE_UNARY_OPS / BINARY_OPS, computed in fp32 (tanh with the
 # hardware approximation, max relative error 2^-11: docs/ir.md, "tile.tanh on the GPU").
 _UNARY = {
     "neg": "-{}", "exp": "expf({})", "exp2": "exp2f({})", "log": "logf({})",
     "relu": "fmaxf({}, 0.0f)", "gelu": "wsp::gelu({})", "silu": "wsp::silu({})",
     "sigmoid": "wsp::sigmoid({})", "tanh": "wsp::tanh_approx({})", "cast": "{}",
+    "exp2_ftz": "wsp::ex2_approx({})",   # one MUFU op (docs/ir.md, "tile.exp2_ftz")
 }
 _BINARY = {
     "add": "{} + {}", "sub": "{} - {}", "mul": "{} * {}", "div": "{} / {}",

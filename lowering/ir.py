@@ -33,8 +33,9 @@ from typing import Iterator, Union
 
 # Element types and tile ops are target facts (wsched/target.py); the IR re-exports them as
 # `ir.DTYPES`, `ir.DTYPE_BYTES`, `ir.UNARY_OPS`, `ir.BINARY_OPS`, `ir.COMPARE_OPS` and
-# `ir.REDUCE_OPS`. A `TileBinary` op is one of BINARY_OPS or COMPARE_OPS (`TILE_BINARY_OPS`).
-from wsched.target import BINARY_OPS, COMPARE_OPS, DTYPE_BYTES, REDUCE_OPS, UNARY_OPS  # noqa: F401
+# `ir.REDUCE_OPS`. A `TileBinary` op is one of BINARY_OPS or COMPARE_OPS (`TILE_BINARY_OPS`), a
+# `TileUnary` op one of UNARY_OPS or the compiler's own KERNEL_UNARY_OPS (`TILE_UNARY_OPS`).
+from wsched.target import BINARY_OPS, COMPARE_OPS, DTYPE_BYTES, REDUCE_OPS, TILE_UNARY_OPS, UNARY_OPS  # noqa: F401
 from wsched.target import DTYPE_NAMES as DTYPES  # noqa: F401
 from wsched.target import (BARRIER_BYTES, PAGE_ROWS_ALIGN, SMEM_ALIGN, SMEM_BASE_SLACK, TMA_SMEM_ALIGNMENT,
                            WARPGROUP_THREADS)

@@ -468,14 +468,14 @@ class _ToIR(Transformer):
         if op in ir.TILE_BINARY_OPS:
             raise _SemanticError(f"`{keyword}` takes two operands: `{keyword} dst, lhs, rhs`",
                                  keyword)
-        _check_one_of(op, ir.UNARY_OPS + ir.TILE_BINARY_OPS, "tile op", keyword, spell=_tile_op)
+        _check_one_of(op, ir.TILE_UNARY_OPS + ir.TILE_BINARY_OPS, "tile op", keyword, spell=_tile_op)
         return ir.TileUnary(op, str(dst), str(src))
 
     def tile_binary(self, keyword, dst, lhs, rhs):
         op = keyword.removeprefix(TILE_OP_PREFIX)
-        if op in ir.UNARY_OPS:
+        if op in ir.TILE_UNARY_OPS:
             raise _SemanticError(f"`{keyword}` takes one operand: `{keyword} dst, src`", keyword)
-        _check_one_of(op, ir.UNARY_OPS + ir.TILE_BINARY_OPS, "tile op", keyword, spell=_tile_op)
+        _check_one_of(op, ir.TILE_UNARY_OPS + ir.TILE_BINARY_OPS, "tile op", keyword, spell=_tile_op)
         return ir.TileBinary(op, str(dst), lhs, rhs)
 
     def tile_name(self, name):

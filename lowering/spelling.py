@@ -68,7 +68,7 @@ SPELLINGS: dict[type, Spelling] = {
     # register tiles
     ir.RegDecl: Spelling("reg"),
     ir.TileFill: Spelling("tile.fill"),
-    ir.TileUnary: Spelling("tile.", "op", ir.UNARY_OPS),
+    ir.TileUnary: Spelling("tile.", "op", ir.TILE_UNARY_OPS),
     ir.TileBinary: Spelling("tile.", "op", ir.TILE_BINARY_OPS),
     ir.TileReduce: Spelling("tile.reduce.", "op", ir.REDUCE_OPS),
     ir.TileMask: Spelling("tile.mask"),

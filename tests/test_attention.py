@@ -8,6 +8,8 @@ import pytest
 import torch
 
 import wsched as ws
+from wsched.codegen.emit import emit_kernel
+from wsched.lowering import ir
 from wsched.lowering.parser import parse_kernel
 from wsched.lowering.printer import print_kernel
 from wsched.schedule import ScheduleError
@@ -163,8 +165,26 @@ def test_softmax_overlaps_the_previous_blocks_pv():
     text = print_kernel(ws.lower(make_attention(128)))
     loop = text[text.index("role consumer"):]
     assert loop.index("wgmma.mma s_acc") < loop.index("wgmma.mma o_acc, p, V[prev_s]") < loop.index("wgmma.wait 1")
-    assert loop.index("wgmma.wait 1") < loop.index("tile.exp2 s_acc") < loop.index("wgmma.wait 0")
+    assert loop.index("wgmma.wait 1") < loop.index("tile.exp2_ftz s_acc") < loop.index("wgmma.wait 0")
     assert "wgmma.mma o_acc, p, V[last_s]" in loop   # the last block's P V after the loop
+
+
+def test_the_softmax_flushes_subnormal_exponentials_unless_the_kernel_splits_its_kv_blocks():
+    """AttentionSchedule.softmax_exp2: tile.exp2_ftz (one ex2.approx.ftz) for the corrections and
+    probabilities of a kernel that does not split, tile.exp2 (exp2f) in a split-KV kernel, whose
+    merge keeps tile.exp2 too; the CUDA spells them wsp::ex2_approx and exp2f."""
+    f = make_attention(64, causal=True, lse=True)
+    for split, op, other in ((1, "exp2_ftz", "exp2f("), (8, "exp2", "wsp::ex2_approx(")):
+        sched = ws.schedule_for(f, split_kv=split)
+        assert sched.softmax_exp2 == op
+        kernel = ws.lower(f, sched)
+        ops = [(s.op, s.dst) for s in ir.walk(kernel.body) if isinstance(s, ir.TileUnary) and "exp2" in s.op]
+        assert ops[:2] == [(op, "corr"), (op, "s_acc")] and all(o == "exp2" for o, _ in ops[2:])
+        assert len(ops) == (2 if split == 1 else 3)
+        source = emit_kernel(kernel).source
+        assert other not in source
+    inputs = attention_inputs(1, 2, 200, 333, 64, seed=7)
+    simulate_and_check(f, inputs)
 
 
 def test_gqa_with_bottom_right_causal_and_lse():

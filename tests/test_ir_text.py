@@ -76,7 +76,7 @@ def test_golden_kernels_use_every_param_kind_and_tile_op():
     assert params == set(typing.get_args(ir.Param))
     ops = {s.op for k in kernels for s in ir.walk(k.body)
            if isinstance(s, (ir.TileUnary, ir.TileBinary, ir.TileReduce))}
-    assert set(ir.UNARY_OPS + ir.BINARY_OPS + ir.REDUCE_OPS) <= ops
+    assert set(ir.TILE_UNARY_OPS + ir.BINARY_OPS + ir.REDUCE_OPS) <= ops
     wgmma_a = {type(s.a) for k in kernels for s in ir.walk(k.body) if isinstance(s, ir.Wgmma)}
     assert wgmma_a == {str, ir.SmemRef}
     operands = {type(o) for k in kernels for s in ir.walk(k.body) if isinstance(s, ir.TileBinary)
@@ -408,7 +408,7 @@ def test_error_declaration_after_statements():
 @pytest.mark.parametrize("old, new, position, detail", [
     ("tile.exp x, x", "tile.expp x, x", (6, 5),
      "unknown tile op `tile.expp`; expected `tile.neg`, `tile.exp`, `tile.exp2`, `tile.log`, "
-     "`tile.relu`, `tile.gelu`, `tile.silu`, `tile.sigmoid`, `tile.tanh`, `tile.cast`, "
+     "`tile.relu`, `tile.gelu`, `tile.silu`, `tile.sigmoid`, `tile.tanh`, `tile.cast`, `tile.exp2_ftz`, "
      "`tile.add`, `tile.sub`, `tile.mul`, `tile.div`, `tile.maximum`, `tile.minimum`, `tile.lt`, "
      "`tile.le`, `tile.gt`, `tile.ge`, `tile.eq`, `tile.ne`, `tile.logical_and` or `tile.logical_or`; "
      "did you mean `tile.exp`?"),
@@ -588,7 +588,7 @@ def simple_statements(declared_smem: tuple[str, ...]):
         st.builds(ir.WgmmaWait, small_ints),
         st.builds(ir.RegDecl, tile_names, dtypes, int_tuples()),
         st.builds(ir.TileFill, tile_names, exprs),
-        st.builds(ir.TileUnary, st.sampled_from(ir.UNARY_OPS), tile_names, tile_names),
+        st.builds(ir.TileUnary, st.sampled_from(ir.TILE_UNARY_OPS), tile_names, tile_names),
         st.builds(ir.TileBinary, st.sampled_from(ir.TILE_BINARY_OPS), tile_names, tile_operands,
                   tile_operands),
         st.builds(ir.TileReduce, st.sampled_from(ir.REDUCE_OPS), tile_names, tile_names,

@@ -499,8 +499,18 @@ def test_structural_rules_are_internal_asserts_in_the_simulator():
 
 
 def test_tile_op_semantics_cover_the_ir_ops():
-    assert tuple(UNARY_SEMANTICS) == ir.UNARY_OPS
+    assert tuple(UNARY_SEMANTICS) == ir.TILE_UNARY_OPS
     assert tuple(BINARY_SEMANTICS) == ir.BINARY_OPS
+
+
+def test_exp2_ftz_flushes_results_below_the_least_normal_float_to_zero():
+    """tile.exp2_ftz is ex2.approx.ftz: 2^x where that is a normal fp32, else 0 (tile.exp2 keeps
+    the subnormals); -inf gives 0 and NaN stays NaN."""
+    x = torch.tensor([0.0, 1.5, -126.0, -126.5, -140.0, float("-inf"), float("nan"), 100.0])
+    got = UNARY_SEMANTICS["exp2_ftz"](x)
+    assert got[:3].tolist() == torch.exp2(x[:3]).tolist() and got[2] == 2.0 ** -126
+    assert got[3:6].tolist() == [0.0, 0.0, 0.0] and torch.exp2(x[3:5]).gt(0).all()
+    assert torch.isnan(got[6]) and got[7] == 2.0 ** 100
 
 
 def with_param(kernel: ir.Kernel, name: str, **changes) -> ir.Kernel:

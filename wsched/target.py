@@ -128,6 +128,10 @@ DTYPE_OF_TORCH = {t.torch: name for name, t in ELEMENT_TYPES.items()}
 # Elementwise ops computed in fp32 and rounded to the destination tile's dtype: the DSL ops a
 # matmul epilogue fuses are exactly these, and the IR's tile.<op> spellings are their names.
 UNARY_OPS = ("neg", "exp", "exp2", "log", "relu", "gelu", "silu", "sigmoid", "tanh", "cast")
+# Unary tile ops the compiler emits but the DSL does not offer: exp2_ftz, 2^x with a result below
+# 2^-126 flushed to 0 (one ex2.approx.ftz on the GPU: the softmax's exponential, docs/ir.md).
+KERNEL_UNARY_OPS = ("exp2_ftz",)
+TILE_UNARY_OPS = UNARY_OPS + KERNEL_UNARY_OPS
 BINARY_OPS = ("add", "sub", "mul", "div", "maximum", "minimum")
 # What computes into an i32 register tile, in 32-bit integer arithmetic (wrapping, as torch's
 # int32): tile.fill, tile.iota, tile.select, tile.load of an i32 tensor and these ops.

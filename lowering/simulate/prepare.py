@@ -191,7 +191,7 @@ class KernelPreparation:
             check_verified(s.op in BINARY_SEMANTICS or s.op in COMPARE_SEMANTICS,
                            "a binary tile op is one of ir.TILE_BINARY_OPS")
         elif isinstance(s, ir.TileUnary):
-            check_verified(s.op in UNARY_SEMANTICS, "a unary tile op is one of ir.UNARY_OPS")
+            check_verified(s.op in UNARY_SEMANTICS, "a unary tile op is one of ir.TILE_UNARY_OPS")
         elif isinstance(s, ir.TileReduce):
             check_verified(s.op in ir.REDUCE_OPS, "a reduction is one of ir.REDUCE_OPS")
         elif isinstance(s, ir.TileMask):

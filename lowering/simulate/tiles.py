@@ -45,12 +45,14 @@ def _as_float(t: torch.Tensor) -> torch.Tensor:
     return t if t.is_floating_point() else t.float()
 
 
-# What each tile op of `ir.UNARY_OPS` / `ir.BINARY_OPS` computes (on fp32 values; the result is
+# What each tile op of `ir.TILE_UNARY_OPS` / `ir.BINARY_OPS` computes (on fp32 values; the result is
 # rounded to the destination's dtype). tests/test_simulator.py checks both tables cover the ops.
 UNARY_SEMANTICS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "neg": torch.neg, "exp": torch.exp, "exp2": torch.exp2, "log": torch.log, "relu": torch.relu,
     "gelu": F.gelu, "silu": F.silu, "sigmoid": torch.sigmoid, "tanh": torch.tanh,
     "cast": lambda t: t,
+    # 2^x with results below the least normal fp32 (2^-126) flushed to 0, as ex2.approx.ftz
+    "exp2_ftz": lambda t: torch.where(torch.exp2(t) < 2.0 ** -126, 0.0, torch.exp2(t)),
 }
 BINARY_SEMANTICS: dict[str, Callable] = {
     "add": torch.add, "sub": torch.sub, "mul": torch.mul, "div": torch.div,

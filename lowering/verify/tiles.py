@@ -294,8 +294,8 @@ class TileChecks:
             self._int_operands("tile.fill", s.dst, (s.value,), path, scope)
 
     def _TileUnary(self, s: ir.TileUnary, path, scope, ctx):
-        if s.op not in ir.UNARY_OPS:
-            self.r.at(path, f"tile.{s.op} is not a unary tile op; use one of {', '.join(ir.UNARY_OPS)}")
+        if s.op not in ir.TILE_UNARY_OPS:
+            self.r.at(path, f"tile.{s.op} is not a unary tile op; use one of {', '.join(ir.TILE_UNARY_OPS)}")
         dst = self._tile(s.dst, path, scope, ctx)
         src = self._tile(s.src, path, scope, ctx)
         if dst is not None and src is not None and dst.shape != src.shape:
