@@ -187,6 +187,28 @@ def test_the_softmax_flushes_subnormal_exponentials_unless_the_kernel_splits_its
     simulate_and_check(f, inputs)
 
 
+def test_head_dim_64_without_diagonal_masks_defaults_to_three_consumer_warpgroups():
+    """schedule.THREE_WARPGROUP_HEAD_DIMS: 192 rows on 3 warpgroups (24/160 registers) at head dim
+    64 unless a mask or bias cuts a diagonal, the sequences are packed or the cache is paged, or
+    the caller picks the tile or the warpgroups; simulated against the reference (GQA, rows and
+    keys no multiple of the tiles)."""
+    from attention_fusions import make_paged_attention, make_varlen_attention, make_variant
+
+    three = [make_attention(64), make_attention(64, lse=True, gqa=True), make_variant(64, "document")]
+    two = [make_attention(64, causal=True), make_attention(64, causal="bottom_right", lse=True), make_attention(128),
+           make_variant(64, "window"), make_variant(64, "alibi"), make_variant(64, "softcap"),
+           make_varlen_attention(64), make_paged_attention(64, 64)]
+    for f in three:
+        s = ws.schedule_for(f)
+        assert (s.tile, s.consumer_warpgroups, s.consumer_registers, s.stages) == ((192, 128, 64), 3, 160, 3), f.name
+    for f in two:
+        assert ws.schedule_for(f).consumer_warpgroups == 2, f.name
+    assert ws.schedule_for(three[0], consumer_warpgroups=2).tile == (128, 128, 64)
+    assert ws.schedule_for(three[0], tile=(128, 64, 64)).consumer_warpgroups == 2
+    simulate_and_check(three[1], attention_inputs(1, 8, 200, 333, 64, seed=3, gqa_groups=4))
+    simulate_and_check(three[0], attention_inputs(2, 1, 385, 130, 64, seed=4))
+
+
 def test_gqa_with_bottom_right_causal_and_lse():
     f = make_attention(64, causal="bottom_right", lse=True, gqa=True)
     inputs = attention_inputs(1, 4, 90, 200, 64, seed=11, gqa_groups=2)

@@ -38,9 +38,10 @@ class ScheduleError(ValueError):
 MODES = ("cooperative", "pingpong")
 RASTERS = ("row", "column")
 EPILOGUES = ("tma_store", "direct")
-# The consumer warpgroup counts the lowering is built and checked for. With 3 or more, a thread
-# starts with at most 128 registers (65536 / 512 threads), which a 64 x BN fp32 accumulator and
-# the epilogue's tiles overflow for the wider tiles (ptxas spills, and spills are build errors).
+# The consumer warpgroup counts the lowering is built and checked for (a workload's schedule may
+# take more: `Schedule.consumer_counts`). With 3 or more, a thread starts with at most 128
+# registers (65536 / 512 threads), which a 64 x BN fp32 accumulator and the epilogue's tiles
+# overflow for the wider tiles (ptxas spills, and spills are build errors).
 CONSUMER_WARPGROUPS = (1, 2)
 # The grouped raster computes `swizzle_group x tiles` in 32-bit ints: with at most 32 rows per
 # group and tiles at least 64 wide, that stays below 2**31 for any extent an i32 size can have.
@@ -164,6 +165,9 @@ class Schedule:
     # The rows a consumer warpgroup may own: one m64 wgmma per k step (a workload that issues
     # one per 64-row block of its rows, each into its own accumulator, allows more).
     consumer_rows = (WGMMA_M,)
+    # The consumer warpgroup counts this workload's lowering takes (CONSUMER_WARPGROUPS unless it
+    # says otherwise).
+    consumer_counts: ClassVar[tuple[int, ...]] = CONSUMER_WARPGROUPS
 
     @property
     def mma_row_blocks(self) -> int:
@@ -220,8 +224,9 @@ class Schedule:
         n = self.consumer_warpgroups
         if n < 1:
             p.append(f"consumer_warpgroups is {n}; at least 1 is needed")
-        elif n not in CONSUMER_WARPGROUPS:
-            p.append(f"consumer_warpgroups={n} is not supported: use 1 or 2 (with {n}, a thread starts with "
+        elif n not in self.consumer_counts:
+            p.append(f"consumer_warpgroups={n} is not supported: use {' or '.join(map(str, self.consumer_counts))} "
+                     f"(with {n}, a thread starts with "
                      f"{launch_registers(self.threads)} registers, too few for a 64 x BN fp32 accumulator "
                      f"and the epilogue: ptxas spills)")
         elif self.tile_warpgroups == n and bm % (WGMMA_M * n):
@@ -249,7 +254,7 @@ class Schedule:
             p.append(f"stages is {self.stages}; at least 1 is needed")
         if self.mma_inflight not in (0, 1):
             p.append(f"mma_inflight is {self.mma_inflight}; it must be 0 or 1")
-        if n not in CONSUMER_WARPGROUPS:   # threads and registers below are products of it
+        if n not in self.consumer_counts:   # threads and registers below are products of it
             return p
         p += self._workload_problems()
         p += self._register_problems()

@@ -65,12 +65,28 @@ class AttentionWorkload(Workload):
                                     f"{', '.join(map(str, schedule.HEAD_DIMS))}")
         else:
             head_dim = self._head_dim(fusion)
-        chosen = schedule.default_schedule(head_dim, partition.page_size_of(fusion), **overrides)
+        page_size = partition.page_size_of(fusion)
+        if (head_dim in schedule.THREE_WARPGROUP_HEAD_DIMS and page_size is None
+                and not {"tile", "consumer_warpgroups", "mode", "split_kv", "pack_gqa"} & set(overrides)
+                and self._three_warpgroups(fusion, schedule.default_schedule(head_dim, **overrides))):
+            overrides = dict(overrides, tile=(192, 128, head_dim), consumer_warpgroups=3)
+        chosen = schedule.default_schedule(head_dim, page_size, **overrides)
         if ("mode" not in overrides and head_dim in schedule.PINGPONG_BIAS_HEAD_DIMS and chosen.mode == "cooperative"
                 and chosen.consumer_warpgroups == 2 and chosen.mma_inflight == 1 and not chosen.splits_kv
                 and self._diagonal_bias(fusion, chosen)):
             chosen = replace(chosen, mode="pingpong")   # schedule.PINGPONG_BIAS_HEAD_DIMS says why
         return chosen
+
+    def _three_warpgroups(self, fusion, chosen) -> bool:
+        """Whether the fusion takes 192-row tiles on three consumer warpgroups by default
+        (`schedule.THREE_WARPGROUP_HEAD_DIMS`): packed sequences do not (their tiles end where a
+        sequence does), nor a score function that cuts a diagonal; False where the fusion does not
+        partition (its error comes with the compile)."""
+        try:
+            payload = self.partition(fusion, chosen).payload
+        except (FusionError, ScheduleError):
+            return False
+        return payload.varlen is None and not payload.score.cuts_diagonals
 
     def _diagonal_bias(self, fusion, chosen) -> bool:
         """Whether the fusion's score function adds a diagonal bias (ALiBi); False where the
@@ -96,14 +112,15 @@ class AttentionWorkload(Workload):
         return lighter
 
     def variants(self, fusion, schedule: AttentionSchedule):
-        """The default's 128-row tiles suit prefill; where a call has few query rows or few tiles
-        it switches (docs/architecture.md, "Split-KV decode"):
+        """The default's 128-row tiles (192 at head dim 64 without diagonal masks) suit prefill;
+        where a call has few query rows or few tiles it switches (docs/architecture.md, "Split-KV
+        decode"):
 
         - S <= 64 (decode, speculative or chunked steps): 64-row tiles (one consumer warpgroup)
           with the G query heads of a KV head packed into the rows where the fusion allows
           (`pack_gqa`), and split-KV: the host splits the keys when the tiles fill at most half
           the SMs;
-        - otherwise, when the default's 128-row tiles fill at most half the SMs (short
+        - otherwise, when the default's tiles fill at most half the SMs (short
           sequences, few heads, long keys): 64-row tiles on one consumer warpgroup (twice the
           tiles), not packed, with split-KV where the keys are long; at value dim 256 the
           default's tiles with split-KV (unpacked 64 x 32 tiles spilled beside a paged producer,
@@ -157,7 +174,8 @@ class AttentionWorkload(Workload):
         score_function = self.partition(fusion, default).payload.score
         kinds = tuple(kind for kind, _ in score_function.register_costs(fusion))
         head_dim = self._head_dim(fusion)
-        found = [self.taken(fusion, tile=s.tile, stages=s.stages, mma_inflight=s.mma_inflight, mode=s.mode)
+        found = [self.taken(fusion, tile=s.tile, stages=s.stages, mma_inflight=s.mma_inflight, mode=s.mode,
+                            consumer_warpgroups=s.consumer_warpgroups)
                  for s in schedule.schedule_space(head_dim, kinds)]
         split = schedule_mod.MAX_SPLIT_KV
         if default.value_dim != schedule_mod.THIN_MARGIN_VALUE_DIM:

@@ -135,6 +135,9 @@ class AttentionSchedule(Schedule):
     once for all G heads."""
 
     workload = "attention"
+    # Three consumer warpgroups (192 query rows on 24/160 registers) build without spills at head
+    # dim 64 with 128 keys a block; wider ones spill, a build error (`build_without_spills`).
+    consumer_counts = (1, 2, 3)
     tile: tuple[int, int, int] = (128, 128, 128)
     epilogue: str = "direct"
     split_kv: int = 1
@@ -254,6 +257,15 @@ PAGED_SPLIT_KV_SPILLS = {(2, 256)}
 # B16 H16 S1024 1.14, B2 H16 S8192 1.19, B4 H32/8 S4096 1.13, B8 H16 S2048 1.17; at head dim 128
 # 0.99 and 1.00; plain causal and softcap at 64 gain nothing (0.99, 0.95).
 PINGPONG_BIAS_HEAD_DIMS = (64,)
+# Head dims at which a score function that cuts no diagonal (no causal or window mask, no ALiBi:
+# `ScoreFunction.cuts_diagonals`) defaults to 192 query rows on three consumer warpgroups (128
+# keys a block, 160 registers each): FlashAttention-3's head-dim-64 shape. The GEMMs of head dim
+# 64 are short beside each block's softmax, and a third warpgroup keeps the tensor cores fed.
+# H100, same process, B x H16 (GQA H32/8), ratio to 128 rows on two warpgroups (2026-11-25): no
+# mask S512 B32 1.00, S1024 B16 1.02, S2048 B8 1.09, S4096 B4 1.10 (with LSE 1.15), S8192 B2 1.11,
+# GQA S4096 1.07, document mask S4096 1.05. Where the tiles cross a diagonal the 192-row tiles
+# mask two blocks a tile, not one: causal S4096 0.99, document + causal 1.01, causal S8192 1.08.
+THREE_WARPGROUP_HEAD_DIMS = (64,)
 
 
 def default_schedule(head_dim: int, page_size: int | None = None, **overrides) -> AttentionSchedule:
@@ -289,7 +301,8 @@ def schedule_space(head_dim: int, kinds: tuple[str, ...] = ()) -> Iterator[Atten
     """Schedules of the space this workload implements, for a search: 2 consumer warpgroups,
     64..256 keys per block (as many as the registers hold beside the score function's `kinds`,
     `max_keys_per_block`), 1 stage up to as many as fit, the softmax overlapped with P V or not,
-    cooperative or ping-pong consumers."""
+    cooperative or ping-pong consumers; at THREE_WARPGROUP_HEAD_DIMS also 192 rows on 3
+    cooperative warpgroups with 128 keys a block (wider blocks spill there)."""
     for bn in (64, 128, 192, 256):
         for inflight in (0, 1):
             for mode in ("cooperative", "pingpong"):
@@ -299,9 +312,20 @@ def schedule_space(head_dim: int, kinds: tuple[str, ...] = ()) -> Iterator[Atten
                     continue
                 if bn > max_keys_per_block(probe, kinds):
                     continue
-                for stages in range(1, max_stages(probe) + 1):
-                    try:
-                        candidate = replace(probe, stages=stages)
-                    except ScheduleError:
-                        continue
-                    yield candidate
+                yield from _stage_counts(probe)
+    if head_dim in THREE_WARPGROUP_HEAD_DIMS:
+        for inflight in (0, 1):
+            probe = AttentionSchedule(tile=(192, 128, head_dim), stages=1, consumer_warpgroups=3,
+                                      consumer_registers=default_consumer_registers(3, PRODUCER_REGISTERS),
+                                      mma_inflight=inflight)
+            if 128 <= max_keys_per_block(probe, kinds):
+                yield from _stage_counts(probe)
+
+
+def _stage_counts(probe: AttentionSchedule) -> Iterator[AttentionSchedule]:
+    """`probe` with 1 stage up to as many as fit."""
+    for stages in range(1, max_stages(probe) + 1):
+        try:
+            yield replace(probe, stages=stages)
+        except ScheduleError:
+            continue

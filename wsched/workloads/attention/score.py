@@ -147,6 +147,15 @@ class ScoreFunction:
         return tuple(costs)
 
     @property
+    def cuts_diagonals(self) -> bool:
+        """Whether a mask is bounded by a diagonal j - i (a causal mask, a sliding window, the
+        causal part of a union) or a bias grows along one (ALiBi): the tiles that cross it are
+        masked or biased per element."""
+        def diagonal(m: Mask) -> bool:
+            return m.causal is not None or bool(m.upper or m.lower) or any(map(diagonal, m.alternatives))
+        return bool(self.bias) or any(map(diagonal, self.masks))
+
+    @property
     def id_spans(self) -> tuple[tuple[SideInput, SideInput], ...]:
         """(query ids, key ids) of each mask that holds only where they are equal (a document
         mask): the kernel skips the kv blocks whose ids cannot equal a row block's."""
