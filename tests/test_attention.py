@@ -21,10 +21,10 @@ def rel(out, ref):
     return float((out.float() - ref.float()).norm() / ref.float().norm())
 
 
-def simulate_and_check(fusion, inputs, seed=0, num_sms=3):
-    kernel = ws.lower(fusion)
-    ck = ws.CompiledKernel(fusion, ws.schedule_for(fusion), ws.partition(fusion, ws.schedule_for(fusion)),
-                           kernel, cuda_source="")
+def simulate_and_check(fusion, inputs, seed=0, num_sms=3, schedule=None):
+    schedule = schedule or ws.schedule_for(fusion)
+    kernel = ws.lower(fusion, schedule)
+    ck = ws.CompiledKernel(fusion, schedule, ws.partition(fusion, schedule), kernel, cuda_source="")
     got = ck.simulate(*inputs, seed=seed, num_sms=num_sms)
     ref = fusion.reference(*inputs)
     got, ref = (got, ref) if isinstance(got, tuple) else ((got,), (ref,))
@@ -187,26 +187,39 @@ def test_the_softmax_flushes_subnormal_exponentials_unless_the_kernel_splits_its
     simulate_and_check(f, inputs)
 
 
-def test_head_dim_64_without_diagonal_masks_defaults_to_three_consumer_warpgroups():
-    """schedule.THREE_WARPGROUP_HEAD_DIMS: 192 rows on 3 warpgroups (24/160 registers) at head dim
-    64 unless a mask or bias cuts a diagonal, the sequences are packed or the cache is paged, or
-    the caller picks the tile or the warpgroups; simulated against the reference (GQA, rows and
-    keys no multiple of the tiles)."""
+def test_head_dim_64_with_long_keys_and_no_diagonal_masks_runs_three_consumer_warpgroups():
+    """The per-call variant of schedule.THREE_WARPGROUP_HEAD_DIMS: 192 rows on 3 warpgroups (24/160
+    registers) at head dim 64 where T >= THREE_WARPGROUP_MIN_KEYS and the tiles fill more than half
+    the SMs, unless a mask or bias cuts a diagonal, the sequences are packed or the cache is
+    paged; simulated against the reference (GQA, rows and keys no multiple of the tiles)."""
     from attention_fusions import make_paged_attention, make_varlen_attention, make_variant
 
-    three = [make_attention(64), make_attention(64, lse=True, gqa=True), make_variant(64, "document")]
-    two = [make_attention(64, causal=True), make_attention(64, causal="bottom_right", lse=True), make_attention(128),
-           make_variant(64, "window"), make_variant(64, "alibi"), make_variant(64, "softcap"),
-           make_varlen_attention(64), make_paged_attention(64, 64)]
-    for f in three:
-        s = ws.schedule_for(f)
-        assert (s.tile, s.consumer_warpgroups, s.consumer_registers, s.stages) == ((192, 128, 64), 3, 160, 3), f.name
-    for f in two:
+    from wsched.workloads.attention.schedule import THREE_WARPGROUP_MIN_KEYS
+
+    def three(f):
+        return [v for v in getattr(ws.compile(f, build=False), "variants", ()) if v.schedule.consumer_warpgroups == 3]
+
+    plain, gqa, document = make_attention(64), make_attention(64, lse=True, gqa=True), make_variant(64, "document")
+    for f in (plain, gqa, document):
+        (variant,) = three(f)
+        s = variant.schedule
+        assert (s.tile, s.consumer_registers, s.stages, s.mode) == ((192, 128, 64), 160, 3, "cooperative"), f.name
+    for f in (make_attention(64, causal=True), make_attention(64, causal="bottom_right", lse=True), make_attention(128),
+              make_variant(64, "window"), make_variant(64, "alibi"), make_variant(64, "softcap"),
+              make_varlen_attention(64), make_paged_attention(64, 64)):
+        assert not three(f), f.name
         assert ws.schedule_for(f).consumer_warpgroups == 2, f.name
-    assert ws.schedule_for(three[0], consumer_warpgroups=2).tile == (128, 128, 64)
-    assert ws.schedule_for(three[0], tile=(128, 64, 64)).consumer_warpgroups == 2
-    simulate_and_check(three[1], attention_inputs(1, 8, 200, 333, 64, seed=3, gqa_groups=4))
-    simulate_and_check(three[0], attention_inputs(2, 1, 385, 130, 64, seed=4))
+    k = ws.compile(plain, build=False)
+    keys = THREE_WARPGROUP_MIN_KEYS
+    picks = {(S, T): k.choose(attention_inputs(4, 16, S, T, 64), 132).schedule for S, T in
+             [(420, keys), (420, keys - 1), (100, 8000), (2000, 2000), (420, 420)]}
+    # (420, T): 2 waves of tiles either way; (100, 8000): few tiles
+    assert [s.consumer_warpgroups for s in picks.values()] == [3, 2, 1, 3, 2]
+    # B2 H16 S727: 128 tiles of 192 rows (1 wave) against 192 of 128 (2 waves)
+    assert k.choose(attention_inputs(2, 16, 727, 727, 64), 132).schedule.consumer_warpgroups == 3
+    simulate_and_check(gqa, attention_inputs(1, 8, 200, 333, 64, seed=3, gqa_groups=4),
+                       schedule=three(gqa)[0].schedule)
+    simulate_and_check(plain, attention_inputs(2, 1, 385, 130, 64, seed=4), schedule=three(plain)[0].schedule)
 
 
 def test_gqa_with_bottom_right_causal_and_lse():

@@ -739,7 +739,7 @@ def test_an_input_that_does_not_broadcast_dim_by_dim_is_named():
     (("overlap(doc_q, doc_k)", "overlap(doc_q, ids)"),
      "spans id_spans reads `ids` as its key ids, which is not a global param declared before it; name an i32 "
      "global input [..., 1, T]"),
-    (("rows(192) cols(128)", "rows(0) cols(128)"), "spans id_spans: rows(0) cols(128) must both be >= 1")])
+    (("rows(128) cols(128)", "rows(0) cols(128)"), "spans id_spans: rows(0) cols(128) must both be >= 1")])
 def test_a_spans_param_that_reads_no_ids_is_named(edit, message):
     from wsched.lowering.verify import VerifyError, verify
 
@@ -777,7 +777,7 @@ def test_document_ids_shared_by_every_sequence():
 
     f = ws.fusion(shared)
     (spans,) = _spans_of(ws.lower(f))
-    assert [print_expr(d) for d in spans.shape] == ["1", "1", "ceil_div(S, 192)", "4"]   # 192-row tiles at D64
+    assert [print_expr(d) for d in spans.shape] == ["1", "1", "ceil_div(S, 128)", "4"]
     q, k, v = attention_inputs(2, 2, 260, 390, 64, seed=4)
     ids = torch.arange(390, dtype=torch.int32) // 70
     check(f, [q, k, v, ids[:260, None].contiguous(), ids[None, :].contiguous()])

@@ -60,15 +60,15 @@ def test_mha_vs_reference_and_sdpa(D, causal, S):
     assert rel(o, F.scaled_dot_product_attention(q, kk, v, is_causal=causal)) < 1e-2
 
 
-@pytest.mark.parametrize("gqa, B, H, S, T", [(False, 4, 8, 1500, 1700), (True, 2, 32, 777, 2500),
-                                             (False, 3, 12, 2000, 333)])
-def test_head_dim_64_without_diagonal_masks_runs_192_row_tiles_on_three_warpgroups(gqa, B, H, S, T):
-    """The default at head dim 64 with no causal or window mask: 192-row tiles on 3 consumer
+@pytest.mark.parametrize("gqa, B, H, S, T, warpgroups", [(False, 4, 8, 1500, 1700, 3), (True, 2, 32, 777, 2500, 3),
+                                                         (False, 3, 12, 2000, 1025, 3), (False, 4, 16, 420, 333, 2)])
+def test_head_dim_64_with_long_keys_runs_192_row_tiles_on_three_warpgroups(gqa, B, H, S, T, warpgroups):
+    """At head dim 64 with no causal or window mask and T >= 1024, 192-row tiles on 3 consumer
     warpgroups (schedule.THREE_WARPGROUP_HEAD_DIMS), rows and keys no multiple of the tile,
     more tiles than SMs; O and LSE against the reference, outputs poisoned."""
     f, k = compiled(64, lse=True, gqa=gqa)
     q, kk, v = attention_inputs(B, H, S, T, 64, device="cuda", seed=S, gqa_groups=4 if gqa else None)
-    assert k.kernel_for(q, kk, v).schedule.consumer_warpgroups == 3
+    assert k.kernel_for(q, kk, v).schedule.consumer_warpgroups == warpgroups
     o, lse = run(f, k, (q, kk, v))
     ro, rlse = f.reference(q, kk, v)
     assert not torch.isnan(o).any() and rel(o, ro) < 1e-2 and rel(lse, rlse) < 1e-3

@@ -65,12 +65,7 @@ class AttentionWorkload(Workload):
                                     f"{', '.join(map(str, schedule.HEAD_DIMS))}")
         else:
             head_dim = self._head_dim(fusion)
-        page_size = partition.page_size_of(fusion)
-        if (head_dim in schedule.THREE_WARPGROUP_HEAD_DIMS and page_size is None
-                and not {"tile", "consumer_warpgroups", "mode", "split_kv", "pack_gqa"} & set(overrides)
-                and self._three_warpgroups(fusion, schedule.default_schedule(head_dim, **overrides))):
-            overrides = dict(overrides, tile=(192, 128, head_dim), consumer_warpgroups=3)
-        chosen = schedule.default_schedule(head_dim, page_size, **overrides)
+        chosen = schedule.default_schedule(head_dim, partition.page_size_of(fusion), **overrides)
         if ("mode" not in overrides and head_dim in schedule.PINGPONG_BIAS_HEAD_DIMS and chosen.mode == "cooperative"
                 and chosen.consumer_warpgroups == 2 and chosen.mma_inflight == 1 and not chosen.splits_kv
                 and self._diagonal_bias(fusion, chosen)):
@@ -78,14 +73,13 @@ class AttentionWorkload(Workload):
         return chosen
 
     def _three_warpgroups(self, fusion, chosen) -> bool:
-        """Whether the fusion takes 192-row tiles on three consumer warpgroups by default
-        (`schedule.THREE_WARPGROUP_HEAD_DIMS`): packed sequences do not (their tiles end where a
-        sequence does), nor a score function that cuts a diagonal; False where the fusion does not
-        partition (its error comes with the compile)."""
-        try:
-            payload = self.partition(fusion, chosen).payload
-        except (FusionError, ScheduleError):
+        """Whether the fusion may take 192-row tiles on three consumer warpgroups
+        (`schedule.THREE_WARPGROUP_HEAD_DIMS`): not with packed sequences (their tiles end where a
+        sequence does) or a paged cache (its producer's registers), nor where the score function
+        cuts a diagonal."""
+        if chosen.head_dim not in schedule_mod.THREE_WARPGROUP_HEAD_DIMS or partition.page_size_of(fusion):
             return False
+        payload = self.partition(fusion, chosen).payload
         return payload.varlen is None and not payload.score.cuts_diagonals
 
     def _diagonal_bias(self, fusion, chosen) -> bool:
@@ -112,22 +106,26 @@ class AttentionWorkload(Workload):
         return lighter
 
     def variants(self, fusion, schedule: AttentionSchedule):
-        """The default's 128-row tiles (192 at head dim 64 without diagonal masks) suit prefill;
-        where a call has few query rows or few tiles it switches (docs/architecture.md, "Split-KV
-        decode"):
+        """The default's 128-row tiles suit prefill; where a call has few query rows or few tiles
+        it switches (docs/architecture.md, "Split-KV decode"), and at head dim 64 with long keys
+        to more rows:
 
         - S <= 64 (decode, speculative or chunked steps): 64-row tiles (one consumer warpgroup)
           with the G query heads of a KV head packed into the rows where the fusion allows
           (`pack_gqa`), and split-KV: the host splits the keys when the tiles fill at most half
           the SMs;
-        - otherwise, when the default's tiles fill at most half the SMs (short
+        - otherwise, when the default's 128-row tiles fill at most half the SMs (short
           sequences, few heads, long keys): 64-row tiles on one consumer warpgroup (twice the
           tiles), not packed, with split-KV where the keys are long; at value dim 256 the
           default's tiles with split-KV (unpacked 64 x 32 tiles spilled beside a paged producer,
           split or not; nvcc 2026-11-24). Measured on an H100 against the default with
           split-KV (2026-11-24, 35 calls at head dim 128, S 200-1024 and chunks of 128-512
           queries against 4K-32K keys): at or above it in every call, 1.18-1.48x at S <= 1024
-          (B1 H16/4 S512: 0.69 -> 1.02 of cuDNN), 1.02-1.80x on long keys.
+          (B1 H16/4 S512: 0.69 -> 1.02 of cuDNN), 1.02-1.80x on long keys;
+        - otherwise, at head dim 64 where no mask or bias cuts a diagonal, and T >= 1024
+          (`schedule.THREE_WARPGROUP_MIN_KEYS`) or the 192-row tiles take at most 2/3 of the
+          waves of 128-row ones (a wave of them is 1.5x the work): 192-row tiles on three
+          consumer warpgroups (`schedule.THREE_WARPGROUP_HEAD_DIMS` gives the measurements).
 
         A fusion these cannot take (an attention sink) has none."""
         from wsched.dispatch import Variant
@@ -158,6 +156,14 @@ class AttentionWorkload(Workload):
             found.append(Variant(few, lambda v: 2 * _tiles(v, bm) <= v["num_sms"],
                                  f"the {bm}-row tiles fill at most half the SMs"
                                  + ("" if wide else ": 64-row tiles") + " (split-KV)"))
+        if self._three_warpgroups(fusion, schedule):
+            three = self.taken(fusion, tile=(192, schedule.bn, schedule.head_dim), consumer_warpgroups=3)
+            if three is not None:
+                keys, bm = schedule_mod.THREE_WARPGROUP_MIN_KEYS, schedule.bm
+                found.append(Variant(three, lambda v: v["T"] >= keys or 3 * _waves(v, 192) <= 2 * _waves(v, bm),
+                                     f"no mask or bias cuts a diagonal, and T >= {keys} or 192-row tiles take at "
+                                     f"most 2/3 of the waves of {bm}-row ones: 192-row tiles on three consumer "
+                                     f"warpgroups"))
         return tuple(found)
 
     def schedule_space(self, fusion):
@@ -200,6 +206,11 @@ class AttentionWorkload(Workload):
 def _first_taken(workload, fusion, candidates: list[dict]):
     """The first default schedule with these overrides that the fusion takes (None if none)."""
     return next((s for s in (workload.taken(fusion, **overrides) for overrides in candidates) if s is not None), None)
+
+
+def _waves(values, bm: int) -> int:
+    """Waves of `bm`-row tiles on the call's SMs."""
+    return -(-_tiles(values, bm) // values["num_sms"])
 
 
 def _tiles(values, bm: int) -> int:
