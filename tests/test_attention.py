@@ -189,12 +189,13 @@ def test_the_softmax_flushes_subnormal_exponentials_unless_the_kernel_splits_its
 
 def test_head_dim_64_with_long_keys_and_no_diagonal_masks_runs_three_consumer_warpgroups():
     """The per-call variant of schedule.THREE_WARPGROUP_HEAD_DIMS: 192 rows on 3 warpgroups (24/160
-    registers) at head dim 64 where T >= THREE_WARPGROUP_MIN_KEYS and the tiles fill more than half
-    the SMs, unless a mask or bias cuts a diagonal, the sequences are packed or the cache is
-    paged; simulated against the reference (GQA, rows and keys no multiple of the tiles)."""
+    registers) at head dim 64 where the tiles fill more than half the SMs and no mask or bias cuts
+    a diagonal (T >= THREE_WARPGROUP_MIN_KEYS or fewer waves), or the masks are causal only (T >=
+    THREE_WARPGROUP_CAUSAL_MIN_KEYS); never with windows, ALiBi, packed sequences or a paged
+    cache; simulated against the reference (GQA, rows and keys no multiple of the tiles)."""
     from attention_fusions import make_paged_attention, make_varlen_attention, make_variant
 
-    from wsched.workloads.attention.schedule import THREE_WARPGROUP_MIN_KEYS
+    from wsched.workloads.attention.schedule import THREE_WARPGROUP_CAUSAL_MIN_KEYS, THREE_WARPGROUP_MIN_KEYS
 
     def three(f):
         return [v for v in getattr(ws.compile(f, build=False), "variants", ()) if v.schedule.consumer_warpgroups == 3]
@@ -204,11 +205,18 @@ def test_head_dim_64_with_long_keys_and_no_diagonal_masks_runs_three_consumer_wa
         (variant,) = three(f)
         s = variant.schedule
         assert (s.tile, s.consumer_registers, s.stages, s.mode) == ((192, 128, 64), 160, 3, "cooperative"), f.name
-    for f in (make_attention(64, causal=True), make_attention(64, causal="bottom_right", lse=True), make_attention(128),
-              make_variant(64, "window"), make_variant(64, "alibi"), make_variant(64, "softcap"),
-              make_varlen_attention(64), make_paged_attention(64, 64)):
+    causal = make_attention(64, causal=True)
+    for f in (causal, make_attention(64, causal="bottom_right", lse=True), make_variant(64, "softcap")):
+        (variant,) = three(f)
+        assert variant.rule.startswith("causal masks only"), f.name
+    for f in (make_attention(128), make_variant(64, "window"), make_variant(64, "alibi"),
+              make_variant(64, "document_causal"), make_varlen_attention(64), make_paged_attention(64, 64)):
         assert not three(f), f.name
-        assert ws.schedule_for(f).consumer_warpgroups == 2, f.name
+    for f in (causal, plain, document, make_varlen_attention(64)):
+        assert ws.schedule_for(f).consumer_warpgroups == 2, f.name   # the default kernel itself
+    kc, long = ws.compile(causal, build=False), THREE_WARPGROUP_CAUSAL_MIN_KEYS
+    assert [kc.choose(attention_inputs(1, 16, T, T, 64), 132).schedule.consumer_warpgroups
+            for T in (long, long - 1)] == [3, 2]
     k = ws.compile(plain, build=False)
     keys = THREE_WARPGROUP_MIN_KEYS
     picks = {(S, T): k.choose(attention_inputs(4, 16, S, T, 64), 132).schedule for S, T in

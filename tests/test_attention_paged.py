@@ -343,3 +343,13 @@ def test_inputs_per_key_span_the_cache_beside_key_lengths(fusion):
     assert "i32 T_cache" in text and (": f32[batch0, 1, 1, T_cache]" in text or ": i32[batch0, 1, 1, T_cache]" in text)
     for seed in range(2):
         check(k, fusion, per_key_inputs(fusion, seed=seed), seed=seed)
+
+
+def test_a_cache_with_key_lengths_chooses_by_its_keys_t_cache():
+    """The per-call rules read the kernel's name for the keys: a cache whose sequences have their
+    own lengths holds T_cache keys (no `T` among the call's sizes), and 3000 of them at head dim
+    64 with no diagonal take the 3-warpgroup variant."""
+    k = ws.compile(key_bias_lengths, build=False)
+    inputs = per_key_inputs(key_bias_lengths, B=3, H=4, S=1000, T=3000, lens=(3000, 1377, 5))
+    assert k.choose(inputs, 132).schedule.consumer_warpgroups == 3
+    assert "T_cache >= 1024" in k.variants[-1].rule

@@ -74,6 +74,22 @@ def test_head_dim_64_with_long_keys_runs_192_row_tiles_on_three_warpgroups(gqa, 
     assert not torch.isnan(o).any() and rel(o, ro) < 1e-2 and rel(lse, rlse) < 1e-3
 
 
+@pytest.mark.parametrize("variant, S, T", [("causal", 5200, 5200), ("bottom_right", 2000, 6000),
+                                           ("softcap", 5121, 5121), ("sinks", 5500, 5500)])
+def test_long_causal_head_dim_64_runs_192_row_tiles_on_three_warpgroups(variant, S, T):
+    """Causal masks only (top-left, bottom-right with S < T, under softcap, with sinks) and
+    T >= THREE_WARPGROUP_CAUSAL_MIN_KEYS: the 3-warpgroup kernel; O and LSE against the
+    reference, outputs poisoned."""
+    if variant in ("causal", "bottom_right"):
+        f, k = compiled(64, causal=True if variant == "causal" else "bottom_right", lse=True)
+        inputs = attention_inputs(1, 8, S, T, 64, device="cuda", seed=S)
+    else:
+        f, k = compiled_variant(64, variant)
+        inputs = variant_inputs(f, 1, 8, S, T, 64, device="cuda", seed=S)
+    assert k.kernel_for(*inputs).schedule.consumer_warpgroups == 3
+    check_variant(f, k, inputs)
+
+
 @pytest.mark.parametrize("D", [96, 192])
 @pytest.mark.parametrize("S,T", [(1, 1500), (777, 1200), (1200, 777)])
 def test_head_dims_96_and_192_with_gqa_ragged(D, S, T):

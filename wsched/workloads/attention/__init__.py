@@ -72,15 +72,21 @@ class AttentionWorkload(Workload):
             chosen = replace(chosen, mode="pingpong")   # schedule.PINGPONG_BIAS_HEAD_DIMS says why
         return chosen
 
-    def _three_warpgroups(self, fusion, chosen) -> bool:
-        """Whether the fusion may take 192-row tiles on three consumer warpgroups
-        (`schedule.THREE_WARPGROUP_HEAD_DIMS`): not with packed sequences (their tiles end where a
-        sequence does) or a paged cache (its producer's registers), nor where the score function
-        cuts a diagonal."""
+    def _three_warpgroups(self, fusion, chosen) -> tuple[str, str] | None:
+        """How the fusion may take 192-row tiles on three consumer warpgroups
+        (`schedule.THREE_WARPGROUP_HEAD_DIMS`), with the kernel's name for the keys (T, or a
+        cache's T_cache): "no diagonal" where the score function cuts none, "causal" where its
+        masks bound the keys from above only (`ScoreFunction.causal_only`); None where it may
+        not: packed sequences (their tiles end where a sequence does), a paged cache (its
+        producer's registers), windows, unions, ALiBi, masks not analysed."""
         if chosen.head_dim not in schedule_mod.THREE_WARPGROUP_HEAD_DIMS or partition.page_size_of(fusion):
-            return False
+            return None
         payload = self.partition(fusion, chosen).payload
-        return payload.varlen is None and not payload.score.cuts_diagonals
+        if payload.varlen is not None:
+            return None
+        if not payload.score.cuts_diagonals:
+            return "no diagonal", payload.keys
+        return ("causal", payload.keys) if payload.score.causal_only else None
 
     def _diagonal_bias(self, fusion, chosen) -> bool:
         """Whether the fusion's score function adds a diagonal bias (ALiBi); False where the
@@ -124,8 +130,9 @@ class AttentionWorkload(Workload):
           (B1 H16/4 S512: 0.69 -> 1.02 of cuDNN), 1.02-1.80x on long keys;
         - otherwise, at head dim 64 where no mask or bias cuts a diagonal, and T >= 1024
           (`schedule.THREE_WARPGROUP_MIN_KEYS`) or the 192-row tiles take at most 2/3 of the
-          waves of 128-row ones (a wave of them is 1.5x the work): 192-row tiles on three
-          consumer warpgroups (`schedule.THREE_WARPGROUP_HEAD_DIMS` gives the measurements).
+          waves of 128-row ones (a wave of them is 1.5x the work), or where the masks are causal
+          only and T >= 5120 (`THREE_WARPGROUP_CAUSAL_MIN_KEYS`): 192-row tiles on three consumer
+          warpgroups (`schedule.THREE_WARPGROUP_HEAD_DIMS` gives the measurements).
 
         A fusion these cannot take (an attention sink) has none."""
         from wsched.dispatch import Variant
@@ -156,14 +163,17 @@ class AttentionWorkload(Workload):
             found.append(Variant(few, lambda v: 2 * _tiles(v, bm) <= v["num_sms"],
                                  f"the {bm}-row tiles fill at most half the SMs"
                                  + ("" if wide else ": 64-row tiles") + " (split-KV)"))
-        if self._three_warpgroups(fusion, schedule):
-            three = self.taken(fusion, tile=(192, schedule.bn, schedule.head_dim), consumer_warpgroups=3)
-            if three is not None:
-                keys, bm = schedule_mod.THREE_WARPGROUP_MIN_KEYS, schedule.bm
-                found.append(Variant(three, lambda v: v["T"] >= keys or 3 * _waves(v, 192) <= 2 * _waves(v, bm),
-                                     f"no mask or bias cuts a diagonal, and T >= {keys} or 192-row tiles take at "
-                                     f"most 2/3 of the waves of {bm}-row ones: 192-row tiles on three consumer "
-                                     f"warpgroups"))
+        kind, t = self._three_warpgroups(fusion, schedule) or (None, None)
+        three = kind and self.taken(fusion, tile=(192, schedule.bn, schedule.head_dim), consumer_warpgroups=3)
+        if three and kind == "no diagonal":
+            keys, bm = schedule_mod.THREE_WARPGROUP_MIN_KEYS, schedule.bm
+            found.append(Variant(three, lambda v: v[t] >= keys or 3 * _waves(v, 192) <= 2 * _waves(v, bm),
+                                 f"no mask or bias cuts a diagonal, and {t} >= {keys} or 192-row tiles take at most "
+                                 f"2/3 of the waves of {bm}-row ones: 192-row tiles on three consumer warpgroups"))
+        elif three:
+            keys = schedule_mod.THREE_WARPGROUP_CAUSAL_MIN_KEYS
+            found.append(Variant(three, lambda v: v[t] >= keys,
+                                 f"causal masks only and {t} >= {keys}: 192-row tiles on three consumer warpgroups"))
         return tuple(found)
 
     def schedule_space(self, fusion):

@@ -267,9 +267,13 @@ PINGPONG_BIAS_HEAD_DIMS = (64,)
 # 1.07, document mask S4096 1.05; with few keys a tile the larger tiles' fixed costs weigh more and
 # they win only where they save waves (B4 H16/4 S420, 2 waves either way: 0.84; B2 H16/4 S727,
 # 1 wave against 2: taken). Where the tiles cross a diagonal the 192-row tiles mask two blocks a
-# tile, not one: causal S4096 0.99, document + causal 1.01, causal S8192 1.08.
+# tile, not one, which long causal sequences amortise (THREE_WARPGROUP_CAUSAL_MIN_KEYS): causal
+# S4096 0.98-1.00, B4 S6000 1.04, B2 S8192 1.07 (with LSE 1.12), GQA H32/8 S12000 1.07, S16384
+# 1.05; a window's tiles see its width whatever T is (window 1024 at S16384: 0.97), and document +
+# causal at S4096 measured 0.97-1.01: neither takes them.
 THREE_WARPGROUP_HEAD_DIMS = (64,)
 THREE_WARPGROUP_MIN_KEYS = 1024
+THREE_WARPGROUP_CAUSAL_MIN_KEYS = 5120
 
 
 def default_schedule(head_dim: int, page_size: int | None = None, **overrides) -> AttentionSchedule:

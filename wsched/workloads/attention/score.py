@@ -156,6 +156,15 @@ class ScoreFunction:
         return bool(self.bias) or any(map(diagonal, self.masks))
 
     @property
+    def causal_only(self) -> bool:
+        """Whether every mask is a causal mask or an analysed one without a lower diagonal bound
+        (`j <= i`, key bounds), with no bias and no union: a tile's keys run from the first to its
+        diagonal, as long as the sequence is, not bounded by a window."""
+        def upper_only(m: Mask) -> bool:
+            return not m.alternatives and not m.lower and (m.causal is not None or m.analysed)
+        return not self.bias and all(map(upper_only, self.masks))
+
+    @property
     def id_spans(self) -> tuple[tuple[SideInput, SideInput], ...]:
         """(query ids, key ids) of each mask that holds only where they are equal (a document
         mask): the kernel skips the kv blocks whose ids cannot equal a row block's."""
