@@ -15,7 +15,7 @@ Rows, each as µs of host time per call and as a ratio to the Triton launch:
     the native launcher alone  `k(a, b)` without the Python method around the C call
     ..., Python path       the same calls with the native path off (WSCHED_NATIVE_LAUNCH=0): the
                            layout key, the cached plan, packing and a cuda-python launch in Python
-    document k(q, k, v, ids)  an attention kernel with a document mask (B1 H2 S256 D64): its
+    document k(q, k, v, doc_q, doc_k)  an attention kernel with a document mask (B1 H2 S256 D64): its
                            spans table computed per call by a helper kernel launched before it
                            (native path: both launches from C), and the same on the Python path
     bound()                `k.bind(a, b)` once, then only the launch
@@ -158,7 +158,7 @@ def main():
         "the native launcher alone": lambda: k._natives[None]((a, b)),
         "k(a, b), Python path": lambda: python_path(a, b),
         "k(a, b, out=), Python path": lambda: python_path(a, b, out=out),
-        "document k(q, k, v, ids)": lambda: kd(*doc_args),
+        "document k(q, k, v, doc_q, doc_k)": lambda: kd(*doc_args),
         "document k(...), Python path": lambda: kd_python(*doc_args),
         "bound() (k.bind(a, b))": bound,
         "bare cuLaunchKernel": packed_once,

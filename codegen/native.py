@@ -17,9 +17,9 @@ extension from another version of the C source is not used (`ABI`).
 What a plan repeats per call is exactly what `_LaunchPlan.pack` and `LoadedKernel.launch_packed`
 do: data pointers into their slots, TMA maps encoded once per (parameter, address) and kept,
 torch's current stream of the device, `cuLaunchKernel`. A kernel with a spans table (a document
-mask's) has its helper launched first, as `_LaunchPlan.pack_spans` does, into a table the plan
-holds (calls on one stream are ordered; like the kernel's tile counter, it is one launch at a time
-per device). The driver's entry points are read from
+mask's) has its helper launched first, as `_LaunchPlan.pack_spans` does, into a table allocated
+per call (as the outputs are; released when the call returns, torch's allocator keeping stream
+order, and from the graph's pool under CUDA graph capture). The driver's entry points are read from
 libcuda by address (ctypes), so the extension links against nothing but Python.
 
 `WSCHED_NATIVE_LAUNCH=0` turns the path off (every call takes the Python path); `native.available()`
@@ -107,8 +107,8 @@ def plan(launch_plan, packed, tensors: tuple, n_alloc: int, function: int, conte
     """The Plan of one call the Python path has checked and launched: `tensors` are
     (*given, *allocated) — the call's tensors (inputs, then the out= tensors if any) and the
     outputs it allocated — and `packed` its packed arguments. A spans table (a document mask's)
-    becomes a scratch tensor the plan holds and a launch of its helper before the kernel's
-    (`spans_launches`)."""
+    becomes a scratch tensor the plan allocates per call and a launch of its helper before the
+    kernel's (`spans_launches`)."""
     from .tma import spec_for_tensor
 
     given = tensors[:len(tensors) - n_alloc]
@@ -129,8 +129,7 @@ def plan(launch_plan, packed, tensors: tuple, n_alloc: int, function: int, conte
         tuple({"dtype": dtype, "device": launch_plan.device} for _, _, dtype in alloc),
         len(launch_plan.outputs), function, context, launch_plan.grid, threads, smem,
         launch_plan.device_index, tuple(packed.raw()), launch_plan.pointer_slots + table_slots, tuple(maps),
-        # on the device of the call's tensors (the call checked they share one)
-        tuple(torch.empty(shape, dtype=torch.int32, device=tensors[0].device) for shape in scratch), pre)
+        tuple((tuple(shape), {"dtype": torch.int32, "device": launch_plan.device}) for shape in scratch), pre)
 
 
 def spans_launches(launch_plan, first_scratch: int) -> tuple[list, tuple, tuple]:

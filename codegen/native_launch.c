@@ -13,10 +13,10 @@
  *
  * A plan may launch helper kernels first, on the same stream (a document mask's spans table:
  * codegen/block_spans.py): each with its own packed parameters and data pointers, reading the
- * call's tensors and writing scratch tensors the plan holds (allocated once, with the plan),
- * which the kernel then reads. Calls on one stream are ordered, so a call's helper writes a
- * scratch tensor only after the previous call's kernel has read it; like the kernel's own
- * workspaces (a tile counter), scratch is one launch at a time per device.
+ * call's tensors and writing scratch tensors allocated per call like the outputs (torch.empty),
+ * which the kernel then reads. A scratch tensor is released when the call returns: torch's
+ * allocator hands its memory out again only to work queued after these launches on the stream,
+ * and under CUDA graph capture it comes from the graph's pool, as the outputs do.
  *
  * The driver entry points and the torch callables are given to the Launcher (plain addresses and
  * Python objects), so the module links against nothing but Python and the tests drive it on a
@@ -67,7 +67,7 @@ static int read_address(PyObject *t, uint64_t *address) {
 
 typedef struct {
     Py_ssize_t param;            /* parameter index */
-    Py_ssize_t tensor;           /* index into (*given, *allocated) */
+    Py_ssize_t tensor;           /* index into (*given, *allocated outputs, *scratch) */
 } PointerSlot;
 
 typedef struct {
@@ -87,7 +87,7 @@ typedef struct {                 /* a launch of a helper kernel before the plan'
     Py_ssize_t n_params, n_pointers;
     unsigned char *storage;      /* n_params * PARAM_BYTES */
     void **kernel_params;
-    PointerSlot *pointers;       /* tensor: an index into (*given, *allocated, *scratch) */
+    PointerSlot *pointers;       /* tensor: an index into (*given, *allocated outputs, *scratch) */
 } PreLaunch;
 
 typedef struct {
@@ -96,8 +96,7 @@ typedef struct {
     Py_ssize_t n_given;          /* tensors the call passes */
     PyObject *shapes, *strides, *dtypes, *devices;   /* tuples of n_given each */
     PyObject *alloc_args, *alloc_kwargs;            /* tuples: per allocated output */
-    PyObject *scratch;           /* tuple: tensors the helpers write and the kernel reads (not returned) */
-    uint64_t scratch_addresses[MAX_TENSORS];
+    PyObject *scratch;           /* tuple of (args, kwargs) of torch.empty: per scratch tensor (not returned) */
     Py_ssize_t n_alloc, n_scratch, n_return;
     void *function, *context;
     unsigned grid, threads, smem;
@@ -211,8 +210,8 @@ static int read_pointer_slots(PyObject *slots, PointerSlot **out, Py_ssize_t *co
  * map_slots: tuples (param, tensor, dtype, dims, strides, box, element_strides, interleave,
  * swizzle, l2_promotion, oob_fill) with dims etc. as cuTensorMapEncodeTiled takes them.
  * pre_launches: tuples (function, grid, threads, smem, params, pointer_slots), launched in order
- * before the kernel; scratch: tensors the plan holds. Tensor indices count (*given, *allocated
- * outputs, *scratch). */
+ * before the kernel; scratch: (args tuple, kwargs dict) of torch.empty per scratch tensor, allocated
+ * per call. Tensor indices count (*given, *allocated outputs, *scratch). */
 static int Plan_fill(Plan *self, PyObject *shapes, PyObject *strides, PyObject *dtypes, PyObject *devices,
                      PyObject *alloc_args, PyObject *alloc_kwargs, Py_ssize_t n_return, unsigned long long function,
                      unsigned long long context, unsigned grid, unsigned threads, unsigned smem, PyObject *stream_arg,
@@ -230,7 +229,7 @@ static int Plan_init(Plan *self, PyObject *args, PyObject *kwargs) {
                           &alloc_kwargs, &n_return, &function, &context, &grid, &threads, &smem,
                           &stream_arg, &params, &pointer_slots, &map_slots, &scratch, &pre_launches))
         return -1;
-    if (self->storage) {
+    if (self->storage || self->shapes) {   /* a failed init may have kept references: no second one */
         PyErr_SetString(PyExc_RuntimeError, "Plan: already initialised");
         return -1;
     }
@@ -273,9 +272,15 @@ static int Plan_fill(Plan *self, PyObject *shapes, PyObject *strides, PyObject *
     self->n_given = n_given;
     self->n_alloc = n_alloc;
     self->n_scratch = n_scratch;
+    for (Py_ssize_t j = 0; j < n_scratch; j++) {
+        PyObject *entry = PyTuple_GET_ITEM(scratch, j);
+        if (!PyTuple_Check(entry) || PyTuple_GET_SIZE(entry) != 2 || !PyTuple_Check(PyTuple_GET_ITEM(entry, 0)) ||
+            !PyDict_Check(PyTuple_GET_ITEM(entry, 1))) {
+            PyErr_SetString(PyExc_ValueError, "Plan: a scratch entry must be (args tuple, kwargs dict)");
+            return -1;
+        }
+    }
     Py_INCREF(scratch); self->scratch = scratch;
-    for (Py_ssize_t j = 0; j < n_scratch; j++)
-        if (read_address(PyTuple_GET_ITEM(scratch, j), &self->scratch_addresses[j]) < 0) return -1;
     self->n_return = n_return;
     self->function = (void *)(uintptr_t)function;
     self->context = (void *)(uintptr_t)context;
@@ -523,15 +528,22 @@ static PyObject *Launcher_call(Launcher *self, PyObject *args, PyObject *kwargs)
             failed = 1;
             goto done;
         }
-    for (Py_ssize_t j = 0; j < plan->n_alloc; j++) {
-        allocated[j] = PyObject_Call(self->empty_fn, PyTuple_GET_ITEM(plan->alloc_args, j),
-                                     PyTuple_GET_ITEM(plan->alloc_kwargs, j));
+    for (Py_ssize_t j = 0; j < plan->n_alloc + plan->n_scratch; j++) {   /* the outputs, then scratch */
+        PyObject *args, *kw;
+        if (j < plan->n_alloc) {
+            args = PyTuple_GET_ITEM(plan->alloc_args, j);
+            kw = PyTuple_GET_ITEM(plan->alloc_kwargs, j);
+        } else {
+            PyObject *entry = PyTuple_GET_ITEM(plan->scratch, j - plan->n_alloc);
+            args = PyTuple_GET_ITEM(entry, 0);
+            kw = PyTuple_GET_ITEM(entry, 1);
+        }
+        allocated[j] = PyObject_Call(self->empty_fn, args, kw);
         if (!allocated[j] || read_address(allocated[j], &addresses[n + j]) < 0) {
             failed = 1;
             goto done;
         }
     }
-    memcpy(addresses + n + plan->n_alloc, plan->scratch_addresses, plan->n_scratch * sizeof(uint64_t));
     stream_value = PyObject_CallOneArg(self->stream_fn, plan->stream_arg);
     if (!stream_value) {
         failed = 1;

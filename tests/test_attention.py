@@ -189,13 +189,14 @@ def test_the_softmax_flushes_subnormal_exponentials_unless_the_kernel_splits_its
 
 def test_head_dim_64_with_long_keys_and_no_diagonal_masks_runs_three_consumer_warpgroups():
     """The per-call variant of schedule.THREE_WARPGROUP_HEAD_DIMS: 192 rows on 3 warpgroups (24/160
-    registers) at head dim 64 where the tiles fill more than half the SMs and no mask or bias cuts
-    a diagonal (T >= THREE_WARPGROUP_MIN_KEYS or fewer waves), or the masks are causal only (T >=
-    THREE_WARPGROUP_CAUSAL_MIN_KEYS); never with windows, ALiBi, packed sequences or a paged
-    cache; simulated against the reference (GQA, rows and keys no multiple of the tiles)."""
+    registers) at head dim 64 where no mask or bias cuts a diagonal or the masks are causal only,
+    the keys number THREE_WARPGROUP_MIN_KEYS and the 192-row tiles take at most 11/15 of the
+    waves (without a diagonal, also at any length where they take at most 2/3); never with
+    windows, ALiBi, packed sequences or a paged cache; simulated against the reference (GQA,
+    rows and keys no multiple of the tiles)."""
     from attention_fusions import make_paged_attention, make_varlen_attention, make_variant
 
-    from wsched.workloads.attention.schedule import THREE_WARPGROUP_CAUSAL_MIN_KEYS, THREE_WARPGROUP_MIN_KEYS
+    from wsched.workloads.attention.schedule import THREE_WARPGROUP_MIN_KEYS
 
     def three(f):
         return [v for v in getattr(ws.compile(f, build=False), "variants", ()) if v.schedule.consumer_warpgroups == 3]
@@ -214,17 +215,19 @@ def test_head_dim_64_with_long_keys_and_no_diagonal_masks_runs_three_consumer_wa
         assert not three(f), f.name
     for f in (causal, plain, document, make_varlen_attention(64)):
         assert ws.schedule_for(f).consumer_warpgroups == 2, f.name   # the default kernel itself
-    kc, long = ws.compile(causal, build=False), THREE_WARPGROUP_CAUSAL_MIN_KEYS
-    assert [kc.choose(attention_inputs(1, 16, T, T, 64), 132).schedule.consumer_warpgroups
-            for T in (long, long - 1)] == [3, 2]
-    k = ws.compile(plain, build=False)
-    keys = THREE_WARPGROUP_MIN_KEYS
-    picks = {(S, T): k.choose(attention_inputs(4, 16, S, T, 64), 132).schedule for S, T in
-             [(420, keys), (420, keys - 1), (100, 8000), (2000, 2000), (420, 420)]}
-    # (420, T): 2 waves of tiles either way; (100, 8000): few tiles
-    assert [s.consumer_warpgroups for s in picks.values()] == [3, 2, 1, 3, 2]
-    # B2 H16 S727: 128 tiles of 192 rows (1 wave) against 192 of 128 (2 waves)
-    assert k.choose(attention_inputs(2, 16, 727, 727, 64), 132).schedule.consumer_warpgroups == 3
+    def warpgroups(k, B, H, S, T):
+        return k.choose(attention_inputs(B, H, S, T, 64), 132).schedule.consumer_warpgroups
+
+    kc, long = ws.compile(causal, build=False), THREE_WARPGROUP_MIN_KEYS["causal"]
+    # B2 H16 S5120: 7 waves of 192-row tiles against 10 of 128-row ones; B1: 4 against 5
+    assert [warpgroups(kc, 2, 16, long, long), warpgroups(kc, 2, 16, long - 1, long - 1),
+            warpgroups(kc, 1, 16, long, long)] == [3, 2, 2]
+    k, keys = ws.compile(plain, build=False), THREE_WARPGROUP_MIN_KEYS["no diagonal"]
+    # B8 H16 S2048: 11 waves against 16; B1 H8 S2048: 1 wave either way (1.5x the work a tile);
+    # B4 H16 S420: 2 waves either way; B2 H16 S727: 1 wave against 2, at any length; B4 S100: few tiles
+    assert [warpgroups(k, 8, 16, 2048, keys), warpgroups(k, 8, 16, 2048, keys - 1), warpgroups(k, 1, 8, 2048, 2048),
+            warpgroups(k, 4, 16, 420, 420), warpgroups(k, 2, 16, 727, 727), warpgroups(k, 4, 16, 100, 8000)] \
+        == [3, 2, 2, 2, 3, 1]
     simulate_and_check(gqa, attention_inputs(1, 8, 200, 333, 64, seed=3, gqa_groups=4),
                        schedule=three(gqa)[0].schedule)
     simulate_and_check(plain, attention_inputs(2, 1, 385, 130, 64, seed=4), schedule=three(plain)[0].schedule)

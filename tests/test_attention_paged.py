@@ -348,8 +348,10 @@ def test_inputs_per_key_span_the_cache_beside_key_lengths(fusion):
 def test_a_cache_with_key_lengths_chooses_by_its_keys_t_cache():
     """The per-call rules read the kernel's name for the keys: a cache whose sequences have their
     own lengths holds T_cache keys (no `T` among the call's sizes), and 3000 of them at head dim
-    64 with no diagonal take the 3-warpgroup variant."""
+    64 with no diagonal take the 3-warpgroup variant (B8 H16 S2048: 11 waves of its tiles, 16 of
+    128-row ones)."""
     k = ws.compile(key_bias_lengths, build=False)
-    inputs = per_key_inputs(key_bias_lengths, B=3, H=4, S=1000, T=3000, lens=(3000, 1377, 5))
+    inputs = per_key_inputs(key_bias_lengths, B=8, H=16, S=2048, T=3000, lens=(3000, 1377, 5, 3000, 1, 2, 3, 4))
     assert k.choose(inputs, 132).schedule.consumer_warpgroups == 3
-    assert "T_cache >= 1024" in k.variants[-1].rule
+    sizes = k.primary._bind_inputs(inputs)[1]
+    assert "T_cache >= 1024" in k.variants[-1].rule and "T" not in sizes and sizes["T_cache"] == 3000

@@ -60,7 +60,7 @@ def test_mha_vs_reference_and_sdpa(D, causal, S):
     assert rel(o, F.scaled_dot_product_attention(q, kk, v, is_causal=causal)) < 1e-2
 
 
-@pytest.mark.parametrize("gqa, B, H, S, T, warpgroups", [(False, 4, 8, 1500, 1700, 3), (True, 2, 32, 777, 2500, 3),
+@pytest.mark.parametrize("gqa, B, H, S, T, warpgroups", [(False, 4, 8, 1500, 1700, 3), (True, 2, 32, 1500, 2500, 3),
                                                          (False, 3, 12, 2000, 1025, 3), (False, 4, 16, 420, 333, 2)])
 def test_head_dim_64_with_long_keys_runs_192_row_tiles_on_three_warpgroups(gqa, B, H, S, T, warpgroups):
     """At head dim 64 with no causal or window mask and T >= 1024, 192-row tiles on 3 consumer
@@ -74,18 +74,18 @@ def test_head_dim_64_with_long_keys_runs_192_row_tiles_on_three_warpgroups(gqa, 
     assert not torch.isnan(o).any() and rel(o, ro) < 1e-2 and rel(lse, rlse) < 1e-3
 
 
-@pytest.mark.parametrize("variant, S, T", [("causal", 5200, 5200), ("bottom_right", 2000, 6000),
-                                           ("softcap", 5121, 5121), ("sinks", 5500, 5500)])
-def test_long_causal_head_dim_64_runs_192_row_tiles_on_three_warpgroups(variant, S, T):
+@pytest.mark.parametrize("variant, B, S, T", [("causal", 1, 5200, 5200), ("bottom_right", 2, 3000, 6000),
+                                              ("softcap", 1, 5121, 5121), ("sinks", 1, 5500, 5500)])
+def test_long_causal_head_dim_64_runs_192_row_tiles_on_three_warpgroups(variant, B, S, T):
     """Causal masks only (top-left, bottom-right with S < T, under softcap, with sinks) and
-    T >= THREE_WARPGROUP_CAUSAL_MIN_KEYS: the 3-warpgroup kernel; O and LSE against the
+    T >= THREE_WARPGROUP_MIN_KEYS["causal"]: the 3-warpgroup kernel; O and LSE against the
     reference, outputs poisoned."""
     if variant in ("causal", "bottom_right"):
         f, k = compiled(64, causal=True if variant == "causal" else "bottom_right", lse=True)
-        inputs = attention_inputs(1, 8, S, T, 64, device="cuda", seed=S)
+        inputs = attention_inputs(B, 8, S, T, 64, device="cuda", seed=S)
     else:
         f, k = compiled_variant(64, variant)
-        inputs = variant_inputs(f, 1, 8, S, T, 64, device="cuda", seed=S)
+        inputs = variant_inputs(f, B, 8, S, T, 64, device="cuda", seed=S)
     assert k.kernel_for(*inputs).schedule.consumer_warpgroups == 3
     check_variant(f, k, inputs)
 

@@ -128,13 +128,14 @@ class AttentionWorkload(Workload):
           split-KV (2026-11-24, 35 calls at head dim 128, S 200-1024 and chunks of 128-512
           queries against 4K-32K keys): at or above it in every call, 1.18-1.48x at S <= 1024
           (B1 H16/4 S512: 0.69 -> 1.02 of cuDNN), 1.02-1.80x on long keys;
-        - otherwise, at head dim 64 where no mask or bias cuts a diagonal, and T >= 1024
-          (`schedule.THREE_WARPGROUP_MIN_KEYS`) or the 192-row tiles take at most 2/3 of the
-          waves of 128-row ones (a wave of them is 1.5x the work), or where the masks are causal
-          only and T >= 5120 (`THREE_WARPGROUP_CAUSAL_MIN_KEYS`): 192-row tiles on three consumer
-          warpgroups (`schedule.THREE_WARPGROUP_HEAD_DIMS` gives the measurements).
+        - otherwise, at head dim 64, where no mask or bias cuts a diagonal or the masks are causal
+          only, with at least 1024 or 5120 keys (`schedule.THREE_WARPGROUP_MIN_KEYS`), and where
+          192-row tiles take at most 11/15 of the waves of 128-row ones (a tile of them is 1.5x
+          the work, and ran 1.1x as fast per row with long keys; without a diagonal also at any
+          length where they take at most 2/3): 192-row tiles on three consumer warpgroups
+          (`schedule.THREE_WARPGROUP_HEAD_DIMS` gives the measurements).
 
-        A fusion these cannot take (an attention sink) has none."""
+        A fusion the split-KV variants cannot take (an attention sink) has neither of those."""
         from wsched.dispatch import Variant
 
         if schedule != self.default_schedule(fusion):
@@ -165,15 +166,19 @@ class AttentionWorkload(Workload):
                                  + ("" if wide else ": 64-row tiles") + " (split-KV)"))
         kind, t = self._three_warpgroups(fusion, schedule) or (None, None)
         three = kind and self.taken(fusion, tile=(192, schedule.bn, schedule.head_dim), consumer_warpgroups=3)
-        if three and kind == "no diagonal":
-            keys, bm = schedule_mod.THREE_WARPGROUP_MIN_KEYS, schedule.bm
-            found.append(Variant(three, lambda v: v[t] >= keys or 3 * _waves(v, 192) <= 2 * _waves(v, bm),
-                                 f"no mask or bias cuts a diagonal, and {t} >= {keys} or 192-row tiles take at most "
-                                 f"2/3 of the waves of {bm}-row ones: 192-row tiles on three consumer warpgroups"))
-        elif three:
-            keys = schedule_mod.THREE_WARPGROUP_CAUSAL_MIN_KEYS
-            found.append(Variant(three, lambda v: v[t] >= keys,
-                                 f"causal masks only and {t} >= {keys}: 192-row tiles on three consumer warpgroups"))
+        if three:
+            keys = schedule_mod.THREE_WARPGROUP_MIN_KEYS[kind]
+            bm = schedule.bm
+
+            def applies(v, keys=keys, t=t, bm=bm, strong=kind == "no diagonal"):
+                fewer, more = _waves(v, 192), _waves(v, bm)
+                return ((v[t] >= keys and 15 * fewer <= 11 * more)   # 1.5x the work a tile, 1.1x as fast
+                        or (strong and 3 * fewer <= 2 * more))
+            found.append(Variant(three, applies,
+                                 f"{'no mask or bias cuts a diagonal' if kind == 'no diagonal' else 'causal masks only'}"
+                                 f", {t} >= {keys} and 192-row tiles take at most 11/15 of the waves of {bm}-row "
+                                 f"ones" + (" (or 2/3 at any length)" if kind == "no diagonal" else "")
+                                 + ": 192-row tiles on three consumer warpgroups"))
         return tuple(found)
 
     def schedule_space(self, fusion):

@@ -173,9 +173,10 @@ class AttentionSchedule(Schedule):
     def softmax_exp2(self) -> str:
         """The tile op of the softmax's exponentials: `exp2_ftz` (one ex2.approx.ftz) in a kernel
         that does not split its kv blocks, `exp2` (exp2f: ex2.approx.f32 kept exact for subnormal
-        results) in one that does. Same process on an H100 (2026-11-24): the flushed op sped
-        prefill up 3-6% (causal D64 1.058, D128 1.031, softcap D64 / D128 1.050 / 1.052) and slowed
-        the split-KV decode kernels of batch 1 by 6-10% (H32/32 T32768 200 -> 221 us)."""
+        results) in one that does. Same process on an H100: the flushed op sped prefill up
+        1.02-1.15x (B4 H16 S4096, 2026-11-25: causal D64 1.056, D128 1.035, no mask D128 1.151,
+        softcap D64 / D128 1.022 / 1.043; docs/ir.md) and slowed the split-KV decode kernels of
+        batch 1 by 6-10% (2026-11-24, H32/32 T32768 200 -> 221 us)."""
         return "exp2" if self.splits_kv else "exp2_ftz"
 
     def short(self) -> str:
@@ -259,7 +260,7 @@ PAGED_SPLIT_KV_SPILLS = {(2, 256)}
 PINGPONG_BIAS_HEAD_DIMS = (64,)
 # Head dims at which a call whose score function cuts no diagonal (no causal or window mask, no
 # ALiBi: `ScoreFunction.cuts_diagonals`) and whose keys number at least THREE_WARPGROUP_MIN_KEYS
-# runs 192 query rows on three consumer warpgroups (128 keys a block, 160 registers each; a
+# (or whose masks are causal only and whose keys are longer still) runs 192 query rows on three consumer warpgroups (128 keys a block, 160 registers each; a
 # per-call variant): FlashAttention-3's head-dim-64 shape. The GEMMs of head dim 64 are short
 # beside each block's softmax, and a third warpgroup keeps the tensor cores fed. H100, same
 # process, B x H16 (GQA H32/8), ratio to 128 rows on two warpgroups (2026-11-25): no mask S512
@@ -267,13 +268,14 @@ PINGPONG_BIAS_HEAD_DIMS = (64,)
 # 1.07, document mask S4096 1.05; with few keys a tile the larger tiles' fixed costs weigh more and
 # they win only where they save waves (B4 H16/4 S420, 2 waves either way: 0.84; B2 H16/4 S727,
 # 1 wave against 2: taken). Where the tiles cross a diagonal the 192-row tiles mask two blocks a
-# tile, not one, which long causal sequences amortise (THREE_WARPGROUP_CAUSAL_MIN_KEYS): causal
+# tile, not one, which long causal sequences amortise (THREE_WARPGROUP_MIN_KEYS["causal"]): causal
 # S4096 0.98-1.00, B4 S6000 1.04, B2 S8192 1.07 (with LSE 1.12), GQA H32/8 S12000 1.07, S16384
 # 1.05; a window's tiles see its width whatever T is (window 1024 at S16384: 0.97), and document +
 # causal at S4096 measured 0.97-1.01: neither takes them.
 THREE_WARPGROUP_HEAD_DIMS = (64,)
-THREE_WARPGROUP_MIN_KEYS = 1024
-THREE_WARPGROUP_CAUSAL_MIN_KEYS = 5120
+# The keys a call needs for them, by how the score function cuts diagonals (AttentionWorkload
+# ._three_warpgroups); the per-call rule also weighs the waves of tiles either way.
+THREE_WARPGROUP_MIN_KEYS = {"no diagonal": 1024, "causal": 5120}
 
 
 def default_schedule(head_dim: int, page_size: int | None = None, **overrides) -> AttentionSchedule:
