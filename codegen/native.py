@@ -147,8 +147,7 @@ def spans_launches(launch_plan, first_scratch: int) -> tuple[list, tuple, tuple]
     shapes, pre, slots = [], [], []
     for i, (position, query, key, _) in enumerate(launch_plan.span_slots):
         launch = launch_plan.span_launches[position]
-        if launch.ctas == 0:   # no rows or no keys: the Python path zeroes the table instead
-            raise ValueError("a spans table of no rows or keys is not launched")
+        assert launch.ctas, "CompiledKernel._install plans no spans table of no rows or keys"
         table = first_scratch + i
         shapes.append(launch.shape)
         pre.append((int(function), launch.ctas, block_spans.THREADS, 0, tuple(launch.raw()),

@@ -215,6 +215,7 @@ def test_head_dim_64_with_long_keys_and_no_diagonal_masks_runs_three_consumer_wa
         assert not three(f), f.name
     for f in (causal, plain, document, make_varlen_attention(64)):
         assert ws.schedule_for(f).consumer_warpgroups == 2, f.name   # the default kernel itself
+
     def warpgroups(k, B, H, S, T):
         return k.choose(attention_inputs(B, H, S, T, 64), 132).schedule.consumer_warpgroups
 

@@ -167,18 +167,16 @@ class AttentionWorkload(Workload):
         kind, t = self._three_warpgroups(fusion, schedule) or (None, None)
         three = kind and self.taken(fusion, tile=(192, schedule.bn, schedule.head_dim), consumer_warpgroups=3)
         if three:
-            keys = schedule_mod.THREE_WARPGROUP_MIN_KEYS[kind]
-            bm = schedule.bm
+            keys, bm, any_length = schedule_mod.THREE_WARPGROUP_MIN_KEYS[kind], schedule.bm, kind == "no diagonal"
 
-            def applies(v, keys=keys, t=t, bm=bm, strong=kind == "no diagonal"):
+            def applies(v):
                 fewer, more = _waves(v, 192), _waves(v, bm)
                 return ((v[t] >= keys and 15 * fewer <= 11 * more)   # 1.5x the work a tile, 1.1x as fast
-                        or (strong and 3 * fewer <= 2 * more))
-            found.append(Variant(three, applies,
-                                 f"{'no mask or bias cuts a diagonal' if kind == 'no diagonal' else 'causal masks only'}"
-                                 f", {t} >= {keys} and 192-row tiles take at most 11/15 of the waves of {bm}-row "
-                                 f"ones" + (" (or 2/3 at any length)" if kind == "no diagonal" else "")
-                                 + ": 192-row tiles on three consumer warpgroups"))
+                        or (any_length and 3 * fewer <= 2 * more))
+            masks = "no mask or bias cuts a diagonal" if any_length else "causal masks only"
+            found.append(Variant(three, applies, f"{masks}, {t} >= {keys} and 192-row tiles take at most 11/15 of the "
+                                 f"waves of {bm}-row ones{' (or 2/3 at any length)' if any_length else ''}: 192-row "
+                                 f"tiles on three consumer warpgroups"))
         return tuple(found)
 
     def schedule_space(self, fusion):

@@ -259,15 +259,15 @@ PAGED_SPLIT_KV_SPILLS = {(2, 256)}
 # 0.99 and 1.00; plain causal and softcap at 64 gain nothing (0.99, 0.95).
 PINGPONG_BIAS_HEAD_DIMS = (64,)
 # Head dims at which a call whose score function cuts no diagonal (no causal or window mask, no
-# ALiBi: `ScoreFunction.cuts_diagonals`) and whose keys number at least THREE_WARPGROUP_MIN_KEYS
-# (or whose masks are causal only and whose keys are longer still) runs 192 query rows on three consumer warpgroups (128 keys a block, 160 registers each; a
-# per-call variant): FlashAttention-3's head-dim-64 shape. The GEMMs of head dim 64 are short
-# beside each block's softmax, and a third warpgroup keeps the tensor cores fed. H100, same
-# process, B x H16 (GQA H32/8), ratio to 128 rows on two warpgroups (2026-11-25): no mask S512
-# B32 1.00, S1024 B16 1.02, S2048 B8 1.09, S4096 B4 1.10 (with LSE 1.15), S8192 B2 1.11, GQA S4096
-# 1.07, document mask S4096 1.05; with few keys a tile the larger tiles' fixed costs weigh more and
-# they win only where they save waves (B4 H16/4 S420, 2 waves either way: 0.84; B2 H16/4 S727,
-# 1 wave against 2: taken). Where the tiles cross a diagonal the 192-row tiles mask two blocks a
+# ALiBi: `ScoreFunction.cuts_diagonals`), or whose masks are causal only, and whose keys number at
+# least THREE_WARPGROUP_MIN_KEYS runs 192 query rows on three consumer warpgroups (128 keys a
+# block, 160 registers each; a per-call variant): FlashAttention-3's head-dim-64 shape. The GEMMs
+# of head dim 64 are short beside each block's softmax, and a third warpgroup keeps the tensor
+# cores fed. H100, same process, B x H16 (GQA H32/8), ratio to 128 rows on two warpgroups
+# (2026-11-25): no mask S512 B32 1.00, S1024 B16 1.02, S2048 B8 1.09, S4096 B4 1.10 (with LSE
+# 1.15), S8192 B2 1.11, GQA S4096 1.07, document mask S4096 1.05. With few keys a tile the larger
+# tiles' fixed costs weigh more and they win only where they save waves: B4 H16/4 S420 (2 waves
+# either way) ran 0.77 of cuDNN on them and 0.94-0.95 on 128-row tiles (separate sweep runs). Where the tiles cross a diagonal the 192-row tiles mask two blocks a
 # tile, not one, which long causal sequences amortise (THREE_WARPGROUP_MIN_KEYS["causal"]): causal
 # S4096 0.98-1.00, B4 S6000 1.04, B2 S8192 1.07 (with LSE 1.12), GQA H32/8 S12000 1.07, S16384
 # 1.05; a window's tiles see its width whatever T is (window 1024 at S16384: 0.97), and document +
