@@ -49,8 +49,9 @@ def check(kernel, fusion, inputs, num_sms, seed=0):
     (1, 1, 8, 1),          # one key: one kv block, nothing to split
     (1, 127, 8, 1),
     (1, 1000, 2, 1),       # 8 kv blocks, 2 tiles on 2 SMs: the SMs are full, not split
-    (1, 1000, 16, 4),      # 2 tiles on 16 SMs: units on half of them, 4 splits of 2 blocks
-    (3, 8193, 16, 4),      # 65 kv blocks in 4 splits (the last one short)
+    (1, 1000, 16, 4),      # 2 tiles on 16 SMs: 8 units wanted a tile, 8 kv blocks: 4 splits of 2 blocks
+    (3, 8193, 16, 8),      # 65 kv blocks in 8 splits (the last one short): 2 tiles > 16 / 16, units on all SMs
+    (3, 8193, 32, 8),      # 2 tiles <= 32 / 16: units on half the SMs, 8 splits
     (16, 2100, 64, 6),     # 64 rows of 4 heads x 16 queries; 17 kv blocks: 8 wanted, 3 a split: 6 (the last short)
     (64, 640, 6, 1),       # 4 x 64 rows: 4 m-blocks per KV head, 8 tiles > 6 SMs: no split
 ])
@@ -64,17 +65,18 @@ def test_packed_split_decode_matches_torch(s, t, num_sms, splits):
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_every_split_count_up_to_the_blocks_merges_to_the_same_result(seed):
-    """One tile of 73 kv blocks on 1..12 SMs and on 70: splits 1..6 (units on all of 1..3 SMs,
-    on half of 4 and more) and 25 (MAX_SPLIT_KV wanted: 3 blocks a split leave work for 25), the
+    """One tile of 73 kv blocks on 1..12, 20 and 70 SMs: splits 1..11 (units on all of 1..15 SMs:
+    12 wanted on 12, 7 blocks a split leave work for 11), 10 on 20 (one tile <= 20 / 16: units on
+    half of them) and 25 on 70 (MAX_SPLIT_KV wanted: 3 blocks a split leave work for 25), the
     last split runs short; every interleaving seed gives the torch result."""
     fusion = make_attention(64, lse=True, gqa=True)
     kernel = compiled(fusion, tile=(64, 128, 64), consumer_warpgroups=1, split_kv=MAX_SPLIT_KV, pack_gqa=True)
     inputs = attention_inputs(1, 2, 2, 9300, 64, gqa_groups=2, seed=seed)
     seen = set()
-    for num_sms in [*range(1, 13), 70]:
+    for num_sms in [*range(1, 13), 20, 70]:
         seen.add(splits_of(kernel, inputs, num_sms))
         check(kernel, fusion, inputs, num_sms, seed=seed)
-    assert seen == {*range(1, 7), 25}
+    assert seen == {*range(1, 12), 10, 25}
 
 
 @pytest.mark.parametrize("causal, s, t, num_sms, bn", [
@@ -104,7 +106,7 @@ def test_mqa_and_head_dims_96_and_192():
         fusion = make_attention(d, causal="bottom_right", gqa=True)
         kernel = compiled(fusion, tile=(64, 128, d), consumer_warpgroups=1, split_kv=8, pack_gqa=True)
         inputs = attention_inputs(2, 8, 2, 2100, d, gqa_groups=8, seed=d)    # MQA: one KV head, 8 query heads
-        assert splits_of(kernel, inputs, 8) == 2
+        assert splits_of(kernel, inputs, 8) == 4    # 2 tiles on 8 SMs: 4 units a tile, 17 kv blocks
         check(kernel, fusion, inputs, num_sms=8)
 
 
@@ -119,7 +121,7 @@ def test_decode_ir_is_golden_and_round_trips(golden):
     # then no more splits than ceil(blocks / wanted) blocks a split leave work for
     blocks = "max(1, ceil_div(T, 128))"
     tiles = "batch0 * batch1 * ceil_div(G * S, 64)"
-    wanted = f"min(min(32, max(1, {blocks} / 2)), max(1, num_sms / ({tiles} * (1 + (4 * ({tiles}) <= num_sms)))))"
+    wanted = f"min(min(32, max(1, {blocks} / 2)), max(1, num_sms / ({tiles} * (1 + (16 * ({tiles}) <= num_sms)))))"
     assert f"i32 splits = ceil_div({blocks}, ceil_div({blocks}, {wanted}))," in text
 
 
@@ -158,16 +160,16 @@ def test_long_causal_sequences_walk_sections_heaviest_first(split, num_sms, sect
 
 
 @pytest.mark.parametrize("variant", [v for v in VARIANTS if v != "sinks"])
-@pytest.mark.parametrize("s, num_sms", [(3, 4), (300, 10)])
-def test_score_functions_run_in_the_kernels_compile_picks(variant, s, num_sms):
+@pytest.mark.parametrize("s, num_sms, splits", [(3, 4, 4), (300, 10, 2)])
+def test_score_functions_run_in_the_kernels_compile_picks(variant, s, num_sms, splits):
     """Every score function of the variants issue in the decode variant (S <= 64: not packed, a
-    score function may read per-head or per-query inputs) and in the few-tiles variant (3 128-row
-    tiles on 10 SMs: 5 64-row tiles): 17 kv blocks split in 2."""
+    score function may read per-head or per-query inputs; one tile on 4 SMs) and in the few-tiles
+    variant (3 128-row tiles on 10 SMs: 5 64-row tiles, 2 units each): 17 kv blocks split in 4 and 2."""
     fusion = make_variant(64, variant, window=300)
     k = ws.compile(fusion, build=False)
     inputs = variant_inputs(fusion, 1, 1, s, 2100, 64, seed=s)
     kernel = k.choose(inputs, num_sms)
-    assert kernel.schedule.split_kv == MAX_SPLIT_KV and splits_of(kernel, inputs, num_sms) == 2
+    assert kernel.schedule.split_kv == MAX_SPLIT_KV and splits_of(kernel, inputs, num_sms) == splits
     check(kernel, fusion, inputs, num_sms)
 
 

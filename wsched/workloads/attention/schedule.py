@@ -30,18 +30,22 @@ MAX_SPLIT_KV = 32
 # (loops.split_count). A split costs its partial's store, the ticket (~1.2 us once a tile is
 # split at all) and one more step of the last split's merge (~0.5 us: the merge issues each
 # split's loads at once); it saves the kv blocks it takes from the others, ~1.7 us each at D128
-# (one warpgroup's latency over a 64-row tile of a few query rows). With few tiles (at most a
-# quarter of the SMs) units on half the SMs read K/V as fast as more of them and merge fewer
-# splits; with more tiles the units fill the SMs, so that no unit's chain of blocks outlasts
-# the read. Measured on an H100 (cold L2, D128, 2026-11-24, µs, cuDNN in the same run):
-#   by the fewest blocks a split (8 / 4 / 2 / 1), units on all SMs: B1 H32/8 T1024 15.7 / 14.0 /
-#   13.2 / 13.4 (cuDNN 12.3), T8192 28.2 (8 splits) / 29.9 (16) / 29.8 / 29.8 (26.9);
-#   by units (2 blocks a split): B1 H32/8 T8192 27.4 on half the SMs (8 splits), 29.0 on 3/5
-#   (10); T32768 69.3 / 72.7; B1 H32/32 T32768 204 (2 splits) / 215 (3); B8 H32/8 T1024 22.5
-#   unsplit / 23.7 in 2; but B8 H32/8 T8192 112 unsplit / 105 in 2 (108 cuDNN) and T32768 384 /
-#   365 (365): 64 tiles of 64-256 blocks need the whole GPU.
+# (one warpgroup's latency over a 64-row tile of a few query rows). Where units on all SMs would
+# split each tile more than ~8 ways (at most num_sms / 16 tiles), units on half the SMs read K/V
+# as fast and merge half as many splits; with more tiles the units fill the SMs, so that no
+# unit's chain of blocks outlasts the read. Measured on an H100 (cold L2, D128, cuDNN in the same
+# run, µs):
+#   2026-11-24, by the fewest blocks a split (8 / 4 / 2 / 1), units on all SMs: B1 H32/8 T1024
+#   15.7 / 14.0 / 13.2 / 13.4 (cuDNN 12.3), T8192 28.2 (8 splits) / 29.9 (16) / 29.8 / 29.8 (26.9);
+#   B8 H32/8 T1024 22.5 unsplit / 23.7 in 2; but B8 H32/8 T8192 112 unsplit / 105 in 2 (108 cuDNN)
+#   and T32768 384 / 365 (365): 64 tiles of 64-256 blocks need the whole GPU.
+#   2026-11-25, units on half / all of the SMs: 8 tiles (B1 H32/8, 8 / 16 splits) T8192 26.8 /
+#   29.7 (cuDNN 26.0), T32768 67.6-69.8 / 67.3-67.4 (63.3-64.4); 16 tiles (4 / 8 splits: B2 H32/8,
+#   B1 H32/16) T8192 42.2-42.7 / 40.1-40.4 (39.5-40.6), T32768 115.4-116.9 / 107.2-107.6
+#   (105.7-107.1); 32 tiles (2 / 4 splits: B1 H32/32, B4 H32/8) T8192 65.6-68.6 / 62.4-62.6
+#   (63.1-63.7), T32768 201-204 / 191.9-192.5 (192.8-192.9), T1024 equal (17.3-17.4).
 MIN_KV_BLOCKS_PER_SPLIT = 2
-FEW_SPLIT_TILES = 4   # tiles at most num_sms / this: units on half the SMs, else on all of them
+FEW_SPLIT_TILES = 16   # tiles at most num_sms / this: units on half the SMs, else on all of them
 
 
 def head_dims_text() -> str:
