@@ -194,6 +194,67 @@ def test_attention_sinks():
     check(number, [x[0] for x in attention_inputs(1, 1, 150, 150, 64, seed=9)])
 
 
+def _bounded(inner):
+    """Attention whose score is `inner(Q K^T / 8)`, causal, with its LSE."""
+    @ws.fusion
+    def bounded(q: ws.Tensor[ws.bf16, "B", "H", "S", 64], k: ws.Tensor[ws.bf16, "B", "H", "T", 64],
+                v: ws.Tensor[ws.bf16, "B", "H", "T", 64]):
+        s = ws.causal_mask(inner(ws.matmul(q, k.transpose(-1, -2)) * 0.125))
+        return ws.matmul(ws.softmax(s, dim=-1), v).to(ws.bf16), ws.logsumexp(s, dim=-1)
+    return bounded
+
+
+@pytest.mark.parametrize("inner, scale, bounds", [
+    (lambda s: 30 * ws.tanh(s / 30), 30.0, (-1.0, 1.0)),              # softcapping: the factor 30 peeled
+    (lambda s: ws.tanh(s) * 2 - 1, 1.0, (-3.0, 1.0)),
+    (lambda s: ws.sigmoid(s) * 4, 4.0, (0.0, 1.0)),
+    (lambda s: ws.minimum(ws.maximum(s, -5.0), 7.0), 1.0, (-5.0, 7.0)),
+    (lambda s: ws.tanh(s) / ws.tanh(s), 1.0, (-math.inf, math.inf)),  # a divisor that may be 0
+    (lambda s: s, 0.125, (-math.inf, math.inf)),                       # Q K^T itself
+    (lambda s: ws.maximum(s, -5.0), 1.0, (-5.0, math.inf)),
+])
+def test_interval_arithmetic_bounds_the_inner_score(inner, scale, bounds):
+    sf = compiled(_bounded(inner)).partition.payload.score
+    assert sf.scale == pytest.approx(scale) and sf.inner_range == bounds
+
+
+def test_bounded_scores_take_exp2_against_their_bound():
+    """Softcapping 30 tanh(s / 30) spans 60 * log2 e = 86.6 exponents (<= FIXED_MAX_RANGE): the
+    kv block runs no row max, correction or rescale, m_run holds the bound 30 log2 e; a cap of
+    50 (144 exponents), a bias or a sink keep the online softmax."""
+    from wsched.workloads.attention.loops import FIXED_MAX_RANGE, LOG2E, fixed_row_max
+    assert 60 * LOG2E <= FIXED_MAX_RANGE < 100 * LOG2E
+    capped = compiled(make_variant(64, "softcap"))
+    assert fixed_row_max(capped.partition.payload) == pytest.approx(30 * LOG2E)
+    text = print_kernel(capped.kernel)
+    assert f"tile.fill m_run, {30 * LOG2E!r}" in text and f"tile.sub s_acc, s_acc, scalar({30 * LOG2E!r})" in text
+    assert "tile.reduce.max" not in text and "corr, corr" not in text and "tile.mul o_acc, o_acc, corr" not in text
+    wide = compiled(make_variant(64, "softcap", softcap=50.0, name="softcap50"))
+    assert fixed_row_max(wide.partition.payload) is None and "tile.reduce.max m_blk" in print_kernel(wide.kernel)
+
+    @ws.fusion
+    def capped_sink(q: ws.Tensor[ws.bf16, "B", "H", "S", 64], k: ws.Tensor[ws.bf16, "B", "H", "T", 64],
+                    v: ws.Tensor[ws.bf16, "B", "H", "T", 64]):
+        s = 30 * ws.tanh(ws.matmul(q, k.transpose(-1, -2)) * 0.125 / 30)
+        return ws.matmul(ws.softmax(s, dim=-1, sink=2.0), v).to(ws.bf16)
+    assert fixed_row_max(compiled(capped_sink).partition.payload) is None
+
+
+@pytest.mark.parametrize("overrides", [{}, dict(tile=(64, 128, 64), consumer_warpgroups=1, split_kv=4)])
+def test_scores_at_the_floor_of_their_bound_match_the_reference(overrides):
+    """Rows whose every score sits near the bottom of softcapping's range (-28 of [-30, 30]: 2^-84
+    of the bound after exp2) and rows near its top: O and the LSE as the reference's, also through
+    the split-KV merge (whose factors are all 1 with a fixed row max)."""
+    f = make_variant(64, "softcap")
+    q, k, v = attention_inputs(1, 2, 200, 200, 64, seed=11)
+    u = torch.full((64,), 0.125)                                    # a unit vector
+    k = (0.05 * k.float() + u).to(k.dtype)                          # every key along u
+    q = torch.stack([-400 * u, 400 * u]).reshape(1, 2, 1, 64).expand(1, 2, 200, 64).to(q.dtype)
+    o, lse = check(f, [q, k, v], **overrides)
+    ref_o, ref_lse = f.reference(q, k, v)
+    assert float(ref_lse[0, 0].max()) < -20 < 20 < float(ref_lse[0, 1].min())
+
+
 def test_several_interleavings():
     f = make_variant(64, "document_causal")
     inputs = variant_inputs(f, 1, 1, 260, 260, 64, seed=1)

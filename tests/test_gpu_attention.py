@@ -189,6 +189,22 @@ def test_softcap_where_tanh_saturates(D, variant):
     assert float((lse[seen] - rlse[seen]).abs().max()) < 1e-2
 
 
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("variant", ["softcap", "softcap_window"])
+def test_bounded_scores_at_the_floor_of_their_range(D, variant):
+    """Softcapped scores take exp2 against their bound 30 (loops.fixed_row_max): heads whose every
+    score sits near -28 (P ~ 2^-84 after ex2.approx.ftz, bf16 P into the wgmma) and heads near +28,
+    O and LSE against the fp32 reference."""
+    f, k = compiled_variant(D, variant)
+    q, kk, v = variant_inputs(f, 2, 4, 1000, 1000, D, device="cuda", seed=D + 1)
+    u = torch.full((D,), D ** -0.5, device="cuda")                     # a unit vector
+    kk = (0.05 * kk.float() + u).to(kk.dtype)                           # every key along u
+    sign = torch.tensor([-1.0, 1.0, -1.0, 1.0], device="cuda").reshape(1, 4, 1, 1)
+    q = (sign * 50 * D ** 0.5 * u).expand(2, 4, 1000, D).to(q.dtype)    # scores ~ -+50 before the cap
+    _, lse = check_variant(f, k, (q, kk, v))
+    assert float(lse[:, 0].max()) < -20 < 20 < float(lse[:, 1].min())
+
+
 @pytest.mark.parametrize("variant, S, T", [("window", 777, 1200), ("alibi", 1200, 777), ("document", 1, 1500),
                                            ("softcap_window", 1000, 300), ("document_causal", 513, 513)])
 def test_score_function_variants_gqa_and_ragged(variant, S, T):

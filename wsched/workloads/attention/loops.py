@@ -248,27 +248,40 @@ def build_loops(kernel: None, ctx: LoweringContext) -> ir.Kernel:
     # its max finite so that exp2(S - m) is 0, not NaN.
     finite = ((ir.TileBinary("maximum", "m_blk", "m_blk", f(-1e30)),)
               if sf.rows_may_see_nothing or (s.splits_kv and sf.masks) else ())
+    row_max = fixed_row_max(a)
+    if row_max is None:   # the online softmax: a running row max, the sum and O rescaled to it
+        exponentials = (
+            # The row max is taken on the unscaled scores (the scale is positive), so that the
+            # scale and the subtraction below fuse into one multiply-add per element.
+            ir.TileReduce("max", "m_blk", "s_acc", 1),
+            ir.TileBinary("mul", "m_blk", "m_blk", f(a.scale * LOG2E)),
+            ir.TileBinary("maximum", "m_blk", "m_blk", "m_run"),
+            *finite,
+            ir.TileBinary("sub", "corr", "m_run", "m_blk"),
+            ir.TileUnary(s.softmax_exp2, "corr", "corr"),
+            ir.TileBinary("maximum", "m_run", "m_run", "m_blk"),
+            ir.TileBinary("mul", "s_acc", "s_acc", f(a.scale * LOG2E)),
+            ir.TileBinary("sub", "s_acc", "s_acc", "m_blk"),
+            ir.TileUnary(s.softmax_exp2, "s_acc", "s_acc"),
+            ir.TileReduce("sum", "m_blk", "s_acc", 1),
+            ir.TileBinary("mul", "l_run", "l_run", "corr"),
+            ir.TileBinary("add", "l_run", "l_run", "m_blk"),
+            ir.TileBinary("mul", "o_acc", "o_acc", "corr"),
+        )
+    else:   # scores bounded above: exp2 against the bound, m_run holds it (fixed_row_max)
+        exponentials = (
+            ir.TileBinary("mul", "s_acc", "s_acc", f(a.scale * LOG2E)),
+            ir.TileBinary("sub", "s_acc", "s_acc", f(row_max)),
+            ir.TileUnary(s.softmax_exp2, "s_acc", "s_acc"),
+            ir.TileReduce("sum", "m_blk", "s_acc", 1),
+            ir.TileBinary("add", "l_run", "l_run", "m_blk"),
+        )
     softmax = (
         *loads[True],
         ir.Wgmma("s_acc", ir.SmemRef("Q", (C(0), V("wg"))), ir.SmemRef("K", (C(0),)), "k", "k", C(0)),
         *bias_cols, *inner, *bias_add, *every_block,
         ir.If(_block_is_cut(sf, C(0) if a.packed else rows0, row, bn), tuple(cut)),
-        # The row max is taken on the unscaled scores (the scale is positive), so that the
-        # scale and the subtraction below fuse into one multiply-add per element.
-        ir.TileReduce("max", "m_blk", "s_acc", 1),
-        ir.TileBinary("mul", "m_blk", "m_blk", f(a.scale * LOG2E)),
-        ir.TileBinary("maximum", "m_blk", "m_blk", "m_run"),
-        *finite,
-        ir.TileBinary("sub", "corr", "m_run", "m_blk"),
-        ir.TileUnary(s.softmax_exp2, "corr", "corr"),
-        ir.TileBinary("maximum", "m_run", "m_run", "m_blk"),
-        ir.TileBinary("mul", "s_acc", "s_acc", f(a.scale * LOG2E)),
-        ir.TileBinary("sub", "s_acc", "s_acc", "m_blk"),
-        ir.TileUnary(s.softmax_exp2, "s_acc", "s_acc"),
-        ir.TileReduce("sum", "m_blk", "s_acc", 1),
-        ir.TileBinary("mul", "l_run", "l_run", "corr"),
-        ir.TileBinary("add", "l_run", "l_run", "m_blk"),
-        ir.TileBinary("mul", "o_acc", "o_acc", "corr"),
+        *exponentials,
         ir.TileUnary("cast", "p", "s_acc"),
         ir.Wgmma("o_acc", "p", ir.SmemRef("V", (C(0),)), "k", "n", C(1)),
     )
@@ -284,7 +297,7 @@ def build_loops(kernel: None, ctx: LoweringContext) -> ir.Kernel:
         *ops.decls.values(),
         *((ir.RegDecl(BIAS_WEIGHT, "f32", (1, 1)), ir.RegDecl(BIAS_COLS, "f32", (1, bn))) if sf.bias else ()),
         *((ir.RegDecl(BIAS_TERM, "f32", (1, 1)),) if len(sf.bias) > 1 else ()),
-        tile_loop(ctx, (*span_fulls, ir.TileFill("o_acc", f(0.0)), *loads[False], *weight, *_running_state(a.sink, tiles),
+        tile_loop(ctx, (*span_fulls, ir.TileFill("o_acc", f(0.0)), *loads[False], *weight, *_running_state(a.sink, tiles, row_max),
                         k_loop(softmax))),
     ))
     units = ir.mul(_heads(nb, 1 if vl else 0), m_blocks_of(a, bm))
@@ -398,12 +411,34 @@ def section_heads(m_blocks: ir.Expr) -> ir.Expr:
     return ir.add(1, ir.mul(long, ir.sub(ir.ceil_div(ir.mul(2, "num_sms"), m_blocks), 1)))
 
 
-def _running_state(sink, tiles: dict) -> tuple[ir.Stmt, ...]:
-    """The online softmax before the first kv block: no score yet (l = 0, m = -inf), or the
-    attention sink's logit as the first one, with no value row (l = 1, m = sink log2 e)."""
+# The widest range of exponents (log2 units) over which the softmax of bounded scores takes
+# exp2 against the bound instead of the running row max (`fixed_row_max`): P = 2^(c s - bound)
+# then lies in [2^-FIXED_MAX_RANGE, 1], far from fp32's (and bf16's) smallest normal 2^-126, so
+# that no visible score's weight, nor its product with a value above 2^-26, flushes to 0.
+FIXED_MAX_RANGE = 100.0
+
+
+def fixed_row_max(a) -> float | None:
+    """The row max the softmax may use for every row and block, in the exp2 domain, or None:
+    where the score function bounds its scores (`ScoreFunction.inner_range`: softcapping's
+    c tanh(s / c) lies in [-c, c]) within FIXED_MAX_RANGE exponents, exp2(c s - bound) is exact
+    softmax arithmetic (any per-row constant cancels between P V and the sum) without a row max,
+    a correction factor or a rescale of O and the sum per kv block. Not beside a bias (ALiBi's
+    term grows with the distance), nor a sink (its logit is unbounded)."""
+    lo, hi = a.score.inner_range
+    if a.sink is not None or a.score.bias or not (math.isfinite(lo) and math.isfinite(hi)):
+        return None
+    c = a.scale * LOG2E
+    return hi * c if (hi - lo) * c <= FIXED_MAX_RANGE else None
+
+
+def _running_state(sink, tiles: dict, bound: float | None = None) -> tuple[ir.Stmt, ...]:
+    """The online softmax before the first kv block: no score yet (l = 0, m = -inf, or m = the
+    scores' bound where `fixed_row_max` gives one), or the attention sink's logit as the first
+    one, with no value row (l = 1, m = sink log2 e)."""
     f = ir.FloatConst
     if sink is None:
-        return ir.TileFill("l_run", f(0.0)), ir.TileFill("m_run", f(float("-inf")))
+        return ir.TileFill("l_run", f(0.0)), ir.TileFill("m_run", f(float("-inf") if bound is None else bound))
     if not isinstance(sink, SideInput):
         return ir.TileFill("l_run", f(1.0)), ir.TileFill("m_run", f(sink * LOG2E))
     return (ir.TileFill("l_run", f(1.0)), ir.TileFill("m_run", f(0.0)),

@@ -22,7 +22,10 @@ apart for the kernel:
   * bias: terms `c * u * (j - i)` added around the top (ALiBi's `slope[h] * (j - i)`), u inputs
     with one value per tile (per head or batch): `DiagonalBias`. Without a sink only.
   * inner: the rest, the score before the masks and the scale (Q K^T itself for plain
-    attention), computed as tile ops on the score accumulator in every block.
+    attention), computed as tile ops on the score accumulator in every block. Its range
+    (`inner_range`, interval arithmetic over its ops: tanh's [-1, 1], constants, min / max ...)
+    bounds the scores where an op such as softcapping's tanh bounds them; Q K^T, inputs and
+    positions are unbounded.
 """
 
 from __future__ import annotations
@@ -123,6 +126,7 @@ class ScoreFunction:
     inputs: tuple[SideInput, ...]
     lengths: SideInput | None = None   # ws.key_lengths: each sequence's keys (an i32 [B] input)
     bias: tuple[DiagonalBias, ...] = ()   # added to the scores, outside `inner`
+    inner_range: tuple[float, float] = (-math.inf, math.inf)   # the finite scores of `inner` lie in it
 
     @property
     def causal(self) -> str | None:
@@ -254,7 +258,8 @@ def analyse(fusion, scores, qk, roles: dict, batch: int, fail, param_name,
         fail("ws.key_lengths must wrap the score function from outside (with the masks and the scale, "
              "after every op that computes on the scores)", unpeeled)
     side = None if lengths is None else SideInput(fusion.node(lengths), param_name(lengths), ("batch0",))
-    return ScoreFunction(qk.id, scale, x.id, tuple(masks), tuple(inputs.values()), side, tuple(bias))
+    return ScoreFunction(qk.id, scale, x.id, tuple(masks), tuple(inputs.values()), side, tuple(bias),
+                         value_range(fusion, x, qk.id))
 
 
 def sink_of(fusion, softmax, qk, batch: int, fail, param_name) -> SideInput | float | None:
@@ -506,3 +511,69 @@ def _linear(fusion, node) -> tuple[float, float, float] | None:
             return None
         return tuple(x * b[2] for x in a)
     return None
+
+
+# -- the range of the scores -------------------------------------------------------------------
+
+_UNBOUNDED = (-math.inf, math.inf)
+_MONOTONE = {"tanh": math.tanh, "sigmoid": lambda v: 1.0 / (1.0 + math.exp(-v)) if v > -700 else 0.0,
+             "exp": lambda v: math.exp(min(v, 700.0)), "exp2": lambda v: 2.0 ** min(v, 1000.0),
+             "relu": lambda v: max(v, 0.0)}
+
+
+def value_range(fusion, node, qk: str, memo: dict | None = None) -> tuple[float, float]:
+    """An interval holding every value `node` takes where Q K^T (`qk`) is any number: interval
+    arithmetic over the score ops (tanh and sigmoid bound whatever they read, constants are
+    points, comparisons 0 or 1); Q K^T, inputs, positions and ops without a rule here are
+    unbounded. An interval that meets inf or NaN arithmetic is unbounded (never narrower than
+    the truth)."""
+    memo = {} if memo is None else memo
+    if node.id in memo:
+        return memo[node.id]
+    args = [value_range(fusion, fusion.node(i), qk, memo) for i in node.inputs] if node.id != qk else []
+    op = node.op
+    if node.id == qk or op in ("input", "position"):
+        lo, hi = _UNBOUNDED
+    elif op == "const":
+        lo = hi = float(node.attr("value"))
+    elif op in _MONOTONE:
+        f = _MONOTONE[op]
+        lo, hi = (f(args[0][0]) if args[0][0] > -math.inf else f(-1e300)), \
+                 (f(args[0][1]) if args[0][1] < math.inf else f(1e300))
+        if op == "tanh":
+            lo, hi = max(lo, -1.0), min(hi, 1.0)
+        elif op == "sigmoid":
+            lo, hi = max(lo, 0.0), min(hi, 1.0)
+    elif op == "neg":
+        lo, hi = -args[0][1], -args[0][0]
+    elif op == "cast" and node.dtype.name in ("f32", "bf16", "f16"):
+        lo, hi = args[0]
+    elif op in ("add", "sub", "mul", "div", "maximum", "minimum") and len(args) == 2:
+        (a0, a1), (b0, b1) = args
+        if op == "add":
+            lo, hi = a0 + b0, a1 + b1
+        elif op == "sub":
+            lo, hi = a0 - b1, a1 - b0
+        elif op == "maximum":
+            lo, hi = max(a0, b0), max(a1, b1)
+        elif op == "minimum":
+            lo, hi = min(a0, b0), min(a1, b1)
+        else:
+            if op == "div":
+                if b0 <= 0.0 <= b1:
+                    lo, hi = _UNBOUNDED
+                    memo[node.id] = (lo, hi)
+                    return lo, hi
+                b0, b1 = 1.0 / b1, 1.0 / b0
+            products = [x * y for x in (a0, a1) for y in (b0, b1)]
+            lo, hi = min(products), max(products)
+    elif op == "where" and len(args) == 3:
+        lo, hi = min(args[1][0], args[2][0]), max(args[1][1], args[2][1])
+    elif op in COMPARE_OPS or op == "logical_not":
+        lo, hi = 0.0, 1.0
+    else:
+        lo, hi = _UNBOUNDED
+    if math.isnan(lo) or math.isnan(hi):
+        lo, hi = _UNBOUNDED
+    memo[node.id] = (lo, hi)
+    return lo, hi
