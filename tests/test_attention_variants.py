@@ -212,6 +212,12 @@ def _bounded(inner):
     (lambda s: ws.tanh(s) / ws.tanh(s), 1.0, (-math.inf, math.inf)),  # a divisor that may be 0
     (lambda s: s, 0.125, (-math.inf, math.inf)),                       # Q K^T itself
     (lambda s: ws.maximum(s, -5.0), 1.0, (-5.0, math.inf)),
+    (lambda s: -ws.exp(ws.tanh(s)) * 3, 3.0, (-math.e, -1 / math.e)),    # neg, exp; the factor 3 peeled
+    (lambda s: ws.relu(ws.tanh(s)) - ws.exp(s), 1.0, (-math.inf, 1.0)),   # exp of Q K^T: [0, inf)
+    (lambda s: ws.where(s > 0, ws.sigmoid(s), ws.tanh(s) * -2), 1.0, (-2.0, 2.0)),
+    (lambda s: (ws.tanh(s) - 2) * (ws.tanh(s) + 0.5), 1.0, (-4.5, 1.5)),  # products of signed intervals
+    (lambda s: ws.where((s > 1) & (s < 4), ws.tanh(s), 2.0), 1.0, (-1.0, 2.0)),  # a constant branch
+    (lambda s: ws.tanh(s) * 1e38 * 10 + 1, 1.0, (-math.inf, math.inf)),  # beyond fp32: inf in the kernel
 ])
 def test_interval_arithmetic_bounds_the_inner_score(inner, scale, bounds):
     sf = compiled(_bounded(inner)).partition.payload.score
@@ -223,8 +229,11 @@ def test_bounded_scores_take_exp2_against_their_bound():
     kv block runs no row max, correction or rescale, m_run holds the bound 30 log2 e; a cap of
     50 (144 exponents), a bias or a sink keep the online softmax."""
     from wsched.workloads.attention.loops import FIXED_MAX_RANGE, LOG2E, fixed_row_max
-    assert 60 * LOG2E <= FIXED_MAX_RANGE < 100 * LOG2E
+    assert 60 * LOG2E <= 66 * LOG2E <= FIXED_MAX_RANGE < 68 * LOG2E
     capped = compiled(make_variant(64, "softcap"))
+    assert fixed_row_max(compiled(make_variant(64, "softcap", softcap=33.0, name="softcap33")).partition.payload)
+    assert fixed_row_max(compiled(make_variant(64, "softcap", softcap=34.0, name="softcap34")).partition.payload) is None
+    assert fixed_row_max(compiled(make_variant(64, "softcap", dtype=ws.f16, name="softcap_f16")).partition.payload) is None
     assert fixed_row_max(capped.partition.payload) == pytest.approx(30 * LOG2E)
     text = print_kernel(capped.kernel)
     assert f"tile.fill m_run, {30 * LOG2E!r}" in text and f"tile.sub s_acc, s_acc, scalar({30 * LOG2E!r})" in text
@@ -253,6 +262,21 @@ def test_scores_at_the_floor_of_their_bound_match_the_reference(overrides):
     o, lse = check(f, [q, k, v], **overrides)
     ref_o, ref_lse = f.reference(q, k, v)
     assert float(ref_lse[0, 0].max()) < -20 < 20 < float(ref_lse[0, 1].min())
+
+
+@pytest.mark.parametrize("cap, dtype", [(33.0, ws.bf16), (30.0, ws.f16)])
+def test_one_key_at_the_floor_of_the_widest_bound(cap, dtype):
+    """A cap of 33 spans 95.2 exponents, just inside FIXED_MAX_RANGE: causal row 0 sees one key at
+    the floor, its sum 2^-95.2, and still divides by it (not by the epilogue's clamp of 1e-30).
+    With f16 operands the online softmax stays (P would round to 0 in f16): the same inputs match."""
+    f = make_variant(64, "softcap", softcap=cap, dtype=dtype, name=f"softcap{cap:g}_{dtype.name}")
+    q, k, v = attention_inputs(1, 1, 130, 130, 64, seed=12, dtype=dtype.torch_dtype)
+    u = torch.full((64,), 0.125)
+    k = (0.01 * k.float() + u).to(k.dtype)
+    q = (-1000 * u).expand(1, 1, 130, 64).to(q.dtype)               # every score at -cap
+    o, lse = check(f, [q, k, v])
+    ref_o, _ = f.reference(q, k, v)
+    assert rel(o[0, 0, 0], ref_o[0, 0, 0]) < 1e-2
 
 
 def test_several_interleavings():

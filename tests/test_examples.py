@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parent.parent
 @pytest.mark.parametrize("example, expect", [
     ("persistent_matmul.py", "simulated 200x296x152"),
     ("fmha.py", "simulated B1 H2 S200 D128 causal"),
-    ("decode.py", "simulated lengths [2100, 37, 0], H8/2 S1 on 8 SMs"),
+    ("decode.py", "simulated lengths [2100, 37, 0], H8/2 S1 on 16 SMs"),
 ])
 def test_example_runs_on_the_cpu(example, expect):
     run = subprocess.run([sys.executable, str(ROOT / "examples" / example), "--cpu"], cwd=ROOT,

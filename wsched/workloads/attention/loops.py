@@ -413,9 +413,12 @@ def section_heads(m_blocks: ir.Expr) -> ir.Expr:
 
 # The widest range of exponents (log2 units) over which the softmax of bounded scores takes
 # exp2 against the bound instead of the running row max (`fixed_row_max`): P = 2^(c s - bound)
-# then lies in [2^-FIXED_MAX_RANGE, 1], far from fp32's (and bf16's) smallest normal 2^-126, so
-# that no visible score's weight, nor its product with a value above 2^-26, flushes to 0.
-FIXED_MAX_RANGE = 100.0
+# then lies in [2^-96, 1]. A row's sum stays above the epilogue's clamp of l at 1e-30 (2^-99.7)
+# even where it sees one key at the floor, and far from fp32's and bf16's smallest normal
+# 2^-126, so that no visible score's weight, nor its product with a value above 2^-30, flushes
+# to 0. P is cast to the operand dtype for the P V product: bf16 only (f16's exponent ends at
+# 2^-24, and softcapping's P would round to 0).
+FIXED_MAX_RANGE = 96.0
 
 
 def fixed_row_max(a) -> float | None:
@@ -424,9 +427,10 @@ def fixed_row_max(a) -> float | None:
     c tanh(s / c) lies in [-c, c]) within FIXED_MAX_RANGE exponents, exp2(c s - bound) is exact
     softmax arithmetic (any per-row constant cancels between P V and the sum) without a row max,
     a correction factor or a rescale of O and the sum per kv block. Not beside a bias (ALiBi's
-    term grows with the distance), nor a sink (its logit is unbounded)."""
+    term grows with the distance), nor a sink (its logit is unbounded), nor with f16 operands."""
     lo, hi = a.score.inner_range
-    if a.sink is not None or a.score.bias or not (math.isfinite(lo) and math.isfinite(hi)):
+    if a.sink is not None or a.score.bias or a.q.dtype.name != "bf16" \
+            or not (math.isfinite(lo) and math.isfinite(hi)):
         return None
     c = a.scale * LOG2E
     return hi * c if (hi - lo) * c <= FIXED_MAX_RANGE else None

@@ -28,7 +28,7 @@ from wsched.target import PAGE_ROWS_ALIGN, WGMMA_OPERAND_DTYPES
 from . import score
 from .schedule import (VALUE_DIMS, AttentionSchedule, chunk_columns, head_dims_text, max_keys_per_block,
                        PAGED_SPLIT_KV_SPILLS, page_size_fits, paged_producer_registers)
-from .loops import id_spans, kv_range_has_first, takes_tiles_from_counter, two_runs
+from .loops import LOG2E, fixed_row_max, id_spans, kv_range_has_first, takes_tiles_from_counter, two_runs
 from .score import ScoreFunction, SideInput
 
 
@@ -167,7 +167,10 @@ def describe(part: Partition) -> str:
              *scores,
              *([f"      attention sink {a.sink if not isinstance(a.sink, SideInput) else a.sink.node.id}: the online "
                 f"softmax starts at m = sink, l = 1 (a logit with no value row)"] if a.sink is not None else []),
-             "      online softmax: m = max(m, rowmax S); P = exp(S - m); l = l * c + rowsum P; O *= c",
+             *(["      online softmax: m = max(m, rowmax S); P = exp(S - m); l = l * c + rowsum P; O *= c"]
+               if fixed_row_max(a) is None else
+               [f"      softmax against the scores' bound m = {fixed_row_max(a) / LOG2E:g} (no row max, no "
+                f"rescale): P = exp(S - m); l += rowsum P"]),
              "      O += P V   (P in registers as the wgmma A operand)",
              f"    O /= l ; store {a.out.id} -> o" + (f" ; LSE = m + log l -> lse ({a.lse.id})"
                                                          if a.lse is not None else ""), "",
@@ -277,7 +280,7 @@ def score_lines(fusion, sf) -> list[str]:
             lines.append(f"      mask {where}: " + (f"{bounds(m)}: blocks beyond it skipped, masked where cut"
                                                     if m.analysed else "applied on every block"))
     lines.append("      key-tail mask on the last block"
-                 + ("; a row that sees no key keeps m = -1e30, stores O = 0, LSE = -inf"
+                 + ("; a row that sees no key stores O = 0, LSE = -inf"
                     if sf.rows_may_see_nothing else ""))
     for x in sf.inputs:
         what = "per kv block" if x.per_key else "once per tile"

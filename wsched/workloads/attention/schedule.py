@@ -31,9 +31,9 @@ MAX_SPLIT_KV = 32
 # split at all) and one more step of the last split's merge (~0.5 us: the merge issues each
 # split's loads at once); it saves the kv blocks it takes from the others, ~1.7 us each at D128
 # (one warpgroup's latency over a 64-row tile of a few query rows). Where units on all SMs would
-# split each tile more than ~8 ways (at most num_sms / 16 tiles), units on half the SMs read K/V
-# as fast and merge half as many splits; with more tiles the units fill the SMs, so that no
-# unit's chain of blocks outlasts the read. Measured on an H100 (cold L2, D128, cuDNN in the same
+# give each tile 16 or more (at most num_sms / 16 tiles), units on half the SMs read K/V as fast
+# and merge half as many splits; with more tiles the units fill the SMs, so that no unit's chain
+# of blocks outlasts the read. Measured on an H100 (cold L2, D128, cuDNN in the same
 # run, µs):
 #   2026-11-24, by the fewest blocks a split (8 / 4 / 2 / 1), units on all SMs: B1 H32/8 T1024
 #   15.7 / 14.0 / 13.2 / 13.4 (cuDNN 12.3), T8192 28.2 (8 splits) / 29.9 (16) / 29.8 / 29.8 (26.9);
@@ -131,7 +131,8 @@ class AttentionSchedule(Schedule):
 
     `split_kv` is the most CTAs a tile's kv blocks may be split across (decode, long context with
     few tiles): 1 builds the plain kernel; above 1 the host picks the split count per call
-    (`splits = min(split_kv, kv_blocks, max(1, num_sms / tiles))`), each split keeps its partial
+    (`loops.split_count`: at most `split_kv`, at least MIN_KV_BLOCKS_PER_SPLIT kv blocks a
+    split, units on all SMs or on half of them where the tiles are few), each split keeps its partial
     O, row max and row sum in a workspace, and the last split of a tile to finish merges them
     (docs/architecture.md, "Split-KV"). `pack_gqa` puts the G query heads that share a KV head
     into the rows of one tile (a [..., G, S, D] Q against [..., 1, T, D] K and V): the G x S

@@ -516,17 +516,29 @@ def _linear(fusion, node) -> tuple[float, float, float] | None:
 # -- the range of the scores -------------------------------------------------------------------
 
 _UNBOUNDED = (-math.inf, math.inf)
-_MONOTONE = {"tanh": math.tanh, "sigmoid": lambda v: 1.0 / (1.0 + math.exp(-v)) if v > -700 else 0.0,
-             "exp": lambda v: math.exp(min(v, 700.0)), "exp2": lambda v: 2.0 ** min(v, 1000.0),
-             "relu": lambda v: max(v, 0.0)}
+_F32_MAX = 3.4028234663852886e38       # beyond it a score is inf in the kernel's fp32
+_FLOAT_MAX = {"f32": _F32_MAX, "bf16": _F32_MAX, "f16": 65504.0}
+
+
+def _exp(v: float) -> float:
+    return math.inf if v > 709.0 else math.exp(v)
+
+
+def _sigmoid(v: float) -> float:
+    return 0.0 if v < -709.0 else 1.0 / (1.0 + math.exp(-v))
+
+
+# monotone non-decreasing unary ops: f(lo), f(hi) bound f of [lo, hi]; each takes -inf and inf
+_MONOTONE = {"tanh": math.tanh, "sigmoid": _sigmoid, "exp": _exp,
+             "exp2": lambda v: _exp(v * math.log(2.0)), "relu": lambda v: max(v, 0.0)}
 
 
 def value_range(fusion, node, qk: str, memo: dict | None = None) -> tuple[float, float]:
     """An interval holding every value `node` takes where Q K^T (`qk`) is any number: interval
     arithmetic over the score ops (tanh and sigmoid bound whatever they read, constants are
     points, comparisons 0 or 1); Q K^T, inputs, positions and ops without a rule here are
-    unbounded. An interval that meets inf or NaN arithmetic is unbounded (never narrower than
-    the truth)."""
+    unbounded, and so is a bound beyond the dtype's largest finite value (the kernel's value would
+    be inf) or one that meets inf or NaN arithmetic (never narrower than the truth)."""
     memo = {} if memo is None else memo
     if node.id in memo:
         return memo[node.id]
@@ -538,42 +550,42 @@ def value_range(fusion, node, qk: str, memo: dict | None = None) -> tuple[float,
         lo = hi = float(node.attr("value"))
     elif op in _MONOTONE:
         f = _MONOTONE[op]
-        lo, hi = (f(args[0][0]) if args[0][0] > -math.inf else f(-1e300)), \
-                 (f(args[0][1]) if args[0][1] < math.inf else f(1e300))
-        if op == "tanh":
-            lo, hi = max(lo, -1.0), min(hi, 1.0)
-        elif op == "sigmoid":
-            lo, hi = max(lo, 0.0), min(hi, 1.0)
+        lo, hi = f(args[0][0]), f(args[0][1])
     elif op == "neg":
         lo, hi = -args[0][1], -args[0][0]
-    elif op == "cast" and node.dtype.name in ("f32", "bf16", "f16"):
+    elif op == "cast" and node.dtype.name in _FLOAT_MAX:
         lo, hi = args[0]
     elif op in ("add", "sub", "mul", "div", "maximum", "minimum") and len(args) == 2:
-        (a0, a1), (b0, b1) = args
-        if op == "add":
-            lo, hi = a0 + b0, a1 + b1
-        elif op == "sub":
-            lo, hi = a0 - b1, a1 - b0
-        elif op == "maximum":
-            lo, hi = max(a0, b0), max(a1, b1)
-        elif op == "minimum":
-            lo, hi = min(a0, b0), min(a1, b1)
-        else:
-            if op == "div":
-                if b0 <= 0.0 <= b1:
-                    lo, hi = _UNBOUNDED
-                    memo[node.id] = (lo, hi)
-                    return lo, hi
-                b0, b1 = 1.0 / b1, 1.0 / b0
-            products = [x * y for x in (a0, a1) for y in (b0, b1)]
-            lo, hi = min(products), max(products)
+        lo, hi = _binary_range(op, *args)
     elif op == "where" and len(args) == 3:
         lo, hi = min(args[1][0], args[2][0]), max(args[1][1], args[2][1])
     elif op in COMPARE_OPS or op == "logical_not":
         lo, hi = 0.0, 1.0
     else:
         lo, hi = _UNBOUNDED
+    limit = _FLOAT_MAX.get(node.dtype.name, _F32_MAX)
     if math.isnan(lo) or math.isnan(hi):
         lo, hi = _UNBOUNDED
+    lo, hi = (-math.inf if lo < -limit else lo), (math.inf if hi > limit else hi)
     memo[node.id] = (lo, hi)
     return lo, hi
+
+
+def _binary_range(op: str, a: tuple[float, float], b: tuple[float, float]) -> tuple[float, float]:
+    (a0, a1), (b0, b1) = a, b
+    if op == "add":
+        return a0 + b0, a1 + b1
+    if op == "sub":
+        return a0 - b1, a1 - b0
+    if op == "maximum":
+        return max(a0, b0), max(a1, b1)
+    if op == "minimum":
+        return min(a0, b0), min(a1, b1)
+    if op == "div":
+        if b0 <= 0.0 <= b1:
+            return _UNBOUNDED
+        b0, b1 = 1.0 / b1, 1.0 / b0
+    products = [x * y for x in (a0, a1) for y in (b0, b1)]
+    if any(math.isnan(x) for x in products):   # inf * 0
+        return _UNBOUNDED
+    return min(products), max(products)
