@@ -23,6 +23,11 @@ tiles run in reverse m-block order so that, with a causal mask, the longest tile
       tile.cast p, s_acc
       wgmma.mma o_acc, p, V[0] major(k, n) accumulate(1)
 
+(tile.exp2 is tile.exp2_ftz where the kernel does not split its kv blocks: `softmax_exp2`.)
+Where the score function bounds the scores (`fixed_row_max`), m_run holds the bound from the
+start and the block keeps only `tile.mul`, `tile.sub s_acc, s_acc, scalar(<bound>)`, the exp2,
+the row sum and `tile.add l_run`: no max, correction or rescale.
+
 With a score function (score.py, score_ops.py) the block runs its inner score in place on s_acc
 right after the first wgmma, then the masks that cannot be analysed, and puts the analysed masks'
 tile ops inside the `if` beside the key-tail mask (the `if` then asks whether the block is cut by
@@ -35,6 +40,8 @@ row of the tile sees, addressing block k + kv_first.
 from __future__ import annotations
 
 import math
+
+import torch
 
 from wsched.lowering import ir
 from wsched.lowering.context import LoweringContext
@@ -246,10 +253,10 @@ def build_loops(kernel: None, ctx: LoweringContext) -> ir.Kernel:
     # A mask can hide every key of a row in a block, or in all of them (bottom-right alignment
     # with S > T), or in all of a split's blocks (a split starting above a row's diagonal): keep
     # its max finite so that exp2(S - m) is 0, not NaN.
-    finite = ((ir.TileBinary("maximum", "m_blk", "m_blk", f(-1e30)),)
-              if sf.rows_may_see_nothing or (s.splits_kv and sf.masks) else ())
     row_max = fixed_row_max(a)
     if row_max is None:   # the online softmax: a running row max, the sum and O rescaled to it
+        finite = ((ir.TileBinary("maximum", "m_blk", "m_blk", f(-1e30)),)
+                  if sf.rows_may_see_nothing or (s.splits_kv and sf.masks) else ())
         exponentials = (
             # The row max is taken on the unscaled scores (the scale is positive), so that the
             # scale and the subtraction below fuse into one multiply-add per element.
@@ -414,10 +421,8 @@ def section_heads(m_blocks: ir.Expr) -> ir.Expr:
 # The widest range of exponents (log2 units) over which the softmax of bounded scores takes
 # exp2 against the bound instead of the running row max (`fixed_row_max`): P = 2^(c s - bound)
 # then lies in [2^-96, 1]. A row's sum stays above the epilogue's clamp of l at 1e-30 (2^-99.7)
-# even where it sees one key at the floor, and far from fp32's and bf16's smallest normal
-# 2^-126, so that no visible score's weight, nor its product with a value above 2^-30, flushes
-# to 0. P is cast to the operand dtype for the P V product: bf16 only (f16's exponent ends at
-# 2^-24, and softcapping's P would round to 0).
+# even where it sees one key at the floor, and in fp32 far from the smallest normal 2^-126, so
+# that no visible score's weight, nor its product with a value above 2^-30, flushes to 0.
 FIXED_MAX_RANGE = 96.0
 
 
@@ -427,13 +432,15 @@ def fixed_row_max(a) -> float | None:
     c tanh(s / c) lies in [-c, c]) within FIXED_MAX_RANGE exponents, exp2(c s - bound) is exact
     softmax arithmetic (any per-row constant cancels between P V and the sum) without a row max,
     a correction factor or a rescale of O and the sum per kv block. Not beside a bias (ALiBi's
-    term grows with the distance), nor a sink (its logit is unbounded), nor with f16 operands."""
+    term grows with the distance), nor a sink (its logit is unbounded), nor where P, cast to the
+    operand dtype for the P V product, would fall below that dtype's smallest normal (bf16's is
+    fp32's 2^-126; f16's 2^-14 would round softcapping's P to 0)."""
     lo, hi = a.score.inner_range
-    if a.sink is not None or a.score.bias or a.q.dtype.name != "bf16" \
-            or not (math.isfinite(lo) and math.isfinite(hi)):
-        return None
     c = a.scale * LOG2E
-    return hi * c if (hi - lo) * c <= FIXED_MAX_RANGE else None
+    if a.sink is not None or a.score.bias or not (math.isfinite(lo) and math.isfinite(hi)) \
+            or (hi - lo) * c > min(FIXED_MAX_RANGE, -math.log2(torch.finfo(a.q.dtype.torch_dtype).tiny)):
+        return None
+    return hi * c
 
 
 def _running_state(sink, tiles: dict, bound: float | None = None) -> tuple[ir.Stmt, ...]:

@@ -135,6 +135,7 @@ def describe(part: Partition) -> str:
     bm, bn, d = s.tile
     batch = " x ".join(f"batch{i}" for i in range(a.batch))
     sf = a.score
+    bound = fixed_row_max(a)
     plain = sf.inner == sf.qk and not sf.bias and (sf.causal is not None or not sf.masks)
     shift = "+T-S" if a.causal == "bottom_right" else ""
     kv = f"min(ceil(T/{bn}), ceil((m0+{bm}{shift})/{bn}))" if a.causal else f"ceil(T/{bn})"
@@ -167,10 +168,9 @@ def describe(part: Partition) -> str:
              *scores,
              *([f"      attention sink {a.sink if not isinstance(a.sink, SideInput) else a.sink.node.id}: the online "
                 f"softmax starts at m = sink, l = 1 (a logit with no value row)"] if a.sink is not None else []),
-             *(["      online softmax: m = max(m, rowmax S); P = exp(S - m); l = l * c + rowsum P; O *= c"]
-               if fixed_row_max(a) is None else
-               [f"      softmax against the scores' bound m = {fixed_row_max(a) / LOG2E:g} (no row max, no "
-                f"rescale): P = exp(S - m); l += rowsum P"]),
+             ("      online softmax: m = max(m, rowmax S); P = exp(S - m); l = l * c + rowsum P; O *= c"
+              if bound is None else f"      softmax against the scores' bound m = {bound / LOG2E:g} (no row max, no "
+                                    f"rescale): P = exp(S - m); l += rowsum P"),
              "      O += P V   (P in registers as the wgmma A operand)",
              f"    O /= l ; store {a.out.id} -> o" + (f" ; LSE = m + log l -> lse ({a.lse.id})"
                                                          if a.lse is not None else ""), "",

@@ -181,7 +181,8 @@ class AttentionSchedule(Schedule):
         results) in one that does. Same process on an H100: the flushed op sped prefill up
         1.02-1.15x (B4 H16 S4096, 2026-11-25: causal D64 1.056, D128 1.035, no mask D128 1.151,
         softcap D64 / D128 1.022 / 1.043; docs/ir.md) and slowed the split-KV decode kernels of
-        batch 1 by 6-10% (2026-11-24, H32/32 T32768 200 -> 221 us)."""
+        batch 1 (2026-11-24, H32/32 T32768 200 -> 221 us; 2026-11-25, cold L2: 0.96-1.01, B1
+        H32/8 T32768 0.96)."""
         return "exp2" if self.splits_kv else "exp2_ftz"
 
     def short(self) -> str:

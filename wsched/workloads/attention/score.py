@@ -34,8 +34,9 @@ import math
 from dataclasses import dataclass, replace
 
 import networkx as nx
+import torch
 
-from wsched.target import COMPARE_OPS, ELEMENTWISE_OPS
+from wsched.target import COMPARE_OPS, ELEMENTWISE_OPS, FLOAT_DTYPES, TORCH_DTYPES
 
 # Ops a score function is built from (besides its leaves: Q K^T, inputs, constants, positions).
 SCORE_OPS = (frozenset(ELEMENTWISE_OPS) | frozenset(COMPARE_OPS)
@@ -516,8 +517,9 @@ def _linear(fusion, node) -> tuple[float, float, float] | None:
 # -- the range of the scores -------------------------------------------------------------------
 
 _UNBOUNDED = (-math.inf, math.inf)
-_F32_MAX = 3.4028234663852886e38       # beyond it a score is inf in the kernel's fp32
-_FLOAT_MAX = {"f32": _F32_MAX, "bf16": _F32_MAX, "f16": 65504.0}
+# The largest finite value of each float dtype (beyond it the kernel's value is inf); the tile
+# ops compute in fp32, so other dtypes (i32 tiles, comparisons) are bounded by fp32's.
+_FLOAT_MAX = {name: torch.finfo(TORCH_DTYPES[name]).max for name in FLOAT_DTYPES}
 
 
 def _exp(v: float) -> float:
@@ -563,7 +565,7 @@ def value_range(fusion, node, qk: str, memo: dict | None = None) -> tuple[float,
         lo, hi = 0.0, 1.0
     else:
         lo, hi = _UNBOUNDED
-    limit = _FLOAT_MAX.get(node.dtype.name, _F32_MAX)
+    limit = _FLOAT_MAX.get(node.dtype.name, _FLOAT_MAX["f32"])
     if math.isnan(lo) or math.isnan(hi):
         lo, hi = _UNBOUNDED
     lo, hi = (-math.inf if lo < -limit else lo), (math.inf if hi > limit else hi)
