@@ -26,7 +26,7 @@ from wsched.target import DTYPE_BYTES, ELEMENT_TYPES, WARPGROUP_THREADS
 
 from .emit_context import EmitError, Emitter, describe, paren
 from .emit_tiles import assignments, fragment_loop
-from .fragment import COL, FULL, ROW, SCALAR, Tile
+from .fragment import COL, FULL, LINEAR, LINEAR_ROWS, ROW, SCALAR, Tile
 
 
 @dataclass(frozen=True)
@@ -68,11 +68,18 @@ def _global_addressing(em: Emitter, s: ir.Stmt, p: ir.GlobalParam, t: Tile,
         offsets.append(f"static_cast<long long>({text}) * {' * '.join(dims[d + 1:])}")
         checks.append(f"{paren(text, prec, 10)} < {dims[d]}")
     row0 = None
+    if t.linear and rank < 2:
+        raise EmitError(f"{describe(s)}: a linear tile is read from and written to tensors of rank >= 2 "
+                        f"(rows and columns); {p.name} has rank {rank}")
     if rank >= 2:
-        row0 = at(coords[-2], "wsp::frag_row()" if t.layout in (FULL, COL) else None)
+        frag = {FULL: "wsp::frag_row()", COL: "wsp::frag_row()",
+                LINEAR: f"wsp::linear_row({t.threads_per_row})", LINEAR_ROWS: f"wsp::linear_row({t.threads_per_row})"}
+        row0 = at(coords[-2], frag.get(t.layout))
         checks.insert(0, f"row < {dims[-2]}")
         offsets.append(f"static_cast<long long>(row) * {dims[-1]}")
-    col0 = at(coords[-1], "wsp::frag_col()" if t.layout in (FULL, ROW) else None)
+    frag = {FULL: "wsp::frag_col()", ROW: "wsp::frag_col()",
+            LINEAR: f"wsp::linear_col({t.threads_per_row}, {t.length})"}
+    col0 = at(coords[-1], frag.get(t.layout))
     return _Addressing(row0, col0, tuple(checks), " + ".join(offsets + ["col0"]), dims[-1],
                        _pairs_aligned(em, p, coords, t))
 
@@ -87,6 +94,17 @@ def _global_loop(em: Emitter, t: Tile, a: _Addressing, p: ir.GlobalParam, writes
     if a.row0 is not None:
         em.line(f"const int row0 = {a.row0};")
     em.line(f"const int col0 = {a.col0};")
+    if t.linear:   # this thread's row, and its `length` consecutive elements of it (fragment.py)
+        em.line("const int row = row0;")
+        em.line(f"const bool row_ok = {' && '.join(a.checks) or 'true'};")
+        em.line(f"{'' if writes else 'const '}{ELEMENT_TYPES[p.dtype].cuda}* const ptr = "
+                f"{em.c(p.name)} + {a.base};")
+        if t.layout == LINEAR_ROWS:
+            em.line(access("one", f"row_ok && col0 < {a.cols}"))
+            return
+        with fragment_loop(em, LINEAR, t.cols, t.length):
+            em.line(access("linear", f"row_ok && col0 + li < {a.cols}"))
+        return
     with fragment_loop(em, COL if t.layout in (FULL, COL) else SCALAR, 1):
         if a.row0 is not None:
             em.line("const int row = row0 + 8 * fi;" if t.layout in (FULL, COL) else "const int row = row0;")
@@ -123,8 +141,8 @@ def emit_tile_load_global(em: Emitter, s: ir.TileLoadGlobal) -> None:
     p = em.global_param(s.tensor, s)
 
     def access(form: str, ok: str) -> str:
-        if form == "one":
-            load = f"wsp::load_one(ptr, {ok})"
+        if form in ("one", "linear"):
+            load = f"wsp::load_one(ptr{' + li' if form == 'linear' else ''}, {ok})"
             if t.dtype == p.dtype:
                 return f"{t.index(0)} = {load};"
             return assignments(t, [ELEMENT_TYPES[p.dtype].to_float.format(load)])[0]
@@ -153,14 +171,15 @@ def emit_tile_store_global(em: Emitter, s: ir.TileStoreGlobal) -> None:
     value = t.index() if t.packed and t.dtype == p.dtype else element.pack.format(t.read(0), t.read(1))
 
     def access(form: str, ok: str) -> str:
-        if form == "one":
+        if form in ("one", "linear"):
             one = t.index(0) if t.dtype == p.dtype else element.from_float.format(t.read(0))
-            return f"if ({ok}) *ptr = {one};"
+            return f"if ({ok}) {'ptr[li]' if form == 'linear' else '*ptr'} = {one};"
         return f"wsp::store_{form}(ptr + 8 * fj, {ok}, {value});"
 
     # Row (column) tiles are replicated over the threads sharing columns (rows): one copy stores.
     owner = {ROW: f"threadIdx.x % {WARPGROUP_THREADS} < 4", COL: "threadIdx.x % 4 == 0",
-             SCALAR: f"threadIdx.x % {WARPGROUP_THREADS} == 0"}.get(t.layout)
+             SCALAR: f"threadIdx.x % {WARPGROUP_THREADS} == 0",
+             LINEAR_ROWS: f"threadIdx.x % {t.threads_per_row} == 0"}.get(t.layout)
     head = f"if ({owner}) {{" if owner else "{"
     addressing = _global_addressing(em, s, p, t, s.coords)
     limit = ""

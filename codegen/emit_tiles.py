@@ -21,7 +21,7 @@ from wsched.lowering import ir
 from wsched.target import ELEMENT_TYPES, WGMMA_M
 
 from .emit_context import ROLE, EmitError, Emitter, describe, paren
-from .fragment import COL, FULL, ROW, SCALAR, Tile
+from .fragment import COL, FULL, LINEAR, LINEAR_ROWS, ROW, SCALAR, Tile
 
 # The CUDA spelling of each of target.TILE_UNARY_OPS / BINARY_OPS, computed in fp32 (tanh with the
 # hardware approximation, max relative error 2^-11: docs/ir.md, "tile.tanh on the GPU").
@@ -48,6 +48,8 @@ _COMPARE = {
 
 
 def _tile_from_decl(d: ir.RegDecl, cpp_name: str) -> Tile:
+    if d.layout == "linear":   # verifier _RegDecl: [R, C], R dividing 128, R C a multiple of 128 or C = 1
+        return Tile(cpp_name, d.dtype, d.shape[0], d.shape[1], linear=True)
     shape = tuple(d.shape)
     while len(shape) > 2 and shape[0] == 1:  # extra leading dims of extent 1
         shape = shape[1:]
@@ -68,17 +70,18 @@ def emit_reg_decl(em: Emitter, s: ir.RegDecl) -> None:
     assert s.name not in em.role.tiles, s  # verifier _declare: names are unique
     em.role.tiles[s.name] = t
     layout = {FULL: "wgmma fragment", ROW: "row fragment", COL: "column fragment",
-              SCALAR: "per-thread scalar"}[t.layout]
+              SCALAR: "per-thread scalar", LINEAR: f"linear, {t.length} of a row a thread",
+              LINEAR_ROWS: "linear, its row's value a thread"}[t.layout]
     packed = ", packed pairs" if t.packed else ""
     em.line(f"{t.declaration():<32}// {s.name}: {s.dtype}{list(s.shape)}, {layout}{packed}")
 
 
 @contextmanager
-def fragment_loop(em: Emitter, layout: str, cols: int) -> Iterator[None]:
-    """Loop over this thread's fragment positions (fj, fi) of a tile of the given layout; every
-    index is a compile-time constant once unrolled."""
+def fragment_loop(em: Emitter, layout: str, cols: int, length: int = 1) -> Iterator[None]:
+    """Loop over this thread's fragment positions (fj, fi) of a tile of the given layout (li over
+    the `length` elements of a linear tile); every index is a compile-time constant once unrolled."""
     loops = {FULL: [("fj", cols // 8), ("fi", 2)], ROW: [("fj", cols // 8)],
-             COL: [("fi", 2)], SCALAR: []}[layout]
+             COL: [("fi", 2)], SCALAR: [], LINEAR: [("li", length)], LINEAR_ROWS: []}[layout]
     opened = 0
     try:
         for var, n in loops:
@@ -198,7 +201,11 @@ def _tile_iota_lines(em: Emitter, s: ir.TileIota) -> tuple[Tile, list[str], str]
     for c in _elems(dst.layout):
         # element c of fragment position (fj, fi) lies at row frag_row() + 8 fi, column
         # frag_col() + 8 fj + c (fragment.py); a tile of extent 1 along the axis has position 0.
-        if s.axis == 0 and dst.rows > 1:
+        # A linear tile's element li: row lane / (128 / R), column (lane % (128 / R)) n + li.
+        if dst.linear and ((s.axis == 0 and dst.rows > 1) or (s.axis == 1 and dst.cols > 1)):
+            base, step = ((f"wsp::linear_row({dst.threads_per_row})", "0") if s.axis == 0 else
+                          (f"wsp::linear_col({dst.threads_per_row}, {dst.length})", "li"))
+        elif s.axis == 0 and dst.rows > 1:
             base, step = "wsp::frag_row()", "8 * fi"
         elif s.axis == 1 and dst.cols > 1:
             base, step = "wsp::frag_col()", f"8 * fj + {c}" if c else "8 * fj"
@@ -229,6 +236,11 @@ ELEMENTWISE = {ir.TileFill: _tile_fill_lines, ir.TileUnary: _tile_unary_lines,
                ir.TileIota: _tile_iota_lines, ir.TileSelect: _tile_select_lines}
 
 
+def _space(t: Tile) -> tuple:
+    """What an elementwise loop iterates over: the layout and width (and a linear tile's rows)."""
+    return (t.layout, t.cols, t.rows if t.linear else None)
+
+
 def emit_elementwise_run(em: Emitter, body: tuple[ir.Stmt, ...], i: int) -> int:
     """Emit body[i] and the elementwise ops after it over the same fragment space (the same
     destination layout and width) as one loop; return how many statements that took."""
@@ -236,7 +248,7 @@ def emit_elementwise_run(em: Emitter, body: tuple[ir.Stmt, ...], i: int) -> int:
     n = 1
     while i + n < len(body) and type(body[i + n]) in ELEMENTWISE:
         t = em.role.tiles.get(body[i + n].dst) if em.role else None
-        if t is None or (t.layout, t.cols) != (first.layout, first.cols):
+        if t is None or _space(t) != _space(first):
             break
         n += 1
     emit_elementwise(em, *body[i:i + n])
@@ -250,7 +262,7 @@ def emit_elementwise(em: Emitter, *run: ir.Stmt) -> None:
     parts = [ELEMENTWISE[type(s)](em, s) for s in run]
     dst = parts[0][0]
     em.line("// " + "; ".join(text for _, _, text in parts))
-    with fragment_loop(em, dst.layout, dst.cols):
+    with fragment_loop(em, dst.layout, dst.cols, dst.length):
         for _, lines, _ in parts:
             for ln in lines:
                 em.line(ln)

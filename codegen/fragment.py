@@ -7,18 +7,25 @@ column 8j + 2q + c. f32 tiles are `float[N/2]`; 16-bit tiles are packed pairs (t
 elements) `__nv_bfloat162[N/4]` / `__half2[N/4]`. A row tile [1, N] holds columns 8j + 2q + c
 (pairs when 16-bit), a column tile [64, 1] rows g + 8i, a scalar tile one value. The emitter
 loops over a thread's fragment positions (fj, fi) = (j, i); `Tile.index` names the element there.
+
+A linear tile [R, C] (`reg o: f32[4, 128] linear`, R dividing 128) lies row after row over the
+warpgroup: thread t holds the n = R C / 128 consecutive elements of row t / (128 / R) from column
+(t % (128 / R)) n, as `float[n]` (16-bit ones unpacked), looped over by `li`; a linear [R, 1]
+tile holds its row's value in every thread of the row (LINEAR_ROWS).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from wsched.target import DTYPE_BYTES, ELEMENT_TYPES, WGMMA_M
+from wsched.target import DTYPE_BYTES, ELEMENT_TYPES, WARPGROUP_THREADS, WGMMA_M
 
-__all__ = ["COL", "FULL", "ROW", "SCALAR", "Tile"]
+__all__ = ["COL", "FULL", "LINEAR", "LINEAR_ROWS", "ROW", "SCALAR", "Tile"]
 
 # Fragment layouts of a register tile: [64, N], [1, N], [64, 1] and [1, 1] tiles.
 FULL, ROW, COL, SCALAR = "full", "row", "col", "scalar"
+# Linear tiles: [R, C] elements, and [R, 1] values of each row.
+LINEAR, LINEAR_ROWS = "linear", "linear rows"
 
 
 @dataclass(frozen=True)
@@ -30,10 +37,13 @@ class Tile:
     # A `tile.view` is a slice of another tile's array: `name` is that array and `offset` (C++, a
     # compile-time constant once unrolled) the index of the view's first element in it.
     offset: str = ""
+    linear: bool = False       # a linear tile (`reg ... linear`), not a fragment
 
     @property
     def layout(self) -> str:
-        """How the tile is spread over the warpgroup: FULL, ROW, COL or SCALAR."""
+        """How the tile is spread over the warpgroup: FULL, ROW, COL, SCALAR, LINEAR or LINEAR_ROWS."""
+        if self.linear:
+            return LINEAR_ROWS if self.cols == 1 else LINEAR
         if self.rows == WGMMA_M and self.cols > 1:
             return FULL
         if self.rows == 1 and self.cols > 1:
@@ -48,7 +58,14 @@ class Tile:
         return DTYPE_BYTES[self.dtype] == 2 and self.layout in (FULL, ROW)
 
     @property
+    def threads_per_row(self) -> int:
+        """Threads that share a row of a linear tile."""
+        return WARPGROUP_THREADS // self.rows
+
+    @property
     def length(self) -> int:
+        if self.linear:
+            return 1 if self.cols == 1 else self.rows * self.cols // WARPGROUP_THREADS
         per_thread = {FULL: self.cols // 2, ROW: self.cols // 4, COL: 2, SCALAR: 1}[self.layout]
         return per_thread // 2 if self.packed else per_thread
 
@@ -59,6 +76,8 @@ class Tile:
     def index(self, c: int | None = None) -> str:
         """The C++ element (c given) or packed pair (c None) at fragment position (fj, fi)."""
         at = f"{self.offset} + " if self.offset else ""
+        if self.layout == LINEAR:
+            return f"{self.name}[{at}li]"
         if self.layout == FULL:
             if self.packed:
                 base = f"{self.name}[{at}2 * fj + fi]"

@@ -560,15 +560,21 @@ class WgmmaWait:
 LOOP_KINDS = ("serial", "persistent", "unroll", "dynamic")
 SETMAXNREG_ACTIONS = ("inc", "dec")
 MMA_MAJORS = ("k", "n")
+REG_LAYOUTS = ("fragment", "linear")
 
 
 @dataclass(frozen=True)
 class RegDecl:
-    """`reg acc: f32[64, 256]`: a register tile of the warpgroup."""
+    """`reg acc: f32[64, 256]`: a register tile of the warpgroup, in the wgmma fragment layout.
+    `reg o: f32[4, 128] linear`: a tile whose rows lie one after another over the warpgroup's
+    threads, each thread holding R C / 128 consecutive elements of one row (R rows, R dividing 128);
+    a linear [R, 1] tile holds each row's value in every thread of that row (docs/ir.md, "Linear
+    tiles")."""
 
     name: str
     dtype: str
     shape: tuple[int, ...]
+    layout: str = "fragment"     # one of REG_LAYOUTS
 
 
 @dataclass(frozen=True)

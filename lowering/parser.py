@@ -457,8 +457,8 @@ class _ToIR(Transformer):
         return ir.WgmmaWait(pending)
 
     # --- register tiles ---------------------------------------------------------------------
-    def reg_decl(self, name, dtype, shape):
-        return ir.RegDecl(str(name), str(dtype), shape)
+    def reg_decl(self, name, dtype, shape, layout):
+        return ir.RegDecl(str(name), str(dtype), shape, "fragment" if layout is None else str(layout))
 
     def tile_fill(self, dst, value):
         return ir.TileFill(str(dst), value)

@@ -198,7 +198,7 @@ def _operands(s: ir.Stmt) -> str:
                     f"accumulate({print_expr(s.accumulate)})")
         # register tiles
         case ir.RegDecl():
-            return f"{s.name}: {s.dtype}[{_join(s.shape)}]"
+            return f"{s.name}: {s.dtype}[{_join(s.shape)}]" + ("" if s.layout == "fragment" else f" {s.layout}")
         case ir.TileFill():
             return f"{s.dst}, {print_expr(s.value)}"
         case ir.TileUnary():

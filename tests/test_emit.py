@@ -18,7 +18,7 @@ from wsched.lowering.pipeline import lower_partition
 from wsched.workloads import partition
 from wsched.workloads.matmul.schedule import default_schedule
 
-from attention_fusions import make_attention
+from attention_fusions import make_attention, make_biased
 
 C, V = ir.IntConst, ir.Var
 
@@ -366,6 +366,12 @@ BUILDS = {
     "attention_d128_pingpong": lambda: emit_kernel(ws.lower(make_attention(128, causal=True), mode="pingpong")),
     "attention_d64_f16_no_overlap": lambda: emit_kernel(ws.lower(
         make_attention(64, dtype=ws.f16), mma_inflight=0)),
+    # the split-KV merge on linear tiles, 8 splits' loads in flight, at 255 and 168 registers
+    "attention_d128_decode_split": lambda: emit_kernel(ws.lower(
+        make_attention(128, causal="bottom_right", lse=True, gqa=True), tile=(64, 128, 128),
+        consumer_warpgroups=1, split_kv=32, pack_gqa=True)),
+    "attention_d64_causal_split": lambda: emit_kernel(ws.lower(
+        make_attention(64, causal=True, lse=True), split_kv=32)),
 }
 
 
@@ -398,25 +404,40 @@ def test_ir_names_that_clash_with_the_emitters_own_get_new_spellings():
 
 def test_the_split_merges_loads_are_issued_together_and_o_is_divided_by_row_reciprocals():
     """Split-KV's merge (a few query rows, each split's partials a load from L2 away) is latency
-    bound: the workspace's rows are known pair-aligned (no per-row branch between the loads), the
-    loop over the splits' maxima is unrolled 8 deep (2 registers a split) and the loop of sums,
-    loading a whole O row block, is not (ptxas would hoist the next slices and spill); split-K's
-    [64, 64] partials (rows padded to an even length) 2 deep where ptxas has 248 registers a
-    thread, not at all at 168. O is divided by one reciprocal a row, not by 64 IEEE divisions."""
+    bound: it runs on linear tiles (docs/ir.md, "Linear tiles"), each of the 128 threads loading 8
+    consecutive values of a row, the loops over the splits' maxima and sums unrolled 8 deep (1 and
+    10 registers a split) in one and two consumer warpgroups; split-K's [64, 64] partials (rows
+    padded to an even length) 2 deep where ptxas has 248 registers a thread, not at all at 168.
+    O is divided by one reciprocal a row, not by IEEE divisions, in the merge and where one split
+    stores its own O."""
     from wsched.workloads.attention.schedule import MAX_SPLIT_KV
 
     decode = emit_kernel(ws.lower(make_attention(128, causal="bottom_right", lse=True, gqa=True),
                                   tile=(64, 128, 128), consumer_warpgroups=1, split_kv=MAX_SPLIT_KV,
                                   pack_gqa=True)).source
-    merge = decode[decode.index("tile.load m_blk <- part_m"):decode.index("tile.store o[")]
-    assert "pairs_aligned" not in merge and "wsp::load_pair(ptr + 8 * fj, row_ok && col0 + 8 * fj < 128)" in merge
-    assert re.findall(r"#pragma unroll (\d+)\n\s+for \(int src_split", decode) == ["8", "1"]
+    merge = decode[decode.index("tile.load merge_mb <- part_m"):decode.index("tile.store o[")]
+    assert "const int col0 = 0 + wsp::linear_col(16, 8);" in merge                  # 16 threads a row, 8 values each
+    assert "const int row0 = wg * 64 + chunk_ * 8 + wsp::linear_row(16);" in merge
+    assert "merge_part[li] = wsp::load_one(ptr + li, row_ok && col0 + li < 128);" in merge
+    assert re.findall(r"#pragma unroll (\d+)\n\s+for \(int src_split", decode) == ["8", "8"]
+    assert "merge_o[li] = wsp::div_shared(merge_o[li], merge_c[0]);" in merge
     assert "o_acc[4 * fj + 2 * fi + 0] = wsp::div_shared(o_acc[4 * fj + 2 * fi + 0], corr[fi]);" in decode
-    assert " / " not in decode[decode.index("tile.div o_acc"):decode.index("tile.store o[")]
-    store = decode[decode.index("tile.store o["):]
+    for start in ("tile.div merge_o", "tile.div o_acc"):
+        assert " / " not in decode[decode.index(start):decode.index("tile.store o[", decode.index(start))]
+    lse = decode[decode.index("tile.store lse[b0, b1, m0 + (wg * 64 + chunk_ * 8), 0] <- merge_l"):]
+    assert "if (threadIdx.x % 16 == 0) {" in decode[decode.index("tile.store lse[b0, b1, m0 + (wg") - 40:][:60]
+    assert "const int row0 = m0 + (wg * 64 + chunk_ * 8) + wsp::linear_row(16);" in lse
+    # a bottom-right diagonal bias counts a row from S - T (< 0): the row is an int (wsp::linear_row), so the
+    # sum does not wrap around as one with the unsigned threadIdx.x would (the LSE was 4e9 off on the GPU)
+    biased = emit_kernel(ws.lower(make_biased(lambda s, i, j, u, p: s + u * (j - i), d=128, align="bottom_right"),
+                                  tile=(64, 128, 128), consumer_warpgroups=1, split_kv=MAX_SPLIT_KV)).source
+    assert "merge_m[0] = static_cast<float>(S - T + chunk_ * 8 + wsp::linear_row(16)) + (0);" in biased
+    store = decode[decode.index("tile.store o[b0, b1, m0 + wg * 64"):]
     assert "wsp::pairs_aligned(ptr, 128)" in store          # a user's tensor: tested per row
     assert "quad_transpose" not in store    # one consumer warpgroup: pair stores (QUAD_STORE_WARPGROUPS)
     assert_helpers_come_from_the_headers(decode)
+    two = emit_kernel(ws.lower(make_attention(128, causal=True, lse=True), split_kv=MAX_SPLIT_KV)).source
+    assert re.findall(r"#pragma unroll (\d+)\n\s+for \(int src_split", two) == ["8", "8"]
     for schedule, unroll in ((dict(split_k=4), "1"), (dict(tile=(64, 128, 64), consumer_warpgroups=1, split_k=4), "2")):
         split_k = emit(matmul, **schedule).source
         assert re.findall(r"#pragma unroll (\d+)\n\s+for \(int src_split", split_k) == [unroll]

@@ -231,19 +231,12 @@ EQUIVALENT = {
                     "attention_softcap_window_d128.ir", "attention_document_causal_d128.ir")},
 }
 
-MERGE_START = ("the merge's max starts at -1e30 (a row no split sees a key from keeps a finite max); without "
-               "it the max starts at the last split's own running max, which is one of the maxima it takes "
-               "(wherever a row sees any key: every causal row sees key 0)")
-
 # The same, where the statement's text appears more than once in a family and only one of them
 # is equivalent: (family, operator, statement, the statement after it) -> why.
 EQUIVALENT_AT = {
     ("attention_decode_split.ir", "drop_named_barrier", "bar.sync 1 + wg, 128", "mbarrier.arrive q_empty[0]"):
         "the sync before the release of q_empty by a unit with no kv step: the split rule leaves no split "
         "of this family empty, so the branch never runs",
-    # (with key lengths too: a row that sees any key of its sequence sees key 0, in the first split)
-    **{(family, "drop_tile_fill", "tile.fill m_run, -1e+30", "for src_split in serial(0, splits, 1) {"):
-       MERGE_START for family in ("attention_decode_split.ir", "attention_paged_decode.ir")},
     # the sync before one thread releases the tile ring's slot (the other families' syncs of this
     # text are all equivalent, in EQUIVALENT)
     ("attention_bottom_right", "drop_named_barrier", "bar.sync 1 + wg, 128", "mbarrier.arrive tile_empty[tile_s]"):

@@ -531,6 +531,20 @@ STRUCTURAL = [
     pytest.param(lambda: edit(matmul(), CAST, ir.TileLoadGlobal("out", "c", (V("m0"),))), [
         f"IR line 50 ({WHERE_TILE} > tile.load): tile.load c[m0] gives 1 coordinate but c is bf16[M, N] (rank 2); give one coordinate per dim",
     ], id="tile-load-coordinates"),
+    # linear tiles (docs/ir.md, "Linear tiles")
+    pytest.param(lambda: with_consumer_tile(ir.RegDecl("out", "bf16", (3, 256), "linear"), (CAST, ir.WgmmaFence())), [
+        "IR line 35 (role consumer > reg out): reg out: bf16[3, 256] linear does not spread over the 128 threads of a warpgroup; a linear tile is [R, C] with R dividing 128 and R x C a multiple of 128 (each thread R C / 128 elements of one row), or [R, 1] (each row's value)",
+    ], id="linear-tile-shape"),
+    pytest.param(lambda: with_consumer_tile(ir.RegDecl("out", "bf16", (64, 256), "rows")), [
+        "IR line 35 (role consumer > reg out): reg out: layout `rows` is not a register tile layout; write nothing (the wgmma fragment layout) or `linear`",
+    ], id="reg-layout"),
+    pytest.param(lambda: with_consumer_tile(ir.RegDecl("out", "bf16", (64, 256), "linear")), [
+        f"IR line 50 ({WHERE_TILE} > tile.cast): tile.cast out, acc: the tiles lie in different layouts (out linear, acc fragment); an elementwise op combines tiles of one layout",
+    ], id="linear-and-fragment-tiles"),
+    pytest.param(lambda: edit(with_consumer_tile(ir.RegDecl("out", "f32", (64, 1), "linear")), CAST,
+                              ir.TileReduce("max", "out", "acc", 1)), [
+        f"IR line 50 ({WHERE_TILE} > tile.reduce.max): tile.reduce.max out, acc: out is a linear tile; this op works on tiles in the wgmma fragment layout (a linear tile takes tile.fill, tile.iota, elementwise ops, tile.load and tile.store)",
+    ], id="linear-tile-reduced"),
     pytest.param(lambda: with_consumer_tile(ir.RegDecl("out", "bf16", (2, 64, 256)), (CAST, ir.WgmmaFence())), [
         f"IR line 51 ({WHERE_TILE} > tile.store): tile.store: tile out [2, 64, 256] does not fit c (rank 2); the tile covers the tensor's trailing dims, and its dims beyond the tensor's rank must be 1",
     ], id="tile-store-rank"),

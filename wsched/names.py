@@ -34,6 +34,10 @@ PART_O = "part_o"
 PART_M = "part_m"
 PART_L = "part_l"
 PART_ROWS = "part_rows"   # host param: the rows of a tile queries fill (GQA-packed decode: G x S of 64)
+# split-KV merge: linear tiles of the merged O, row max and sum, a split's partial, max, sum and
+# factor, the output cast, the rows' correction (docs/ir.md, "Linear tiles")
+MERGE_O, MERGE_M, MERGE_L, MERGE_PART = "merge_o", "merge_m", "merge_l", "merge_part"
+MERGE_MB, MERGE_LB, MERGE_C, MERGE_T = "merge_mb", "merge_lb", "merge_c", "merge_t"
 
 # Named barrier ids (bar.sync): 0 is __syncthreads; WARPGROUP_BARRIER + wg syncs the 128 threads
 # of one consumer warpgroup (a role of n warpgroups uses ids 1 .. n); ids from TOKEN_BARRIER on
@@ -72,7 +76,8 @@ LOWERING_NAMES = frozenset({
     "wg", "cta_id", "num_ctas", "num_sms", "M", "N", "K", "S", "T",
     # attention
     "m_blocks", "m_block", "kv_blocks", "rest", "s_acc", "p", "o_acc", "m_run", "l_run", "m_blk",
-    "corr", "o_t", "o", "lse", BIAS_WEIGHT, BIAS_TERM, BIAS_COLS, "heads", "G", "work", "kv_all", "kv_per", "kv_skip", PART_O, PART_M, PART_L, PART_ROWS, "o_j", "l_blk", "section", "first_head", "section_heads", "in_section",
+    "corr", "o_t", "o", "lse", BIAS_WEIGHT, BIAS_TERM, BIAS_COLS, "heads", "G", "work", "kv_all", "kv_per", "kv_skip", PART_O, PART_M, PART_L, PART_ROWS, MERGE_O, MERGE_M, MERGE_L, MERGE_PART,
+    MERGE_MB, MERGE_LB, MERGE_C, MERGE_T, "chunk", "section", "first_head", "section_heads", "in_section",
     # attention: packed sequences (ws.varlen)
     ID_SPANS, "span_first", "span_count", "span_full", "span_fulls",
     "run_a0", "run_a1", "run_b0", "run_b1", "run_first", "run_count", "run_next",

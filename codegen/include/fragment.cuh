@@ -14,6 +14,15 @@ WSP_DEVICE int frag_row() { return 16 * ((threadIdx.x % 128) / 32) + (threadIdx.
 // (no PTX) column of this thread's first fragment element: 2 * (lane % 4)
 WSP_DEVICE int frag_col() { return 2 * (threadIdx.x % 4); }
 
+// (no PTX) a linear tile (docs/ir.md, "Linear tiles"): the row of this thread's elements, thread
+// t of the warpgroup holding row t / threads_per_row, and the column of its first element, its
+// `per_thread` consecutive elements from (t % threads_per_row) * per_thread. Ints, as frag_row()
+// is: threadIdx.x is unsigned, and a row offset below 0 (S - T) added to it would wrap.
+WSP_DEVICE int linear_row(int threads_per_row) { return static_cast<int>(threadIdx.x % 128) / threads_per_row; }
+WSP_DEVICE int linear_col(int threads_per_row, int per_thread) {
+  return static_cast<int>(threadIdx.x % 128) % threads_per_row * per_thread;
+}
+
 // (no PTX) the row of the 16-byte row address this lane gives `stmatrix .x4` storing the 16 x 16
 // block of fragment pairs (i, j), (1, j), (0, j + 1), (1, j + 1): row lane % 8 of matrix lane / 8
 WSP_DEVICE int stmatrix_row() { return 16 * ((threadIdx.x % 128) / 32) + threadIdx.x % 8 + 8 * ((threadIdx.x / 8) % 2); }

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from wsched.target import (
     DTYPE_NAMES, FRAGMENT_COLUMN_GROUP, INT_TILE_OPS, REGISTER_DTYPES, OPERAND_SWIZZLES, PAGE_ROWS_ALIGN, SWIZZLE_ROW_BYTES,
-    TMA_INNER_BOX_ALIGNMENT, TMA_MAX_BOX_DIM, TMA_SWIZZLES, WGMMA_ACCUMULATOR_DTYPE, WGMMA_K, WGMMA_M, WGMMA_N, WGMMA_OPERAND_DTYPES,
+    TMA_INNER_BOX_ALIGNMENT, TMA_MAX_BOX_DIM, TMA_SWIZZLES, WARPGROUP_THREADS, WGMMA_ACCUMULATOR_DTYPE, WGMMA_K, WGMMA_M,
+    WGMMA_N, WGMMA_OPERAND_DTYPES,
 )
 
 from .. import ir
@@ -190,6 +191,7 @@ class TileChecks:
                 self.r.at(path, f"major({s.a_major}, {s.b_major}): {which}'s major must be "
                                 f"{' or '.join(ir.MMA_MAJORS)}")
         acc = self._tile(s.acc, path, scope, ctx)
+        self._fragment_only("wgmma", (s.acc, s.a), path, scope)
         for name in (s.acc, s.a):
             if isinstance(name, str) and name in self.views:
                 self.r.at(path, f"wgmma operand {name} is a tile.view; wgmma reads and writes whole `reg` tiles "
@@ -254,7 +256,46 @@ class TileChecks:
                             f"values; read an {s.dtype} tensor into an f32 tile (tile.load converts)")
         if not s.shape or any(d < 1 for d in s.shape):
             self.r.at(path, f"shape {list(s.shape)}: a register tile needs at least one dim, each >= 1")
+        elif s.layout not in ir.REG_LAYOUTS:
+            self.r.at(path, f"reg {s.name}: layout `{s.layout}` is not a register tile layout; write nothing (the "
+                            f"wgmma fragment layout) or `linear`")
+        elif s.layout == "linear" and not _linear_shape(s.shape):
+            self.r.at(path, f"reg {s.name}: {array_text(s.dtype, s.shape)} linear does not spread over the "
+                            f"{WARPGROUP_THREADS} threads of a warpgroup; a linear tile is [R, C] with R dividing "
+                            f"{WARPGROUP_THREADS} and R x C a multiple of {WARPGROUP_THREADS} (each thread "
+                            f"R C / {WARPGROUP_THREADS} elements of one row), or [R, 1] (each row's value)")
         self._declare(s.name, "register tile", path, scope, s)
+
+    # -- linear tiles (docs/ir.md, "Linear tiles") -------------------------------------------------
+
+    def _layout_of(self, name, scope) -> "str | None":
+        b = scope.get(name) if isinstance(name, str) else None
+        if b is None or b.what != "register tile" or b.decl is None:
+            return None
+        return b.decl.layout
+
+    @staticmethod
+    def _single(name, scope) -> bool:
+        """A tile of one value ([1, 1]): every thread holds it, in either layout."""
+        b = scope.get(name)
+        return b is not None and b.decl is not None and all(x == 1 for x in b.decl.shape)
+
+    def _one_layout(self, word, names, path, scope) -> None:
+        """The tiles of an elementwise op lie in one layout (a linear tile's elements are not where
+        the fragment layout keeps them); a [1, 1] tile joins either."""
+        layouts = {name: self._layout_of(name, scope) for name in names if isinstance(name, str)
+                   and not self._single(name, scope)}
+        layouts = {name: x for name, x in layouts.items() if x in ir.REG_LAYOUTS}   # (_RegDecl names others)
+        if len(set(layouts.values())) > 1:
+            spelled = ", ".join(f"{name} {layout}" for name, layout in layouts.items())
+            self.r.at(path, f"{word}: the tiles lie in different layouts ({spelled}); an elementwise op "
+                            f"combines tiles of one layout")
+
+    def _fragment_only(self, word, names, path, scope) -> None:
+        for name in names:
+            if self._layout_of(name, scope) == "linear":
+                self.r.at(path, f"{word}: {name} is a linear tile; this op works on tiles in the wgmma fragment "
+                                f"layout (a linear tile takes tile.fill, tile.iota, elementwise ops, tile.load and tile.store)")
 
     # -- i32 tiles (docs/ir.md, "Integer tiles") -------------------------------------------------
 
@@ -298,6 +339,7 @@ class TileChecks:
             self.r.at(path, f"tile.{s.op} is not a unary tile op; use one of {', '.join(ir.TILE_UNARY_OPS)}")
         dst = self._tile(s.dst, path, scope, ctx)
         src = self._tile(s.src, path, scope, ctx)
+        self._one_layout(f"tile.{s.op} {s.dst}, {s.src}", (s.dst, s.src), path, scope)
         if dst is not None and src is not None and dst.shape != src.shape:
             self.r.at(path, f"tile.{s.op} {s.dst}, {s.src}: {s.src} is {array_text(src.dtype, src.shape)} but "
                             f"{s.dst} is {array_text(dst.dtype, dst.shape)}; an elementwise op keeps the shape")
@@ -312,6 +354,7 @@ class TileChecks:
         if s.op not in ir.TILE_BINARY_OPS:
             self.r.at(path, f"tile.{s.op} is not a binary tile op; use one of {', '.join(ir.TILE_BINARY_OPS)}")
         self._broadcast_operands(f"tile.{s.op}", s.dst, (s.lhs, s.rhs), path, scope, ctx)
+        self._one_layout(f"tile.{s.op} {s.dst}", (s.dst, s.lhs, s.rhs), path, scope)
         if self._is_int_tile(s.dst, scope):
             if s.op in ir.COMPARE_OPS:
                 self.r.at(path, f"tile.{s.op} {s.dst}: {s.dst} is i32; a comparison writes 1.0 / 0.0 into a "
@@ -349,6 +392,7 @@ class TileChecks:
 
     def _TileMask(self, s: ir.TileMask, path, scope, ctx):
         dst = self._tile(s.dst, path, scope, ctx)
+        self._fragment_only(f"tile.mask {s.dst}", (s.dst,), path, scope)
         self._not_int(f"tile.mask {s.dst}", s.dst, path, scope, "holds no -inf")
         for e in (s.row0, s.col0, s.limit) + tuple(x for x in (s.causal, s.period, s.lower) if x is not None):
             self._expr(e, path, scope, ctx)
@@ -360,6 +404,7 @@ class TileChecks:
             self.r.at(path, f"tile.reduce.{s.op} is not a reduction; use one of {', '.join(ir.REDUCE_OPS)}")
         dst = self._tile(s.dst, path, scope, ctx)
         src = self._tile(s.src, path, scope, ctx)
+        self._fragment_only(f"tile.reduce.{s.op} {s.dst}, {s.src}", (s.src, s.dst), path, scope)
         for name in (s.src, s.dst):
             self._not_int(f"tile.reduce.{s.op} {s.dst}, {s.src}", name, path, scope, "is not reduced")
         if dst is None or src is None:
@@ -421,6 +466,7 @@ class TileChecks:
         decl = self._smem(s.dst, path, scope, ctx)
         t = self._tile(s.src, path, scope, ctx)
         self._not_int(f"tile.store_smem {ref_text(s.dst)}", s.src, path, scope, "is not stored")
+        self._fragment_only(f"tile.store_smem {ref_text(s.dst)} <- {s.src}", (s.src,), path, scope)
         if decl is None or t is None:
             return
         holds = self._smem_tile(s.dst, decl, path)
@@ -442,6 +488,7 @@ class TileChecks:
 
     def _TileSelect(self, s: ir.TileSelect, path, scope, ctx):
         self._broadcast_operands("tile.select", s.dst, (s.cond, s.on_true, s.on_false), path, scope, ctx)
+        self._fragment_only(f"tile.select {s.dst}", (s.dst, s.cond, s.on_true, s.on_false), path, scope)
         if self._is_int_tile(s.dst, scope):
             self._int_operands("tile.select", s.dst, (s.on_true, s.on_false), path, scope)
 
@@ -450,6 +497,7 @@ class TileChecks:
     def _TileView(self, s: ir.TileView, path, scope, ctx):
         self._expr(s.col0, path, scope, ctx)
         src = self._tile(s.src, path, scope, ctx)
+        self._fragment_only(f"tile.view {s.name}, {s.src}", (s.src,), path, scope)
         view = None
         if src is not None:
             if len(src.shape) != 2:
@@ -504,3 +552,10 @@ def _product(ranges):
     for v in ranges[0]:
         for rest in _product(ranges[1:]):
             yield (v,) + rest
+
+
+def _linear_shape(shape) -> bool:
+    """[R, C] with R dividing the warpgroup's threads and R C a multiple of them, or [R, 1]."""
+    if len(shape) != 2 or WARPGROUP_THREADS % shape[0]:
+        return False
+    return shape[1] == 1 or shape[0] * shape[1] % WARPGROUP_THREADS == 0

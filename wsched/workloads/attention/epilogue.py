@@ -23,8 +23,8 @@ import math
 from wsched.lowering import ir
 from wsched.lowering.context import LoweringContext
 from wsched.lowering.rewrite import map_loop, map_role
-from wsched.names import (CONSUMER, PART_L, PART_M, PART_O, SPLITS, TICKET_SLOT, TILE_VAR,
-                          WARPGROUP_BARRIER)
+from wsched.names import (CONSUMER, MERGE_C, MERGE_L, MERGE_LB, MERGE_M, MERGE_MB, MERGE_O, MERGE_PART, MERGE_T,
+                          PART_L, PART_M, PART_O, PART_ROWS, SPLITS, TICKET_SLOT, TILE_VAR, WARPGROUP_BARRIER)
 from wsched.target import WARPGROUP_THREADS
 from wsched.workloads.ticket import take_ticket
 from .loops import bias_lse
@@ -36,39 +36,64 @@ V = ir.Var
 C = ir.IntConst
 
 
-def epilogue(kernel: ir.Kernel, ctx: LoweringContext) -> ir.Kernel:
-    a, s = ctx.partition.payload, ctx.schedule
-    d = s.value_dim
-    row0 = ir.add("m0", ir.mul("wg", 64))
+# Rows of a linear tile of the split-KV merge (`_split_merge`): each thread holds 8 values of a row
+# (MERGE_PER_THREAD), so every split's m, l and O slice are 10 loads, and 8 splits' of them are in
+# flight at once where the role has the registers (codegen's serial unroll).
+MERGE_PER_THREAD = 8
+
+
+def _merge_rows(d: int) -> int:
+    """Rows of the merge's linear tiles: as many as hold MERGE_PER_THREAD values a thread
+    ([8, 128] at head dim 128, [16, 64] at 64), a power of two dividing the warpgroup's threads."""
+    rows = WARPGROUP_THREADS
+    while rows > 1 and (rows * d > MERGE_PER_THREAD * WARPGROUP_THREADS or rows * d % WARPGROUP_THREADS):
+        rows //= 2
+    return rows
+
+
+def _tail(a, d: int, o: str, l: str, m: str, corr: str, o_t: str, rows: ir.Expr, first: ir.Expr) -> list[ir.Stmt]:
+    """Normalise O (tile `o`, head dim `d`) by the row sum `l`, store it, and the log-sum-exp from
+    the row max `m`: the tile's rows start at m0 + `rows`; `first` is the first of them in the
+    warpgroup's tile (what the diagonal bias's LSE part counts rows from)."""
+    row0 = ir.add("m0", rows)
     coords = tuple(V(f"b{i}") for i in range(a.kernel_batch)) + (row0, C(0))
     lse_coords, limit = coords, None
     if a.varlen is not None:   # packed rows [NQ, heads x D]: the sequence's rows, none past its end
         row0 = ir.add("q_start", row0)
         coords, lse_coords, limit = (row0, ir.mul("head", d)), (row0, V("head")), V("q_end")
     if a.rows_may_see_nothing:   # a row with no visible key has l = 0: store O = 0
-        normalise = [ir.TileBinary("maximum", "corr", "l_run", ir.FloatConst(1e-30)),
-                     ir.TileBinary("div", "o_acc", "o_acc", "corr")]
+        normalise = [ir.TileBinary("maximum", corr, l, ir.FloatConst(1e-30)),
+                     ir.TileBinary("div", o, o, corr)]
     else:
-        normalise = [ir.TileBinary("div", "o_acc", "o_acc", "l_run")]
+        normalise = [ir.TileBinary("div", o, o, l)]
     tail: list[ir.Stmt] = normalise + [
-        ir.TileUnary("cast", "o_t", "o_acc"),
-        ir.TileStoreGlobal("o", coords, "o_t", limit),
+        ir.TileUnary("cast", o_t, o),
+        ir.TileStoreGlobal("o", coords, o_t, limit),
     ]
     if a.lse is not None:
-        tail += [ir.TileUnary("log", "l_run", "l_run"),
-                 ir.TileBinary("mul", "m_run", "m_run", ir.FloatConst(LN2)),
-                 ir.TileBinary("add", "l_run", "l_run", "m_run"),
-                 *(bias_lse(a.score, a.scale) if a.score.bias else ()),
-                 ir.TileStoreGlobal("lse", lse_coords, "l_run", limit)]
+        tail += [ir.TileUnary("log", l, l),
+                 ir.TileBinary("mul", m, m, ir.FloatConst(LN2)),
+                 ir.TileBinary("add", l, l, m),
+                 *(bias_lse(a.score, a.scale, m, l, first) if a.score.bias else ()),
+                 ir.TileStoreGlobal("lse", lse_coords, l, limit)]
+    return tail
 
+
+def epilogue(kernel: ir.Kernel, ctx: LoweringContext) -> ir.Kernel:
+    a, s = ctx.partition.payload, ctx.schedule
+    d = s.value_dim
+    wg_rows = ir.mul("wg", 64)
+    tail = _tail(a, d, "o_acc", "l_run", "m_run", "corr", "o_t", wg_rows, C(0))
     decls = [ir.RegDecl("o_t", a.out.dtype.name, (64, d))]
     smem = kernel.smem
     if s.splits_kv:
-        # the merge reads each split's O in slices into the first columns of the score tile, dead by
-        # then: as wide as the tile takes (one load a split where bn >= d)
-        width = next(w for w in (128, 64, 32, 16) if d % w == 0 and s.bn % w == 0)
-        decls.append(ir.RegDecl("l_blk", "f32", (64, 1)))
-        tail = _split_merge(s.consumer_warpgroups, d, width) + [ir.If(V("last_split"), tuple(tail))]
+        rows = _merge_rows(d)
+        linear = dict(layout="linear")
+        decls += [ir.RegDecl(MERGE_O, "f32", (rows, d), **linear),
+                  ir.RegDecl(MERGE_PART, "f32", (rows, d), **linear),
+                  ir.RegDecl(MERGE_T, a.out.dtype.name, (rows, d), **linear)]
+        decls += [ir.RegDecl(name, "f32", (rows, 1), **linear) for name in (MERGE_M, MERGE_L, MERGE_MB, MERGE_LB, MERGE_C)]
+        tail = _split_merge(a, d, s.consumer_warpgroups, rows, tail)
         smem += (ir.SmemDecl(TICKET_SLOT, "i32", (s.consumer_warpgroups, 1), 0),)
 
     def consumer(role: ir.Role) -> ir.Role:
@@ -80,62 +105,61 @@ def epilogue(kernel: ir.Kernel, ctx: LoweringContext) -> ir.Kernel:
     return replace(map_role(kernel, CONSUMER, consumer), smem=smem)
 
 
-def _split_merge(nwg: int, d: int, width: int) -> list[ir.Stmt]:
+def _split_merge(a, d: int, nwg: int, rows: int, tail: list[ir.Stmt]) -> list[ir.Stmt]:
     """Split-KV: every split stores its O (unnormalised), row max m and row sum l of the tile and
     takes the ticket of its (tile, warpgroup); the last split to arrive merges the splits in
     split order (the same bits whichever is last):
 
         m = max_s m_s ;  c_s = exp2(m_s - m) ;  l = sum_s c_s l_s ;  O = sum_s c_s O_s
 
-    in two passes over the splits, the max first, then the sums, and goes on to the plain
-    epilogue (`last_split`). The merge is latency-bound (a few rows, each split's partial a load
-    from L2 away): with m known before the sums, no split's loads wait on another split's
-    arithmetic, so the unrolled loops keep several splits' loads in flight (one pass that
-    rescaled a running (m, l, O) as each split joined waited out two to three load latencies a
-    split: 15 us of a 37 us B1 decode step with 8 splits, H100 trace, 2026-11-24). A split with
-    no visible key stores m = -inf, l = 0, O = 0; m starts at -1e30, so that its factor is 0,
-    not NaN."""
+    and normalises and stores the result (`_tail`); with one split the tile's own O is stored
+    (`tail`, the fragment epilogue). The merge is latency-bound (a few rows, each split's partial
+    a load from L2 away), so it runs on linear tiles (docs/ir.md, "Linear tiles"): `rows` rows at
+    a time, each thread 8 values of a row, all 128 threads loading, where the fragment layout
+    keeps a row in 4 threads (a decode tile's 4 rows in 16 of them, 64 registers a split). Of
+    each chunk of rows, the max over the splits first, then the sums, so that no split's loads
+    wait on another split's arithmetic and the unrolled loops keep several splits' loads in
+    flight (one pass that rescaled a running (m, l, O) as each split joined waited out two to
+    three load latencies a split: 15 us of a 37 us B1 decode step with 8 splits, H100 trace,
+    2026-11-24). A split with no visible key stores m = -inf, l = 0, O = 0; m starts at -1e30,
+    so that its factor is 0, not NaN. The chunks stop at the rows a query fills (`part_rows`)."""
     f = ir.FloatConst
     at = (V("work"), ir.mul("wg", 64))
     sync = ir.NamedBarrierSync(ir.add(WARPGROUP_BARRIER, "wg"), WARPGROUP_THREADS)
     slot = ir.SmemRef(TICKET_SLOT, (V("wg"),))
     counter = ir.add(ir.mul("work", nwg), "wg") if nwg > 1 else V("work")
     last = ir.sub(SPLITS, 1)
-    slices = d // width
-    src = (V("src_split"),) + at
-
-    def o_slices(stmts) -> list[ir.Stmt]:
-        return [ir.For("j", C(0), C(slices), C(1), "unroll", (
-            ir.TileView("o_j", "o_acc", ir.mul("j", width), width), *stmts))]
-
-    merge = (
-        ir.TileView("part_t", "s_acc", C(0), width),
-        ir.TileFill("m_run", f(-1e30)),
+    chunk_rows = ir.add(ir.mul("wg", 64), ir.mul("chunk", rows))      # the chunk's first row in the tile
+    src = (V("src_split"), V("work"), chunk_rows)
+    tile_rows = ir.emin(C(64), ir.sub(PART_ROWS, ir.mul("wg", 64)))    # this warpgroup's rows a query fills
+    merge = ir.For("chunk", C(0), ir.ceil_div(tile_rows, rows), C(1), "serial", (
+        ir.TileFill(MERGE_M, f(-1e30)),
         ir.For("src_split", C(0), V(SPLITS), C(1), "serial", (      # m = max_s m_s
-            ir.TileLoadGlobal("m_blk", PART_M, src + (C(0),)),
-            ir.TileBinary("maximum", "m_run", "m_run", "m_blk"),
+            ir.TileLoadGlobal(MERGE_MB, PART_M, src + (C(0),)),
+            ir.TileBinary("maximum", MERGE_M, MERGE_M, MERGE_MB),
         )),
-        ir.TileFill("l_run", f(0.0)),
-        ir.TileFill("o_acc", f(0.0)),
+        ir.TileFill(MERGE_L, f(0.0)),
+        ir.TileFill(MERGE_O, f(0.0)),
         ir.For("src_split", C(0), V(SPLITS), C(1), "serial", (      # l and O, each split scaled by c_s
-            ir.TileLoadGlobal("m_blk", PART_M, src + (C(0),)),
-            ir.TileLoadGlobal("l_blk", PART_L, src + (C(0),)),
-            ir.TileBinary("sub", "m_blk", "m_blk", "m_run"),
-            ir.TileUnary("exp2", "m_blk", "m_blk"),                   # c_s, this split's factor
-            ir.TileBinary("mul", "l_blk", "l_blk", "m_blk"),
-            ir.TileBinary("add", "l_run", "l_run", "l_blk"),
-            *o_slices((ir.TileLoadGlobal("part_t", PART_O, src + (ir.mul("j", width),)),
-                       ir.TileBinary("mul", "part_t", "part_t", "m_blk"),
-                       ir.TileBinary("add", "o_j", "o_j", "part_t"))),
+            ir.TileLoadGlobal(MERGE_MB, PART_M, src + (C(0),)),
+            ir.TileLoadGlobal(MERGE_LB, PART_L, src + (C(0),)),
+            ir.TileLoadGlobal(MERGE_PART, PART_O, src + (C(0),)),
+            ir.TileBinary("sub", MERGE_MB, MERGE_MB, MERGE_M),
+            ir.TileUnary("exp2", MERGE_MB, MERGE_MB),                 # c_s, this split's factor
+            ir.TileBinary("mul", MERGE_LB, MERGE_LB, MERGE_MB),
+            ir.TileBinary("add", MERGE_L, MERGE_L, MERGE_LB),
+            ir.TileBinary("mul", MERGE_PART, MERGE_PART, MERGE_MB),
+            ir.TileBinary("add", MERGE_O, MERGE_O, MERGE_PART),
         )),
-    )
+        *_tail(a, d, MERGE_O, MERGE_L, MERGE_M, MERGE_C, MERGE_T, chunk_rows, ir.mul("chunk", rows)),
+    ))
     return [
-        ir.Let("last_split", C(1), mutable=True),
         ir.If(ir.BinOp(">", V(SPLITS), C(1)), (
+            ir.Let("last_split", C(0), mutable=True),
             ir.TileStoreGlobal(PART_O, (V("split"),) + at + (C(0),), "o_acc"),
             ir.TileStoreGlobal(PART_M, (V("split"),) + at + (C(0),), "m_run"),
             ir.TileStoreGlobal(PART_L, (V("split"),) + at + (C(0),), "l_run"),
             *take_ticket(slot, counter, last, sync),
-            ir.If(V("last_split"), merge),
-        )),
+            ir.If(V("last_split"), (merge,)),
+        ), tuple(tail)),
     ]

@@ -518,14 +518,17 @@ def _bias(sf, tiles: dict, row: ir.Expr, rows0: ir.Expr, scale: float):
     return tuple(weight), cols, (ir.TileBinary("add", "s_acc", "s_acc", BIAS_COLS),)
 
 
-def bias_lse(sf, scale: float) -> tuple[ir.Stmt, ...]:
+def bias_lse(sf, scale: float, m: str = "m_run", l: str = "l_run", first: ir.Expr = C(0)) -> tuple[ir.Stmt, ...]:
     """The diagonal bias's part along a row, scale * w * (r - i) (r as `_bias` takes it), added to
-    the LSE `l_run`; the dead `m_run` holds i - r first."""
+    the LSE `l`; the dead `m` holds i - r first (`first`: the tile's first row in the warpgroup's)."""
     f = ir.FloatConst
-    return (ir.TileIota("m_run", 0, ir.sub("S", "T") if _bottom_right(sf) else C(0)),
-            ir.TileBinary("mul", "m_run", "m_run", BIAS_WEIGHT),
-            ir.TileBinary("mul", "m_run", "m_run", f(-scale)),
-            ir.TileBinary("add", "l_run", "l_run", "m_run"))
+    start = ir.sub("S", "T") if _bottom_right(sf) else C(0)
+    if first != C(0):
+        start = ir.add(start, first) if _bottom_right(sf) else first
+    return (ir.TileIota(m, 0, start),
+            ir.TileBinary("mul", m, m, BIAS_WEIGHT),
+            ir.TileBinary("mul", m, m, f(-scale)),
+            ir.TileBinary("add", l, l, m))
 
 
 def _causal_shift(align: str | None) -> ir.Expr | None:
