@@ -63,6 +63,20 @@ def test_packed_split_decode_matches_torch(s, t, num_sms, splits):
     check(kernel, fusion, inputs, num_sms)
 
 
+@pytest.mark.parametrize("h, t, splits", [
+    (32, 8192, 8),      # 8 tiles on 132 SMs: 16 splits on all SMs would take 4 of 64 blocks each: half
+    (32, 16384, 16),    # 8 blocks a split on all SMs: all of them (H100: 41.1 -> 39.5 us)
+    (32, 32768, 16),    # (66.6 -> 62.7 us)
+    (16, 32768, 16),    # 4 tiles: 33 splits on all SMs, a merge of more than 16: half
+    (8, 32768, 32),     # 2 tiles: 33 wanted on half the SMs, at most 32
+])
+def test_few_tiles_split_on_all_sms_where_a_split_would_take_8_blocks(h, t, splits):
+    """Units on half the SMs where the tiles are few (at most num_sms / 16), unless a split on
+    all of them would take 8 kv blocks or more and the merge at most 16 splits (loops.split_count)."""
+    kernel = compiled(make_attention(128, gqa=True), **DECODE)
+    assert splits_of(kernel, attention_inputs(1, h, 1, t, 128, gqa_groups=4), 132) == splits
+
+
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_every_split_count_up_to_the_blocks_merges_to_the_same_result(seed):
     """One tile of 73 kv blocks on 1..12, 20 and 70 SMs: splits 1..11 (units on all of 1..15 SMs:
@@ -118,11 +132,14 @@ def test_decode_ir_is_golden_and_round_trips(golden):
     golden.check("attention_decode_split.ir", text)
     assert parse_kernel(text) == kernel
     assert "tile.mask s_acc, rows(m0 + wg * 64), cols((k + kv_first) * 128), limit(T) causal(T - S) period(S)" in text
-    # wanted: at most 32, at least 2 blocks a split, units on half the SMs while the tiles are few;
-    # then no more splits than ceil(blocks / wanted) blocks a split leave work for
+    # wanted: at most 32, at least 2 blocks a split, units on half the SMs while the tiles are few,
+    # unless a split on all of them takes 8 blocks or more and the merge at most 16 splits; then no
+    # more splits than ceil(blocks / wanted) blocks a split leave work for
     blocks = "max(1, ceil_div(T, 128))"
     tiles = "batch0 * batch1 * ceil_div(G * S, 64)"
-    wanted = f"min(min(32, max(1, {blocks} / 2)), max(1, num_sms / ({tiles} * (1 + (16 * ({tiles}) <= num_sms)))))"
+    on_all = f"min(32, max(1, num_sms / ({tiles})))"
+    few = f"(16 * ({tiles}) <= num_sms) * ({blocks} < 8 * {on_all} || {on_all} > 16)"
+    wanted = f"min(min(32, max(1, {blocks} / 2)), max(1, num_sms / ({tiles} * (1 + {few}))))"
     assert f"i32 splits = ceil_div({blocks}, ceil_div({blocks}, {wanted}))," in text
 
 

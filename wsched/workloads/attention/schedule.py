@@ -28,11 +28,12 @@ HEAD_DIMS = tuple(VALUE_DIMS)
 MAX_SPLIT_KV = 32
 # The fewest kv blocks a split takes, and how many (tile, split) units a call aims at
 # (loops.split_count). A split costs its partial's store, the ticket (~1.2 us once a tile is
-# split at all) and one more step of the last split's merge (~0.5 us: the merge issues each
-# split's loads at once); it saves the kv blocks it takes from the others, ~1.7 us each at D128
-# (one warpgroup's latency over a 64-row tile of a few query rows). Where units on all SMs would
-# give each tile 16 or more (at most num_sms / 16 tiles), units on half the SMs read K/V as fast
-# and merge half as many splits; with more tiles the units fill the SMs, so that no unit's chain
+# split at all) and its share of the last split's merge (8 splits' loads a round, a round per 8
+# query rows); it saves the kv blocks it takes from the others, ~1.7 us each at D128 (one
+# warpgroup's latency over a 64-row tile of a few query rows). Where units on all SMs would give
+# each tile 16 or more (at most num_sms / 16 tiles), units on half the SMs read K/V as fast and
+# merge half as many splits, unless each split would then be long (FEW_SPLIT_BLOCKS) and the
+# merge short (FEW_SPLIT_MERGE); with more tiles the units fill the SMs, so that no unit's chain
 # of blocks outlasts the read. Measured on an H100 (cold L2, D128, cuDNN in the same
 # run, µs):
 #   2026-11-24, by the fewest blocks a split (8 / 4 / 2 / 1), units on all SMs: B1 H32/8 T1024
@@ -44,8 +45,18 @@ MAX_SPLIT_KV = 32
 #   B1 H32/16) T8192 42.2-42.7 / 40.1-40.4 (39.5-40.6), T32768 115.4-116.9 / 107.2-107.6
 #   (105.7-107.1); 32 tiles (2 / 4 splits: B1 H32/32, B4 H32/8) T8192 65.6-68.6 / 62.4-62.6
 #   (63.1-63.7), T32768 201-204 / 191.9-192.5 (192.8-192.9), T1024 equal (17.3-17.4).
+#   2026-11-25, after the merge moved to linear tiles (all 128 threads loading, 8 splits in flight),
+#   half / all: 8 tiles (8 / 16 splits) T4096 16.9 / 17.6, T8192 24.6 / 25.1, T16384 41.0-41.1 /
+#   39.5-39.6, T32768 65.6-66.6 / 62.4-62.7, T65536 111.7-114.7 / 106.0-106.6 (cuDNN 18.1, 26.0,
+#   39.9-41.0, 63.2-63.5, 105.9-107.1): all SMs from 8 blocks a split (FEW_SPLIT_BLOCKS); 4 tiles
+#   (16 / 32 splits) B1 H32/4 T8192 19.1 / 21.7, T16384 26.5 / 29.1, T32768 43.2 / 43.5, B2 H32/2
+#   T32768 46.5 / 49.2: a merge of 32 splits (of 16 query rows: 2 chunks of 8) costs what the
+#   shorter splits save (FEW_SPLIT_MERGE). Two or four units an SM (more splits) were slower at
+#   every shape (B8 H32/8 T8192 104.4 -> 111.1 / 114.5).
 MIN_KV_BLOCKS_PER_SPLIT = 2
 FEW_SPLIT_TILES = 16   # tiles at most num_sms / this: units on half the SMs, else on all of them
+FEW_SPLIT_BLOCKS = 8   # ... unless a split on all SMs would take at least this many kv blocks
+FEW_SPLIT_MERGE = 16   # ... and the merge would take at most this many splits
 
 
 def head_dims_text() -> str:
