@@ -28,27 +28,13 @@ from wsched.names import (CONSUMER, MERGE_C, MERGE_L, MERGE_LB, MERGE_M, MERGE_M
 from wsched.target import WARPGROUP_THREADS
 from wsched.workloads.ticket import take_ticket
 from .loops import bias_lse
+from .schedule import merge_rows
 
 
 LN2 = math.log(2.0)
 
 V = ir.Var
 C = ir.IntConst
-
-
-# Rows of a linear tile of the split-KV merge (`_split_merge`): each thread holds 8 values of a row
-# (MERGE_PER_THREAD), so every split's m, l and O slice are 10 loads, and 8 splits' of them are in
-# flight at once where the role has the registers (codegen's serial unroll).
-MERGE_PER_THREAD = 8
-
-
-def _merge_rows(d: int) -> int:
-    """Rows of the merge's linear tiles: as many as hold MERGE_PER_THREAD values a thread
-    ([8, 128] at head dim 128, [16, 64] at 64), a power of two dividing the warpgroup's threads."""
-    rows = WARPGROUP_THREADS
-    while rows > 1 and (rows * d > MERGE_PER_THREAD * WARPGROUP_THREADS or rows * d % WARPGROUP_THREADS):
-        rows //= 2
-    return rows
 
 
 def _tail(a, d: int, o: str, l: str, m: str, corr: str, o_t: str, rows: ir.Expr, first: ir.Expr) -> list[ir.Stmt]:
@@ -87,7 +73,7 @@ def epilogue(kernel: ir.Kernel, ctx: LoweringContext) -> ir.Kernel:
     decls = [ir.RegDecl("o_t", a.out.dtype.name, (64, d))]
     smem = kernel.smem
     if s.splits_kv:
-        rows = _merge_rows(d)
+        rows = merge_rows(d)
         linear = dict(layout="linear")
         decls += [ir.RegDecl(MERGE_O, "f32", (rows, d), **linear),
                   ir.RegDecl(MERGE_PART, "f32", (rows, d), **linear),
@@ -108,21 +94,21 @@ def epilogue(kernel: ir.Kernel, ctx: LoweringContext) -> ir.Kernel:
 def _split_merge(a, d: int, nwg: int, rows: int, tail: list[ir.Stmt]) -> list[ir.Stmt]:
     """Split-KV: every split stores its O (unnormalised), row max m and row sum l of the tile and
     takes the ticket of its (tile, warpgroup); the last split to arrive merges the splits in
-    split order (the same bits whichever is last):
+    split order (the same bits whichever is last), one pass with a running max:
 
-        m = max_s m_s ;  c_s = exp2(m_s - m) ;  l = sum_s c_s l_s ;  O = sum_s c_s O_s
+        m' = max(m, m_s) ;  l = l 2^(m - m') + l_s 2^(m_s - m') ;  O = O 2^(m - m') + O_s 2^(m_s - m')
 
     and normalises and stores the result (`_tail`); with one split the tile's own O is stored
-    (`tail`, the fragment epilogue). The merge is latency-bound (a few rows, each split's partial
-    a load from L2 away), so it runs on linear tiles (docs/ir.md, "Linear tiles"): `rows` rows at
-    a time, each thread 8 values of a row, all 128 threads loading, where the fragment layout
-    keeps a row in 4 threads (a decode tile's 4 rows in 16 of them, 64 registers a split). Of
-    each chunk of rows, the max over the splits first, then the sums, so that no split's loads
-    wait on another split's arithmetic and the unrolled loops keep several splits' loads in
-    flight (one pass that rescaled a running (m, l, O) as each split joined waited out two to
-    three load latencies a split: 15 us of a 37 us B1 decode step with 8 splits, H100 trace,
-    2026-11-24). A split with no visible key stores m = -inf, l = 0, O = 0; m starts at -1e30,
-    so that its factor is 0, not NaN. The chunks stop at the rows a query fills (`part_rows`)."""
+    (`tail`, the fragment epilogue). The merge is latency-bound (each split's partial a load from
+    L2 away), so it runs on linear tiles (docs/ir.md, "Linear tiles"): `rows` rows at a time,
+    each of the 128 threads 8 values of a row, 10 loads a split, where the fragment layout keeps a
+    row in 4 threads (a decode tile's 4 rows in 16 of them, 64 registers a split). No split's
+    loads depend on the running (m, l, O), so the unrolled loop issues 8 splits' loads at once and
+    the rescaling after them is arithmetic: a round of loads per 8 splits and chunk of rows (two
+    passes, the max first, took two). With d = m_s - m, the factors are 2^min(d, 0) for the split
+    and 2^-max(d, 0) for the running sums. A split with no visible key stores m = -inf, l = 0,
+    O = 0 (its factor is 0); m starts at -1e30, so that the first split's factor is 1 and no
+    factor is NaN. The chunks stop at the rows a query fills (`part_rows`)."""
     f = ir.FloatConst
     at = (V("work"), ir.mul("wg", 64))
     sync = ir.NamedBarrierSync(ir.add(WARPGROUP_BARRIER, "wg"), WARPGROUP_THREADS)
@@ -134,20 +120,23 @@ def _split_merge(a, d: int, nwg: int, rows: int, tail: list[ir.Stmt]) -> list[ir
     tile_rows = ir.emin(C(64), ir.sub(PART_ROWS, ir.mul("wg", 64)))    # this warpgroup's rows a query fills
     merge = ir.For("chunk", C(0), ir.ceil_div(tile_rows, rows), C(1), "serial", (
         ir.TileFill(MERGE_M, f(-1e30)),
-        ir.For("src_split", C(0), V(SPLITS), C(1), "serial", (      # m = max_s m_s
-            ir.TileLoadGlobal(MERGE_MB, PART_M, src + (C(0),)),
-            ir.TileBinary("maximum", MERGE_M, MERGE_M, MERGE_MB),
-        )),
         ir.TileFill(MERGE_L, f(0.0)),
         ir.TileFill(MERGE_O, f(0.0)),
-        ir.For("src_split", C(0), V(SPLITS), C(1), "serial", (      # l and O, each split scaled by c_s
+        ir.For("src_split", C(0), V(SPLITS), C(1), "serial", (
             ir.TileLoadGlobal(MERGE_MB, PART_M, src + (C(0),)),
             ir.TileLoadGlobal(MERGE_LB, PART_L, src + (C(0),)),
             ir.TileLoadGlobal(MERGE_PART, PART_O, src + (C(0),)),
-            ir.TileBinary("sub", MERGE_MB, MERGE_MB, MERGE_M),
-            ir.TileUnary("exp2", MERGE_MB, MERGE_MB),                 # c_s, this split's factor
+            ir.TileBinary("sub", MERGE_C, MERGE_MB, MERGE_M),            # d = m_s - m
+            ir.TileBinary("maximum", MERGE_M, MERGE_M, MERGE_MB),        # m' = max(m, m_s)
+            ir.TileBinary("minimum", MERGE_MB, MERGE_C, f(0.0)),
+            ir.TileUnary("exp2", MERGE_MB, MERGE_MB),                    # the split's factor 2^(m_s - m')
+            ir.TileBinary("maximum", MERGE_C, MERGE_C, f(0.0)),
+            ir.TileUnary("neg", MERGE_C, MERGE_C),
+            ir.TileUnary("exp2", MERGE_C, MERGE_C),                      # the running sums' 2^(m - m')
+            ir.TileBinary("mul", MERGE_L, MERGE_L, MERGE_C),
             ir.TileBinary("mul", MERGE_LB, MERGE_LB, MERGE_MB),
             ir.TileBinary("add", MERGE_L, MERGE_L, MERGE_LB),
+            ir.TileBinary("mul", MERGE_O, MERGE_O, MERGE_C),
             ir.TileBinary("mul", MERGE_PART, MERGE_PART, MERGE_MB),
             ir.TileBinary("add", MERGE_O, MERGE_O, MERGE_PART),
         )),

@@ -50,7 +50,8 @@ from wsched.names import (BIAS_COLS, BIAS_TERM, BIAS_WEIGHT, CONSUMER, ID_SPANS,
 from wsched.workloads.batch import batch_index_lets
 
 from .score import Bound, SideInput
-from .schedule import FEW_SPLIT_BLOCKS, FEW_SPLIT_MERGE, FEW_SPLIT_TILES, MIN_KV_BLOCKS_PER_SPLIT, THIN_MARGIN_VALUE_DIM, chunk_columns
+from .schedule import (FEW_SPLIT_BLOCKS, FEW_SPLIT_MERGE, FEW_SPLIT_TILES, MIN_KV_BLOCKS_PER_SPLIT, THIN_MARGIN_VALUE_DIM,
+                       chunk_columns)
 from .score_ops import ScoreOps, input_dtype
 
 LOG2E = 1.0 / math.log(2.0)
@@ -368,10 +369,10 @@ def _paged_loads(pc, bn: int, row: ir.Expr, operands) -> tuple[ir.Stmt, ...]:
 def split_count(s, nb: int, rows: ir.Expr, keys: str = "T") -> ir.Expr:
     """The host's split count for a call: (tile, split) units on half the SMs where the tiles
     are few (at most num_sms / FEW_SPLIT_TILES), unless a split on all of them would take
-    FEW_SPLIT_BLOCKS kv blocks or more and the merge at most FEW_SPLIT_MERGE splits; at most `split_kv`, at least
-    MIN_KV_BLOCKS_PER_SPLIT kv blocks a split, and no more splits than the blocks a split takes
-    (ceil(blocks / splits)) leave work for: 17 blocks in 8 splits would be 3 a split and 2 empty
-    splits, so 6."""
+    FEW_SPLIT_BLOCKS kv blocks or more and the merge at most FEW_SPLIT_MERGE splits; at most
+    `split_kv`; at least MIN_KV_BLOCKS_PER_SPLIT kv blocks a split; and no more splits than the
+    blocks a split takes (ceil(blocks / splits)) leave work for: 17 blocks in 8 splits would be 3
+    a split and 2 empty splits, so 6."""
     bm, bn, _ = s.tile
     tiles = ir.mul(_heads(nb), ir.ceil_div(rows, bm))
     blocks = ir.emax(1, ir.ceil_div(keys, bn))

@@ -17,7 +17,8 @@ from typing import Iterator
 
 from wsched.schedule import (PRODUCER_REGISTERS, Schedule, ScheduleError, check_overrides, default_consumer_registers,
                              is_int, max_stages)
-from wsched.target import PAGE_ROWS_ALIGN, SETMAXNREG_STEP, SMEM_ALIGN, SWIZZLE_ROW_BYTES, WGMMA_K, launch_registers
+from wsched.target import (PAGE_ROWS_ALIGN, SETMAXNREG_STEP, SMEM_ALIGN, SWIZZLE_ROW_BYTES, WARPGROUP_THREADS, WGMMA_K,
+                           launch_registers)
 
 # The head dims of Q and K the kernels implement, and the head dim of V and O beside each.
 VALUE_DIMS = {64: 64, 96: 96, 128: 128, 192: 128, 256: 256}
@@ -133,6 +134,21 @@ def max_keys_per_block(schedule: "AttentionSchedule", kinds: tuple[str, ...] = (
         widest = min(widest, OVERLAPPED_KEYS_WITH_FEWER_REGISTERS)
     return min([widest] + [SCORE_FUNCTION_KEYS_PER_BLOCK[kind].get(key, widest) for kind in kinds])
 
+
+# The split-KV merge reads every split's O, max and sum into linear tiles (docs/ir.md, "Linear
+# tiles"), each thread MERGE_PER_THREAD values of a row: 10 loads a split, 8 splits' in flight,
+# a round of loads per merge_rows() query rows and 8 splits (epilogue._split_merge).
+MERGE_PER_THREAD = 8
+
+
+def merge_rows(value_dim: int) -> int:
+    """Rows of the merge's linear tiles: as many as hold MERGE_PER_THREAD values a thread
+    ([8, 128] at head dim 128, [16, 64] at 64), a power of two dividing the warpgroup's threads."""
+    rows = WARPGROUP_THREADS
+    while rows > 1 and (rows * value_dim > MERGE_PER_THREAD * WARPGROUP_THREADS
+                        or rows * value_dim % WARPGROUP_THREADS):
+        rows //= 2
+    return rows
 
 @dataclass(frozen=True)
 class AttentionSchedule(Schedule):
