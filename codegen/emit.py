@@ -113,8 +113,8 @@ def _emit_assign(em: Emitter, s: ir.Assign) -> None:
 # unrolled so that several iterations' loads are in flight at once, as many as fit the registers
 # ptxas compiles the kernel with (target.launch_registers: 248 for 256 threads, 168 for 384)
 # beyond SERIAL_UNROLL_RESERVED (the accumulator or O tile and what else stays live): at 248,
-# the splits' row maxima (2 a split) 8 deep, split-K's [64, 64] f32 partials (32) 2 deep, a
-# split-KV O slice beside its m and l (68) not at all; at 168 nothing. ptxas hoists the next
+# split-K's [64, 64] f32 partials (32) 2 deep, split-KV's groups of 8 splits (an unroll loop of
+# 80 registers already) not at all; at 168 nothing. ptxas hoists the next
 # iterations' loads of an unrolled loop and spilled these kernels wherever they did not fit
 # (a 64x256 split-K tile with a residual input at 3 deep, 128 reserved).
 SERIAL_UNROLL_RESERVED = 160
@@ -143,28 +143,9 @@ def _loaded_registers(em: Emitter, body) -> int:
     return total
 
 
-# A loop whose tiles are all linear (the split-KV merge, docs/ir.md "Linear tiles") reserves less:
-# its tiles are a few registers a thread, and it runs in place of the fragment epilogue, where the
-# accumulators are dead (8 splits of 10 registers each in flight at 168 registers: ptxas did not spill).
-LINEAR_UNROLL_RESERVED = 80
-
-
-def _linear_only(em: Emitter, body) -> bool:
-    """Whether every tile a loop body writes is a linear tile."""
-    for x in body:
-        if isinstance(x, ir.For):
-            if not _linear_only(em, x.body):
-                return False
-        elif hasattr(x, "dst") and isinstance(x.dst, str) and not em.tile(x.dst, x).linear:
-            return False
-    return True
-
-
 def serial_unroll(em: Emitter, body) -> int:
-    """The unroll factor of a serial loop of register work (SERIAL_UNROLL_RESERVED, or
-    LINEAR_UNROLL_RESERVED for one of linear tiles)."""
-    reserved = LINEAR_UNROLL_RESERVED if _linear_only(em, body) else SERIAL_UNROLL_RESERVED
-    spare = launch_registers(em.kernel.threads) - reserved
+    """The unroll factor of a serial loop of register work (SERIAL_UNROLL_RESERVED)."""
+    spare = launch_registers(em.kernel.threads) - SERIAL_UNROLL_RESERVED
     return max(1, min(SERIAL_UNROLL_MAX, spare // max(1, _loaded_registers(em, body))))
 
 

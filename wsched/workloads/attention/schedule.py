@@ -139,6 +139,7 @@ def max_keys_per_block(schedule: "AttentionSchedule", kinds: tuple[str, ...] = (
 # tiles"), each thread MERGE_PER_THREAD values of a row: 10 loads a split, 8 splits' in flight,
 # a round of loads per merge_rows() query rows and 8 splits (epilogue._split_merge).
 MERGE_PER_THREAD = 8
+MERGE_SPLITS_IN_FLIGHT = 8    # splits whose loads the merge issues together (80 registers a thread)
 
 
 def merge_rows(value_dim: int) -> int:
