@@ -420,7 +420,7 @@ def test_the_split_merges_loads_are_issued_together_and_o_is_divided_by_row_reci
     assert "const int col0 = 0 + wsp::linear_col(16, 8);" in merge                  # 16 threads a row, 8 values each
     assert "const int row0 = wg * 64 + chunk_ * 8 + wsp::linear_row(16);" in merge
     assert "merge_part[li] = wsp::load_one(ptr + li, row_ok && col0 + li < 128);" in merge
-    assert re.findall(r"#pragma unroll( \d+)?\n\s+for \(int (first_split|u)\b", decode) == [(" 1", "first_split"), ("", "u")]
+    assert re.findall(r"#pragma unroll( \d+)?\n\s+for \(int (first_split|in_group)\b", decode) == [(" 1", "first_split"), ("", "in_group")]
     assert "merge_mb[0] = merge_mb[0] - (src_split >= splits) * 1e+30f;" in merge      # past the last split
     assert "merge_o[li] = wsp::div_shared(merge_o[li], merge_c[0]);" in merge
     assert "o_acc[4 * fj + 2 * fi + 0] = wsp::div_shared(o_acc[4 * fj + 2 * fi + 0], corr[fi]);" in decode
@@ -439,7 +439,7 @@ def test_the_split_merges_loads_are_issued_together_and_o_is_divided_by_row_reci
     assert "quad_transpose" not in store    # one consumer warpgroup: pair stores (QUAD_STORE_WARPGROUPS)
     assert_helpers_come_from_the_headers(decode)
     two = emit_kernel(ws.lower(make_attention(128, causal=True, lse=True), split_kv=MAX_SPLIT_KV)).source
-    assert re.findall(r"#pragma unroll( \d+)?\n\s+for \(int (first_split|u)\b", two) == [(" 1", "first_split"), ("", "u")]
+    assert re.findall(r"#pragma unroll( \d+)?\n\s+for \(int (first_split|in_group)\b", two) == [(" 1", "first_split"), ("", "in_group")]
     for schedule, unroll in ((dict(split_k=4), "1"), (dict(tile=(64, 128, 64), consumer_warpgroups=1, split_k=4), "2")):
         split_k = emit(matmul, **schedule).source
         assert re.findall(r"#pragma unroll (\d+)\n\s+for \(int src_split", split_k) == [unroll]

@@ -9,12 +9,14 @@ line number is also checked against `print_kernel`'s text by `problems()`.
 from __future__ import annotations
 
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
 import wsched as ws
 
 from wsched.lowering import ir
+from wsched.lowering.parser import parse_kernel
 from wsched.lowering.printer import print_kernel
 from wsched.lowering.verify import (
     Diagnostic, VerifyError, children, statement_at, statement_lines, verify, verify_all,
@@ -543,7 +545,7 @@ STRUCTURAL = [
     ], id="linear-and-fragment-tiles"),
     pytest.param(lambda: edit(with_consumer_tile(ir.RegDecl("out", "f32", (64, 1), "linear")), CAST,
                               ir.TileReduce("max", "out", "acc", 1)), [
-        f"IR line 50 ({WHERE_TILE} > tile.reduce.max): tile.reduce.max out, acc: out is a linear tile; this op works on tiles in the wgmma fragment layout (a linear tile takes tile.fill, tile.iota, elementwise ops, tile.load and tile.store)",
+        f"IR line 50 ({WHERE_TILE} > tile.reduce.max): tile.reduce.max out, acc: out is a linear tile; this op works on tiles in the wgmma fragment layout (a linear tile takes tile.fill, tile.iota, the unary and binary ops, tile.load and tile.store)",
     ], id="linear-tile-reduced"),
     pytest.param(lambda: with_consumer_tile(ir.RegDecl("out", "bf16", (2, 64, 256)), (CAST, ir.WgmmaFence())), [
         f"IR line 51 ({WHERE_TILE} > tile.store): tile.store: tile out [2, 64, 256] does not fit c (rank 2); the tile covers the tensor's trailing dims, and its dims beyond the tensor's rank must be 1",
@@ -1029,3 +1031,30 @@ def test_a_release_by_one_thread_needs_the_warpgroup_past_its_wait():
         "producer can complete q_full's next phase too and a late warp waits a phase behind for ever; put the "
         "warpgroup's `bar.sync 1 + wg, 128` before the release",
     ]
+
+
+# ---------------------------------------------------------------------------------------------
+# Linear tiles in the split-KV merge (docs/ir.md, "Linear tiles")
+# ---------------------------------------------------------------------------------------------
+
+MERGE_WHERE = "role consumer > for tile > if > if > for chunk > for first_split > for in_group"
+
+
+@pytest.mark.parametrize("old, new, expected", [
+    # a linear tile holds one row a thread: a [1, C] operand would need every row's columns
+    ("tile.mul merge_part, merge_part, merge_mb", "tile.mul merge_part, merge_part, merge_r",
+     f"IR line 208 ({MERGE_WHERE} > tile.mul): tile.mul merge_part: merge_r [1, 128] broadcast into the linear "
+     f"tile merge_part [8, 128]; a linear tile's operands are tiles of its shape, [8, 1] (a value a row) or [1, 1]"),
+    ("tile.mul merge_part, merge_part, merge_mb", "tile.mul merge_part, merge_part, m_blk",
+     f"IR line 207 ({MERGE_WHERE} > tile.mul): tile.mul merge_part: the tiles lie in different layouts "
+     f"(merge_part linear, m_blk fragment); an elementwise op combines tiles of one layout"),
+    ("tile.load merge_lb <- part_l[src_split, work, wg * 64 + chunk * 8, 0]", "tile.load merge_lb <- tickets[work]",
+     f"IR line 193 ({MERGE_WHERE} > tile.load): tile.load: merge_lb is a linear tile and tickets has rank 1; a "
+     f"linear tile is read from and written to tensors of rank 2 or more (its rows, then columns)"),
+], ids=["row-broadcast", "fragment-operand", "rank-1-tensor"])
+def test_linear_tiles_in_the_decode_merge(old, new, expected):
+    text = (Path(__file__).parent / "golden" / "attention_decode_split.ir").read_text()
+    if new.endswith("merge_r"):
+        text = text.replace("    reg merge_c: f32[8, 1] linear\n", "    reg merge_c: f32[8, 1] linear\n    reg merge_r: f32[1, 128] linear\n")
+    assert old in text
+    assert expected in [str(p) for p in verify_all(parse_kernel(text.replace(old, new)))]

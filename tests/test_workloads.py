@@ -78,7 +78,12 @@ def test_pipeline_docstring_lists_every_route():
     (matmul, {}), (mlp, dict(epilogue="direct")), (linear_relu_residual, {}), (scaled_silu_f32, {}),
     (make_attention(128, causal=True, lse=True), {}), (make_attention(64, causal="bottom_right", gqa=True), {}),
     (make_attention(64), dict(mode="pingpong")),
-    (make_biased(lambda s, i, j, u, p: s + u * (j - i) + 0.5 * (j - i)), {})], ids=lambda x: getattr(x, "name", str(x)))
+    (make_biased(lambda s, i, j, u, p: s + u * (j - i) + 0.5 * (j - i)), {}),
+    # split-KV: the merge's chunks, groups and linear tiles
+    (make_attention(128, causal="bottom_right", lse=True, gqa=True),
+     dict(tile=(64, 128, 128), consumer_warpgroups=1, split_kv=32, pack_gqa=True)),
+    (make_biased(lambda s, i, j, u, p: s + u * (j - i), d=128, align="bottom_right"),
+     dict(tile=(64, 128, 128), consumer_warpgroups=1, split_kv=32))], ids=lambda x: getattr(x, "name", str(x)))
 def test_every_name_the_lowering_declares_is_reserved(fusion, overrides):
     """A fusion input named like any of these is renamed (`param_name`), so the set must hold
     every name a pass invents."""

@@ -77,7 +77,7 @@ LOWERING_NAMES = frozenset({
     # attention
     "m_blocks", "m_block", "kv_blocks", "rest", "s_acc", "p", "o_acc", "m_run", "l_run", "m_blk",
     "corr", "o_t", "o", "lse", BIAS_WEIGHT, BIAS_TERM, BIAS_COLS, "heads", "G", "work", "kv_all", "kv_per", "kv_skip", PART_O, PART_M, PART_L, PART_ROWS, MERGE_O, MERGE_M, MERGE_L, MERGE_PART,
-    MERGE_MB, MERGE_LB, MERGE_C, MERGE_T, "chunk", "first_split", "section", "first_head", "section_heads", "in_section",
+    MERGE_MB, MERGE_LB, MERGE_C, MERGE_T, "chunk", "first_split", "in_group", "section", "first_head", "section_heads", "in_section",
     # attention: packed sequences (ws.varlen)
     ID_SPANS, "span_first", "span_count", "span_full", "span_fulls",
     "run_a0", "run_a1", "run_b0", "run_b1", "run_first", "run_count", "run_next",

@@ -290,12 +290,24 @@ class TileChecks:
             spelled = ", ".join(f"{name} {layout}" for name, layout in layouts.items())
             self.r.at(path, f"{word}: the tiles lie in different layouts ({spelled}); an elementwise op "
                             f"combines tiles of one layout")
+            return
+        dst = scope.get(names[0]) if isinstance(names[0], str) else None
+        if dst is None or dst.decl is None or dst.decl.layout != "linear":
+            return
+        rows = dst.decl.shape[0]
+        for name in names[1:]:   # a thread holds one row of a linear tile: no broadcast along rows
+            b = scope.get(name) if isinstance(name, str) else None
+            if b is not None and b.decl is not None and tuple(b.decl.shape) not in (
+                    tuple(dst.decl.shape), (rows, 1), (1, 1)):
+                self.r.at(path, f"{word}: {name} {list(b.decl.shape)} broadcast into the linear tile {names[0]} "
+                                f"{list(dst.decl.shape)}; a linear tile's operands are tiles of its shape, "
+                                f"[{rows}, 1] (a value a row) or [1, 1]")
 
     def _fragment_only(self, word, names, path, scope) -> None:
         for name in names:
             if self._layout_of(name, scope) == "linear":
                 self.r.at(path, f"{word}: {name} is a linear tile; this op works on tiles in the wgmma fragment "
-                                f"layout (a linear tile takes tile.fill, tile.iota, elementwise ops, tile.load and tile.store)")
+                                f"layout (a linear tile takes tile.fill, tile.iota, the unary and binary ops, tile.load and tile.store)")
 
     # -- i32 tiles (docs/ir.md, "Integer tiles") -------------------------------------------------
 
@@ -432,6 +444,9 @@ class TileChecks:
                             f"{len(param.shape)}); give one coordinate per dim")
         if t is None:
             return
+        if getattr(t, "layout", "fragment") == "linear" and len(param.shape) < 2:
+            self.r.at(path, f"{verb}: {tile_name} is a linear tile and {tensor} has rank {len(param.shape)}; a linear "
+                            f"tile is read from and written to tensors of rank 2 or more (its rows, then columns)")
         extra = len(t.shape) - len(param.shape)
         if extra > 0 and any(d != 1 for d in t.shape[:extra]):
             self.r.at(path, f"{verb}: tile {tile_name} {list(t.shape)} does not fit {tensor} (rank "

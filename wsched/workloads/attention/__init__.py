@@ -101,8 +101,9 @@ class AttentionWorkload(Workload):
         producer or a score function moves it): the softmax not overlapped with P V (one score
         tile fewer in flight), then half and a quarter of the keys per block (down to 32), each
         kept only where the workload takes it for the fusion; last, where the keys are split, the
-        same tiles unsplit (the merge keeps registers live beside the O accumulator: a 64x32x256
-        split decode with a top-left causal mask spilled 12 bytes, unsplit it builds)."""
+        same tiles unsplit (a 64x32x256 split decode with a top-left causal mask spilled 12 bytes,
+        unsplit it built: measured with the fragment merge, before the merge moved to linear tiles,
+        and not since)."""
         keep = dict(consumer_warpgroups=schedule.consumer_warpgroups, pack_gqa=schedule.pack_gqa, mode=schedule.mode)
         lighter = self._narrower(fusion, schedule, 32, split_kv=schedule.split_kv, **keep)
         if schedule.splits_kv:
@@ -141,7 +142,7 @@ class AttentionWorkload(Workload):
         if schedule != self.default_schedule(fusion):
             return ()
         found = []
-        # the merge's registers beside a 256-wide O: overlap no softmax there (SPLIT_KV_SPILLS),
+        # split-KV beside a 256-wide O: overlap no softmax there (SPLIT_KV_SPILLS),
         # and one consumer warpgroup takes 32 keys a block (64 spilled 8 bytes, packed or not)
         inflights = (schedule.mma_inflight, 0)
         wide = schedule.value_dim == schedule_mod.THIN_MARGIN_VALUE_DIM

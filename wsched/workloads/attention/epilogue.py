@@ -100,8 +100,9 @@ def _split_merge(a, d: int, nwg: int, rows: int, tail: list[ir.Stmt]) -> list[ir
 
     and normalises and stores the result (`_tail`); with one split the tile's own O is stored
     (`tail`, the fragment epilogue). The merge is latency-bound (each split's partial a load from
-    L2 away), so it runs on linear tiles (docs/ir.md, "Linear tiles"): `rows` rows at a time,
-    each of the 128 threads 8 values of a row, 10 loads a split, where the fragment layout keeps a
+    L2 away), so it runs on linear tiles (docs/ir.md, "Linear tiles"): `rows` rows at a time
+    (merge_rows: 8 at head dim 128, 16 at 64), each of the 128 threads MERGE_PER_THREAD (or
+    fewer) values of a row, 10 loads a split at head dim 128, where the fragment layout keeps a
     row in 4 threads (a decode tile's 4 rows in 16 of them, 64 registers a split). No split's
     loads depend on the running (m, l, O), so each group of MERGE_SPLITS_IN_FLIGHT splits (an
     unrolled loop) issues its loads at once and the rescaling after them is arithmetic: a round
@@ -121,13 +122,16 @@ def _split_merge(a, d: int, nwg: int, rows: int, tail: list[ir.Stmt]) -> list[ir
     last = ir.sub(SPLITS, 1)
     chunk_rows = ir.add(ir.mul("wg", 64), ir.mul("chunk", rows))      # the chunk's first row in the tile
     src = (V("src_split"), V("work"), chunk_rows)
-    tile_rows = ir.emin(C(64), ir.sub(PART_ROWS, ir.mul("wg", 64)))    # this warpgroup's rows a query fills
+    group = MERGE_SPLITS_IN_FLIGHT
+    # this warpgroup's rows a query fills (none for the second where a query fills 64 or fewer)
+    tile_rows = ir.emax(C(0), ir.emin(C(64), ir.sub(PART_ROWS, ir.mul("wg", 64))))
     merge = ir.For("chunk", C(0), ir.ceil_div(tile_rows, rows), C(1), "serial", (
         ir.TileFill(MERGE_M, f(-1e30)),
         ir.TileFill(MERGE_L, f(0.0)),
         ir.TileFill(MERGE_O, f(0.0)),
-        ir.For("first_split", C(0), V(SPLITS), C(MERGE_SPLITS_IN_FLIGHT), "serial", (ir.For("u", C(0), C(MERGE_SPLITS_IN_FLIGHT), C(1), "unroll", (
-            ir.Let("src_split", ir.add("first_split", "u")),
+        ir.For("first_split", C(0), V(SPLITS), C(group), "serial", (
+          ir.For("in_group", C(0), C(group), C(1), "unroll", (
+            ir.Let("src_split", ir.add("first_split", "in_group")),
             ir.TileLoadGlobal(MERGE_MB, PART_M, src + (C(0),)),          # past the last split: 0 (zero outside)
             ir.TileLoadGlobal(MERGE_LB, PART_L, src + (C(0),)),
             ir.TileLoadGlobal(MERGE_PART, PART_O, src + (C(0),)),

@@ -18,7 +18,7 @@ from typing import Iterator
 from wsched.schedule import (PRODUCER_REGISTERS, Schedule, ScheduleError, check_overrides, default_consumer_registers,
                              is_int, max_stages)
 from wsched.target import (PAGE_ROWS_ALIGN, SETMAXNREG_STEP, SMEM_ALIGN, SWIZZLE_ROW_BYTES, WARPGROUP_THREADS, WGMMA_K,
-                           launch_registers)
+                           WGMMA_M, launch_registers)
 
 # The head dims of Q and K the kernels implement, and the head dim of V and O beside each.
 VALUE_DIMS = {64: 64, 96: 96, 128: 128, 192: 128, 256: 256}
@@ -112,7 +112,8 @@ THIN_MARGIN_VALUE_DIM = 256
 
 # (consumer_warpgroups, head dim of V and O, mma_inflight) whose split-KV kernel spills where the
 # plain one does not (measured with nvcc on the causal + LSE kernels, GQA-packed or not,
-# 2026-11-23: 8 to 28 bytes).
+# 2026-11-23: 8 to 28 bytes; with the merge on fragment tiles, not measured again since it moved
+# to linear tiles, 2026-11-25).
 SPLIT_KV_SPILLS = {(2, 256, 1), (1, 256, 1)}
 # (with one consumer warpgroup and 64 keys a block head dim 256 spilled at mma_inflight=0 too, where
 # GQA-packed: the decode variant takes 32 keys a block there, AttentionWorkload.variants)
@@ -145,11 +146,12 @@ MERGE_SPLITS_IN_FLIGHT = 8    # splits whose loads the merge issues together (80
 def merge_rows(value_dim: int) -> int:
     """Rows of the merge's linear tiles: as many as hold MERGE_PER_THREAD values a thread
     ([8, 128] at head dim 128, [16, 64] at 64), a power of two dividing the warpgroup's threads."""
-    rows = WARPGROUP_THREADS
+    rows = WGMMA_M   # at most a warpgroup's rows (a power of two dividing its threads)
     while rows > 1 and (rows * value_dim > MERGE_PER_THREAD * WARPGROUP_THREADS
                         or rows * value_dim % WARPGROUP_THREADS):
         rows //= 2
     return rows
+
 
 @dataclass(frozen=True)
 class AttentionSchedule(Schedule):
@@ -160,9 +162,9 @@ class AttentionSchedule(Schedule):
     `split_kv` is the most CTAs a tile's kv blocks may be split across (decode, long context with
     few tiles): 1 builds the plain kernel; above 1 the host picks the split count per call
     (`loops.split_count`: at most `split_kv`, at least MIN_KV_BLOCKS_PER_SPLIT kv blocks a
-    split, units on all SMs or on half of them where the tiles are few), each split keeps its partial
-    O, row max and row sum in a workspace, and the last split of a tile to finish merges them
-    (docs/architecture.md, "Split-KV"). `pack_gqa` puts the G query heads that share a KV head
+    split, units on all SMs or on half of them where the tiles are few and the splits short),
+    each split keeps its partial O, row max and row sum in a workspace, and the last split of a
+    tile to finish merges them (docs/architecture.md, "Split-KV"). `pack_gqa` puts the G query heads that share a KV head
     into the rows of one tile (a [..., G, S, D] Q against [..., 1, T, D] K and V): the G x S
     rows of a decode step fill a tile that S alone would leave nearly empty, and K and V are read
     once for all G heads."""
