@@ -72,14 +72,10 @@ def _global_addressing(em: Emitter, s: ir.Stmt, p: ir.GlobalParam, t: Tile,
         raise EmitError(f"{describe(s)}: a linear tile is read from and written to tensors of rank >= 2 "
                         f"(rows and columns); {p.name} has rank {rank}")
     if rank >= 2:
-        frag = {FULL: "wsp::frag_row()", COL: "wsp::frag_row()",
-                LINEAR: f"wsp::linear_row({t.threads_per_row})", LINEAR_ROWS: f"wsp::linear_row({t.threads_per_row})"}
-        row0 = at(coords[-2], frag.get(t.layout))
+        row0 = at(coords[-2], t.first_row)
         checks.insert(0, f"row < {dims[-2]}")
         offsets.append(f"static_cast<long long>(row) * {dims[-1]}")
-    frag = {FULL: "wsp::frag_col()", ROW: "wsp::frag_col()",
-            LINEAR: f"wsp::linear_col({t.threads_per_row}, {t.length})"}
-    col0 = at(coords[-1], frag.get(t.layout))
+    col0 = at(coords[-1], t.first_col)
     return _Addressing(row0, col0, tuple(checks), " + ".join(offsets + ["col0"]), dims[-1],
                        _pairs_aligned(em, p, coords, t))
 

@@ -203,12 +203,11 @@ def _tile_iota_lines(em: Emitter, s: ir.TileIota) -> tuple[Tile, list[str], str]
         # frag_col() + 8 fj + c (fragment.py); a tile of extent 1 along the axis has position 0.
         # A linear tile's element li: row lane / (128 / R), column (lane % (128 / R)) n + li.
         if dst.linear and ((s.axis == 0 and dst.rows > 1) or (s.axis == 1 and dst.cols > 1)):
-            base, step = ((f"wsp::linear_row({dst.threads_per_row})", "0") if s.axis == 0 else
-                          (f"wsp::linear_col({dst.threads_per_row}, {dst.length})", "li"))
+            base, step = (dst.first_row, "0") if s.axis == 0 else (dst.first_col, "li")
         elif s.axis == 0 and dst.rows > 1:
-            base, step = "wsp::frag_row()", "8 * fi"
+            base, step = dst.first_row, "8 * fi"
         elif s.axis == 1 and dst.cols > 1:
-            base, step = "wsp::frag_col()", f"8 * fj + {c}" if c else "8 * fj"
+            base, step = dst.first_col, f"8 * fj + {c}" if c else "8 * fj"
         else:
             values.append(em.expr(s.start) if dst.integer else f"static_cast<float>({em.expr(s.start)})")
             continue

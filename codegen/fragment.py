@@ -58,6 +58,20 @@ class Tile:
         return DTYPE_BYTES[self.dtype] == 2 and self.layout in (FULL, ROW)
 
     @property
+    def first_row(self) -> str | None:
+        """C++ int: the tile row of this thread's first element (None: every thread holds row 0)."""
+        if self.linear:
+            return f"wsp::linear_row({self.threads_per_row})" if self.rows > 1 else None
+        return "wsp::frag_row()" if self.layout in (FULL, COL) else None
+
+    @property
+    def first_col(self) -> str | None:
+        """C++ int: the tile column of this thread's first element (None: column 0)."""
+        if self.linear:
+            return f"wsp::linear_col({self.threads_per_row}, {self.length})" if self.cols > 1 else None
+        return "wsp::frag_col()" if self.layout in (FULL, ROW) else None
+
+    @property
     def threads_per_row(self) -> int:
         """Threads that share a row of a linear tile."""
         return WARPGROUP_THREADS // self.rows

@@ -444,7 +444,7 @@ class TileChecks:
                             f"{len(param.shape)}); give one coordinate per dim")
         if t is None:
             return
-        if getattr(t, "layout", "fragment") == "linear" and len(param.shape) < 2:
+        if t.layout == "linear" and len(param.shape) < 2:
             self.r.at(path, f"{verb}: {tile_name} is a linear tile and {tensor} has rank {len(param.shape)}; a linear "
                             f"tile is read from and written to tensors of rank 2 or more (its rows, then columns)")
         extra = len(t.shape) - len(param.shape)
