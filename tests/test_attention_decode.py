@@ -141,6 +141,45 @@ def test_decode_ir_is_golden_and_round_trips(golden):
     few = f"(16 * ({tiles}) <= num_sms) * ({blocks} < 8 * {on_all} || {on_all} > 16)"
     wanted = f"min(min(32, max(1, {blocks} / 2)), max(1, num_sms / ({tiles} * (1 + {few}))))"
     assert f"i32 splits = ceil_div({blocks}, ceil_div({blocks}, {wanted}))," in text
+    # the rows a tile owns: whole merge chunks of 8 rows, dealt to the SMs the splits leave idle
+    chunks = "ceil_div(min(64, G * S), 8)"
+    parts = f"min({chunks}, max(1, num_sms / ({tiles} * splits)))"
+    assert f"i32 tile_rows = select(splits > 1 && {parts} > 1, 8 * ceil_div({chunks}, {parts}), 64)," in text
+    assert "let m0 = m_block * tile_rows" in text
+
+
+@pytest.mark.parametrize("h, g, s, t, num_sms, splits, tile_rows", [
+    (32, 32, 1, 700, 16, 3, 8),      # MQA: 32 rows (4 merge chunks of 8), 3 splits on 16 SMs: 4 tiles of 8 rows
+    (12, 12, 3, 1300, 40, 4, 8),     # 36 rows: 5 tiles of 8, the last with 4
+    (32, 32, 1, 700, 6, 3, 16),      # 6 SMs take 2 tiles of 2 chunks
+    (32, 32, 1, 100, 16, 1, 64),     # one kv block, no split: the tile keeps its rows
+    (32, 4, 1, 4000, 16, 2, 64),     # 4 rows (one chunk) a KV head: nothing to deal
+])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_split_tiles_deal_their_rows_to_idle_sms(h, g, s, t, num_sms, splits, tile_rows, seed):
+    """Where the splits leave SMs idle, a split-KV tile's rows go to tiles of whole merge chunks
+    (loops.tile_rows): each reads the same kv blocks and merges only its own rows. Rows past a
+    tile's own are computed (the wgmma takes 64) but not stored, by the merge nor unsplit."""
+    fusion = make_attention(128, causal="bottom_right", lse=True, gqa=True)
+    kernel = compiled(fusion, **DECODE)
+    inputs = attention_inputs(1, h, s, t, 128, gqa_groups=g, seed=t + seed)
+    _, scalars, _ = kernel._bind_inputs(inputs)
+    params = kernel._host_params(scalars, num_sms)
+    assert (params["splits"], params["tile_rows"]) == (splits, tile_rows)
+    assert params["part_rows"] == min(tile_rows, g * s)
+    check(kernel, fusion, inputs, num_sms, seed=seed)
+
+
+def test_split_tiles_of_unpacked_causal_rows_deal_them_too():
+    """40 query rows of one head (no packing) on the 64-row decode tile: 5 tiles of 8 rows, each
+    walking the kv blocks its 64 computed rows see (a superset of its own rows')."""
+    fusion = make_attention(128, causal=True, lse=True)
+    kernel = compiled(fusion, tile=(64, 128, 128), consumer_warpgroups=1, split_kv=MAX_SPLIT_KV)
+    inputs = attention_inputs(1, 1, 40, 1300, 128, seed=7)
+    _, scalars, _ = kernel._bind_inputs(inputs)
+    params = kernel._host_params(scalars, 40)
+    assert (params["splits"], params["tile_rows"]) == (4, 8)
+    check(kernel, fusion, inputs, num_sms=40)
 
 
 @pytest.mark.parametrize("g, s, rows, bm, num_sms", [(4, 1, 4, 64, 8), (8, 5, 40, 64, 8), (8, 16, 64, 64, 16),
@@ -155,6 +194,7 @@ def test_split_partials_keep_only_the_rows_queries_fill(g, s, rows, bm, num_sms)
     _, scalars, _ = kernel._bind_inputs(inputs)
     params = kernel._host_params(scalars, num_sms)
     assert params["part_rows"] == rows and params["splits"] == 2
+    assert params["tile_rows"] == bm    # no SM idle: the tile keeps its rows
     part_o = next(p for p in kernel.kernel.params if p.name == "part_o")
     tiles = 2 * 2 * -(-g * s // bm)   # batch x KV heads x row blocks of the G x S packed rows
     assert kernel._workspace(part_o, params, "cpu").numel() == params["splits"] * tiles * rows * 128

@@ -34,6 +34,7 @@ PART_O = "part_o"
 PART_M = "part_m"
 PART_L = "part_l"
 PART_ROWS = "part_rows"   # host param: the rows of a tile queries fill (GQA-packed decode: G x S of 64)
+TILE_ROWS = "tile_rows"   # host param: the query rows between one tile's first and the next's (split-KV)
 # split-KV merge: linear tiles of the merged O, row max and sum, a split's partial, max, sum and
 # factor, the output cast, the rows' correction (docs/ir.md, "Linear tiles")
 MERGE_O, MERGE_M, MERGE_L, MERGE_PART = "merge_o", "merge_m", "merge_l", "merge_part"
@@ -76,7 +77,7 @@ LOWERING_NAMES = frozenset({
     "wg", "cta_id", "num_ctas", "num_sms", "M", "N", "K", "S", "T",
     # attention
     "m_blocks", "m_block", "kv_blocks", "rest", "s_acc", "p", "o_acc", "m_run", "l_run", "m_blk",
-    "corr", "o_t", "o", "lse", BIAS_WEIGHT, BIAS_TERM, BIAS_COLS, "heads", "G", "work", "kv_all", "kv_per", "kv_skip", PART_O, PART_M, PART_L, PART_ROWS, MERGE_O, MERGE_M, MERGE_L, MERGE_PART,
+    "corr", "o_t", "o", "lse", BIAS_WEIGHT, BIAS_TERM, BIAS_COLS, "heads", "G", "work", "kv_all", "kv_per", "kv_skip", PART_O, PART_M, PART_L, PART_ROWS, TILE_ROWS, MERGE_O, MERGE_M, MERGE_L, MERGE_PART,
     MERGE_MB, MERGE_LB, MERGE_C, MERGE_T, "chunk", "first_split", "in_group", "section", "first_head", "section_heads", "in_section",
     # attention: packed sequences (ws.varlen)
     ID_SPANS, "span_first", "span_count", "span_full", "span_fulls",

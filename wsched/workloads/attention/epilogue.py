@@ -24,7 +24,8 @@ from wsched.lowering import ir
 from wsched.lowering.context import LoweringContext
 from wsched.lowering.rewrite import map_loop, map_role
 from wsched.names import (CONSUMER, MERGE_C, MERGE_L, MERGE_LB, MERGE_M, MERGE_MB, MERGE_O, MERGE_PART, MERGE_T,
-                          PART_L, PART_M, PART_O, PART_ROWS, SPLITS, TICKET_SLOT, TILE_VAR, WARPGROUP_BARRIER)
+                          PART_L, PART_M, PART_O, PART_ROWS, SPLITS, TICKET_SLOT, TILE_ROWS, TILE_VAR,
+                          WARPGROUP_BARRIER)
 from wsched.target import WARPGROUP_THREADS
 from wsched.workloads.ticket import take_ticket
 from .loops import bias_lse
@@ -37,13 +38,15 @@ V = ir.Var
 C = ir.IntConst
 
 
-def _tail(a, d: int, o: str, l: str, m: str, corr: str, o_t: str, rows: ir.Expr, first: ir.Expr) -> list[ir.Stmt]:
+def _tail(a, d: int, o: str, l: str, m: str, corr: str, o_t: str, rows: ir.Expr, first: ir.Expr,
+          limit: ir.Expr | None = None) -> list[ir.Stmt]:
     """Normalise O (tile `o`, head dim `d`) by the row sum `l`, store it, and the log-sum-exp from
     the row max `m`: the tile's rows start at m0 + `rows`; `first` is the first of them in the
-    warpgroup's tile (what the diagonal bias's LSE part counts rows from)."""
+    warpgroup's tile (what the diagonal bias's LSE part counts rows from); rows from `limit` on
+    are not stored."""
     row0 = ir.add("m0", rows)
     coords = tuple(V(f"b{i}") for i in range(a.kernel_batch)) + (row0, C(0))
-    lse_coords, limit = coords, None
+    lse_coords = coords
     if a.varlen is not None:   # packed rows [NQ, heads x D]: the sequence's rows, none past its end
         row0 = ir.add("q_start", row0)
         coords, lse_coords, limit = (row0, ir.mul("head", d)), (row0, V("head")), V("q_end")
@@ -69,7 +72,9 @@ def epilogue(kernel: ir.Kernel, ctx: LoweringContext) -> ir.Kernel:
     a, s = ctx.partition.payload, ctx.schedule
     d = s.value_dim
     wg_rows = ir.mul("wg", 64)
-    tail = _tail(a, d, "o_acc", "l_run", "m_run", "corr", "o_t", wg_rows, C(0))
+    # a split-KV tile owns `tile_rows` of its rows (loops.tile_rows); the next tile owns the rest
+    tail = _tail(a, d, "o_acc", "l_run", "m_run", "corr", "o_t", wg_rows, C(0),
+                 ir.add("m0", TILE_ROWS) if s.splits_kv else None)
     decls = [ir.RegDecl("o_t", a.out.dtype.name, (64, d))]
     smem = kernel.smem
     if s.splits_kv:
