@@ -81,6 +81,19 @@ def test_paged_split_kv_merges_each_sequence_over_its_own_keys():
     check(kernel, fusion, inputs, num_sms=8)
 
 
+@pytest.mark.parametrize("lens, g, s, num_sms", [([2100, 700], 16, 2, 32), ([1500, 3], 32, 1, 24)])
+def test_paged_split_tiles_deal_their_rows_to_idle_sms(lens, g, s, num_sms):
+    """One KV head, 32 query rows (two merge chunks of 16 at head dim 64): the splits leave SMs
+    idle, so each sequence's rows go to two tiles of 16, both walking the sequence's pages."""
+    fusion = make_paged(32)
+    kernel = compiled(fusion, **DECODE)
+    inputs = paged_inputs(lens, 32, hk=1, g=g, s=s, seed=num_sms)
+    _, scalars, _ = kernel._bind_inputs(inputs)
+    params = kernel._host_params(scalars, num_sms)
+    assert (params["splits"], params["tile_rows"]) == (6, 16)
+    check(kernel, fusion, inputs, num_sms=num_sms)
+
+
 @pytest.mark.parametrize("causal", [True, False])
 def test_paged_prefill_tiles_without_packing(causal):
     """128-row tiles, two consumer warpgroups, 64-row pages: a chunk of 150 new tokens against

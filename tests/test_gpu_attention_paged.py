@@ -50,6 +50,19 @@ def test_paged_mha_and_wide_groups(hk, g):
     check(f, k, inputs)
 
 
+@pytest.mark.parametrize("lens, s", [([4621], 1), ([1172, 30000], 1), ([3000, 1], 3)])
+def test_paged_one_kv_head_deals_its_rows_to_idle_sms(lens, s):
+    """MQA against a paged cache: 32 query heads of one KV head, few sequences: the splits leave
+    SMs idle and each sequence's 32 x S rows go to tiles of whole merge chunks."""
+    f, k = compiled(128, 16, True)
+    inputs = paged_inputs(lens, 16, 128, hk=1, g=32, s=s, seed=len(lens) + s, device="cuda")
+    chosen = k.kernel_for(*inputs)
+    _, scalars, _ = chosen._bind_inputs(inputs)
+    params = chosen._host_params(scalars, torch.cuda.get_device_properties(0).multi_processor_count)
+    assert params["splits"] > 1 and params["tile_rows"] < 64
+    check(f, k, inputs)
+
+
 def test_paged_prefill_chunk_against_its_cache():
     """A chunk of 700 new tokens of each sequence at the end of its cache (128-row tiles)."""
     f, k = compiled(128, 64, True)
