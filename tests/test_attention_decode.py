@@ -154,6 +154,7 @@ def test_decode_ir_is_golden_and_round_trips(golden):
     (32, 32, 1, 700, 6, 3, 16),      # 6 SMs take 2 tiles of 2 chunks
     (32, 32, 1, 100, 16, 1, 64),     # one kv block, no split: the tile keeps its rows
     (32, 4, 1, 4000, 16, 2, 64),     # 4 rows (one chunk) a KV head: nothing to deal
+    (32, 32, 3, 1500, 40, 6, 24),    # 96 rows, two row blocks of 64: 4 tiles of 24
 ])
 @pytest.mark.parametrize("seed", [0, 1])
 def test_split_tiles_deal_their_rows_to_idle_sms(h, g, s, t, num_sms, splits, tile_rows, seed):
@@ -171,15 +172,40 @@ def test_split_tiles_deal_their_rows_to_idle_sms(h, g, s, t, num_sms, splits, ti
 
 
 def test_split_tiles_of_unpacked_causal_rows_deal_them_too():
-    """40 query rows of one head (no packing) on the 64-row decode tile: 5 tiles of 8 rows, each
+    """100 query rows of one head (no packing), bottom-right against 1500 keys, on 64-row decode
+    tiles: 2 row blocks x 6 splits on 40 SMs, so 5 tiles of 24 rows (the last with 4), each
     walking the kv blocks its 64 computed rows see (a superset of its own rows')."""
-    fusion = make_attention(128, causal=True, lse=True)
+    fusion = make_attention(128, causal="bottom_right", lse=True)
     kernel = compiled(fusion, tile=(64, 128, 128), consumer_warpgroups=1, split_kv=MAX_SPLIT_KV)
-    inputs = attention_inputs(1, 1, 40, 1300, 128, seed=7)
+    inputs = attention_inputs(1, 1, 100, 1500, 128, seed=7)
     _, scalars, _ = kernel._bind_inputs(inputs)
     params = kernel._host_params(scalars, 40)
-    assert (params["splits"], params["tile_rows"]) == (4, 8)
+    assert (params["splits"], params["tile_rows"], params["part_rows"]) == (6, 24, 24)
     check(kernel, fusion, inputs, num_sms=40)
+
+
+@ws.fusion
+def alibi_decode(q: ws.Tensor[ws.bf16, "B", "H", "S", 128], k: ws.Tensor[ws.bf16, "B", "H", "T", 128],
+                 v: ws.Tensor[ws.bf16, "B", "H", "T", 128], slope: ws.Tensor[ws.f32, "H", 1, 1]):
+    s = ws.matmul(q, k.transpose(-1, -2)) * 128 ** -0.5
+    i, j = ws.positions(s)
+    s = ws.causal_mask(s + slope * (j - i), align="bottom_right")
+    return ws.matmul(ws.softmax(s, dim=-1), v).to(ws.bf16), ws.logsumexp(s, dim=-1)
+
+
+def test_dealt_tiles_keep_a_diagonal_bias_and_its_lse_per_row():
+    """ALiBi (a per-head slope times j - i), bottom-right: a dealt tile's bias counts rows from
+    its own first row, and the LSE's row part (`bias_lse`) from each merge chunk's; the LSE is
+    held to 1e-4 (a chunk's rows counted from the wrong first row err by ~3e-3)."""
+    kernel = compiled(alibi_decode, tile=(64, 128, 128), consumer_warpgroups=1, split_kv=MAX_SPLIT_KV)
+    inputs = variant_inputs(alibi_decode, 1, 1, 100, 1500, 128, seed=5)
+    _, scalars, _ = kernel._bind_inputs(inputs)
+    params = kernel._host_params(scalars, 40)
+    assert (params["splits"], params["tile_rows"]) == (6, 24)
+    check(kernel, alibi_decode, inputs, num_sms=40)
+    _, lse = kernel.simulate(*inputs, num_sms=40)
+    want = alibi_decode.reference(*inputs)[1]
+    assert float((lse - want).norm() / want.norm()) < 1e-4
 
 
 @pytest.mark.parametrize("g, s, rows, bm, num_sms", [(4, 1, 4, 64, 8), (8, 5, 40, 64, 8), (8, 16, 64, 64, 16),
@@ -194,7 +220,8 @@ def test_split_partials_keep_only_the_rows_queries_fill(g, s, rows, bm, num_sms)
     _, scalars, _ = kernel._bind_inputs(inputs)
     params = kernel._host_params(scalars, num_sms)
     assert params["part_rows"] == rows and params["splits"] == 2
-    assert params["tile_rows"] == bm    # no SM idle: the tile keeps its rows
+    # no SM idle: a one-warpgroup tile keeps its rows; two warpgroups never deal them
+    assert params.get("tile_rows") == (bm if bm == 64 else None)
     part_o = next(p for p in kernel.kernel.params if p.name == "part_o")
     tiles = 2 * 2 * -(-g * s // bm)   # batch x KV heads x row blocks of the G x S packed rows
     assert kernel._workspace(part_o, params, "cpu").numel() == params["splits"] * tiles * rows * 128

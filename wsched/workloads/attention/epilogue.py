@@ -28,7 +28,7 @@ from wsched.names import (CONSUMER, MERGE_C, MERGE_L, MERGE_LB, MERGE_M, MERGE_M
                           WARPGROUP_BARRIER)
 from wsched.target import WARPGROUP_THREADS
 from wsched.workloads.ticket import take_ticket
-from .loops import bias_lse
+from .loops import bias_lse, deals_rows
 from .schedule import MERGE_SPLITS_IN_FLIGHT, merge_rows
 
 
@@ -72,9 +72,11 @@ def epilogue(kernel: ir.Kernel, ctx: LoweringContext) -> ir.Kernel:
     a, s = ctx.partition.payload, ctx.schedule
     d = s.value_dim
     wg_rows = ir.mul("wg", 64)
-    # a split-KV tile owns `tile_rows` of its rows (loops.tile_rows); the next tile owns the rest
+    # a tile that deals rows owns `tile_rows` of its 64 (loops.tile_rows), the next tile the rest:
+    # the host deals them only to split tiles (tile_rows is 64 where the call does not split),
+    # the limit keeps the unsplit store to the tile's own rows whatever tile_rows is
     tail = _tail(a, d, "o_acc", "l_run", "m_run", "corr", "o_t", wg_rows, C(0),
-                 ir.add("m0", TILE_ROWS) if s.splits_kv else None)
+                 ir.add("m0", TILE_ROWS) if deals_rows(s) else None)
     decls = [ir.RegDecl("o_t", a.out.dtype.name, (64, d))]
     smem = kernel.smem
     if s.splits_kv:
@@ -129,8 +131,8 @@ def _split_merge(a, d: int, nwg: int, rows: int, tail: list[ir.Stmt]) -> list[ir
     src = (V("src_split"), V("work"), chunk_rows)
     group = MERGE_SPLITS_IN_FLIGHT
     # this warpgroup's rows a query fills (none for the second where a query fills 64 or fewer)
-    tile_rows = ir.emax(C(0), ir.emin(C(64), ir.sub(PART_ROWS, ir.mul("wg", 64))))
-    merge = ir.For("chunk", C(0), ir.ceil_div(tile_rows, rows), C(1), "serial", (
+    wg_filled = ir.emax(C(0), ir.emin(C(64), ir.sub(PART_ROWS, ir.mul("wg", 64))))
+    merge = ir.For("chunk", C(0), ir.ceil_div(wg_filled, rows), C(1), "serial", (
         ir.TileFill(MERGE_M, f(-1e30)),
         ir.TileFill(MERGE_L, f(0.0)),
         ir.TileFill(MERGE_O, f(0.0)),

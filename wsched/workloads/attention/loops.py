@@ -98,7 +98,8 @@ def build_loops(kernel: None, ctx: LoweringContext) -> ir.Kernel:
         params.append(ir.ScalarParam(a.keys, "i32"))
     if s.splits_kv:
         params.append(ir.HostParam(SPLITS, "i32", split_count(s, nb, rows, a.keys)))
-        params.append(ir.HostParam(TILE_ROWS, "i32", tile_rows(s, nb, rows)))
+        if deals_rows(s):
+            params.append(ir.HostParam(TILE_ROWS, "i32", tile_rows(s, nb, rows)))
     counter = takes_tiles_from_counter(a, s)
     if counter:
         params.append(ir.WorkspaceParam(TILE_COUNTER, "i32", (C(1),), zeroed=True))
@@ -154,8 +155,8 @@ def build_loops(kernel: None, ctx: LoweringContext) -> ir.Kernel:
         # Only the rows a query can fill are kept: a decode tile of 64 rows holds G x S of them
         # (4 for one token of 4 heads), and the merge reads every split's rows. The stores drop,
         # and the merge's loads read as 0, the rows past `part_rows`; no stored O row comes of them.
-        tiles = ir.mul(_heads(nb), ir.ceil_div(rows, TILE_ROWS))
-        params.append(ir.HostParam(PART_ROWS, "i32", ir.emin(TILE_ROWS, rows)))
+        tiles = ir.mul(_heads(nb), ir.ceil_div(rows, row_step(s)))
+        params.append(ir.HostParam(PART_ROWS, "i32", ir.emin(row_step(s), rows)))
         params += [ir.WorkspaceParam(PART_O, "f32", (V(SPLITS), tiles, V(PART_ROWS), C(dv))),
                    ir.WorkspaceParam(PART_M, "f32", (V(SPLITS), tiles, V(PART_ROWS), C(1))),
                    ir.WorkspaceParam(PART_L, "f32", (V(SPLITS), tiles, V(PART_ROWS), C(1))),
@@ -338,10 +339,16 @@ def _plus_mul(name: str, factor: int, offset: int) -> ir.Expr:
     return ir.add(e, offset) if offset else e
 
 
+def deals_rows(s) -> bool:
+    """Whether a tile's rows may go to several tiles (`tile_rows`): split-KV on one consumer
+    warpgroup (with two or three, a tile's second warpgroup would compute rows for nothing)."""
+    return s.splits_kv and s.consumer_warpgroups == 1
+
+
 def row_step(s) -> ir.Expr:
-    """The query rows from one tile's first to the next's: the tile's bm, or with split-KV the
-    host's `tile_rows` (`tile_rows`: fewer where the merge would leave SMs idle)."""
-    return V(TILE_ROWS) if s.splits_kv else C(s.bm)
+    """The query rows from one tile's first to the next's: the tile's bm, or the host's
+    `tile_rows` where the kernel deals rows (`deals_rows`)."""
+    return V(TILE_ROWS) if deals_rows(s) else C(s.bm)
 
 
 def m_blocks_of(a, bm: int | ir.Expr) -> ir.Expr:
@@ -394,18 +401,18 @@ def split_count(s, nb: int, rows: ir.Expr, keys: str = "T") -> ir.Expr:
 
 
 def tile_rows(s, nb: int, rows: ir.Expr) -> ir.Expr:
-    """The host's query rows a split-KV tile owns (`row_step`): the tile's bm, unless its splits
-    leave SMs idle; then the rows one warpgroup holds are dealt to up to `chunks` tiles of whole
-    merge chunks (merge_rows: 8 rows at head dim 128), as many as the idle SMs take. Every such
-    tile reads the same kv blocks (from L2, the tiles of a split running side by side) and runs
-    the same wgmma over 64 rows, but merges only its own chunks: the last split's merge, one load
-    latency a chunk and group of splits on one SM, is what one KV head's 32 query rows (MQA at
-    batch 1) wait for. Measured on an H100 (cold L2, D128, B1, one KV head, the same splits,
-    2026-11-25): 8 query heads (one chunk) vs 32 (four) T4621 13.8 / 20.3 us, T32768 22.5 / 35.9
-    (cuDNN with 32 heads 13.8, 20.6)."""
+    """The host's query rows a split-KV tile of one warpgroup owns (`row_step`): its 64, unless
+    its splits fill at most half the SMs (num_sms / (tiles x splits) >= 2) and its rows hold
+    more than one merge chunk (merge_rows: 8 rows at head dim 128); then the rows of each 64 go
+    to up to `chunks` tiles of whole chunks, as many as the idle SMs take. Every such tile runs
+    the wgmma over 64 rows from its first (of a GQA-packed tile: against the same kv blocks, read
+    from L2 by the tiles of a split side by side) but stores and merges only its own chunks: the
+    last split's merge, one load latency a chunk and group of splits on one SM, is what one KV
+    head's 32 query rows (MQA at batch 1) wait for. Measured on an H100 (cold L2, D128, B1, one
+    KV head, the same splits, 2026-11-25): 8 query heads (one chunk) vs 32 (four) T4621 13.8 /
+    20.3 us, T32768 22.5 / 35.9 (cuDNN with 32 heads 13.8, 20.6); 32 heads dealt 13.5, 24.9
+    (docs/benchmarks.md has more, head dims 64 and 256 and the few-tiles prefill variant)."""
     bm = s.bm
-    if s.consumer_warpgroups > 1:   # a second warpgroup's rows would be computed for nothing
-        return C(bm)
     step = merge_rows(s.value_dim)
     chunks = ir.ceil_div(ir.emin(bm, rows), step)
     tiles = ir.mul(_heads(nb), ir.ceil_div(rows, bm))
