@@ -387,8 +387,8 @@ def split_count(s, nb: int, rows: ir.Expr, keys: str = "T") -> ir.Expr:
     `split_kv`; at least MIN_KV_BLOCKS_PER_SPLIT kv blocks a split; and no more splits than the
     blocks a split takes (ceil(blocks / splits)) leave work for: 17 blocks in 8 splits would be 3
     a split and 2 empty splits, so 6."""
-    bm, bn, _ = s.tile
-    tiles = ir.mul(_heads(nb), ir.ceil_div(rows, bm))
+    bn = s.bn
+    tiles = _split_tiles(s, nb, rows)
     blocks = ir.emax(1, ir.ceil_div(keys, bn))
     longest = ir.emax(1, ir.div(blocks, MIN_KV_BLOCKS_PER_SPLIT))
     on_all = ir.emin(s.split_kv, ir.emax(1, ir.div("num_sms", tiles)))   # splits a tile, units on all SMs
@@ -398,6 +398,12 @@ def split_count(s, nb: int, rows: ir.Expr, keys: str = "T") -> ir.Expr:
     units = ir.emax(1, ir.div("num_sms", ir.mul(tiles, ir.add(1, few))))
     wanted = ir.emin(ir.emin(s.split_kv, longest), units)
     return ir.ceil_div(blocks, ir.ceil_div(blocks, wanted))
+
+
+def _split_tiles(s, nb: int, rows: ir.Expr) -> ir.Expr:
+    """The tiles the split rule counts: heads x blocks of BM query rows (before any are dealt:
+    `split_count` and `tile_rows` read it, so the splits do not depend on the dealing)."""
+    return ir.mul(_heads(nb), ir.ceil_div(rows, s.bm))
 
 
 def tile_rows(s, nb: int, rows: ir.Expr) -> ir.Expr:
@@ -415,7 +421,7 @@ def tile_rows(s, nb: int, rows: ir.Expr) -> ir.Expr:
     bm = s.bm
     step = merge_rows(s.value_dim)
     chunks = ir.ceil_div(ir.emin(bm, rows), step)
-    tiles = ir.mul(_heads(nb), ir.ceil_div(rows, bm))
+    tiles = _split_tiles(s, nb, rows)
     parts = ir.emin(chunks, ir.emax(1, ir.div("num_sms", ir.mul(tiles, SPLITS))))
     dealt = ir.BinOp("&&", ir.BinOp(">", V(SPLITS), C(1)), ir.BinOp(">", parts, C(1)))
     return ir.Call("select", (dealt, ir.mul(step, ir.ceil_div(chunks, parts)), C(bm)))
