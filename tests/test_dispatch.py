@@ -24,7 +24,8 @@ def k():
 
 def test_default_matmul_has_narrow_split_k_variants(k):
     assert isinstance(k, ShapeDispatchKernel)
-    small, clustered, pingpong, narrow = k.variants
+    short, small, clustered, pingpong, narrow = k.variants
+    assert short.schedule == ws.schedule_for(matmul, tile=(64, 64, 64), consumer_warpgroups=1, stages=12)
     assert small.schedule == ws.schedule_for(matmul, tile=(64, 128, 64), consumer_warpgroups=1, split_k=MAX_SPLIT_K,
                                              stages=8)     # the weights streamed with more bytes in flight
     assert clustered.schedule == ws.schedule_for(matmul, cluster=(2, 1, 1))
@@ -32,6 +33,8 @@ def test_default_matmul_has_narrow_split_k_variants(k):
     assert narrow.schedule == small.schedule    # few 128x128 tiles: the M <= 64 variant's kernel
     assert k.describe() == (
         "matmul: 128x256x64 stages=4 consumers=2 regs=24/240 epilogue=tma_store (default)\n"
+        f"  {short.schedule.short()} when 64x64 tiles fit in one wave and K is at most 64 k steps: 64x64 tiles, no "
+        "split\n"
         f"  {small.schedule.short()} when M <= 64 (split-K: the host splits when the tiles fill at most half the SMs)\n"
         f"  {clustered.schedule.short()} when rows of an input off a 64-byte boundary, tiles that fill at least half "
         "the SMs and pairs along M that take no more waves: clusters of 2 along M (B multicast)\n"
@@ -56,9 +59,13 @@ def _shape(m, n, kk):
 
 
 @pytest.mark.parametrize("m, n, kk, sms, tile, mode", [
-    (1, 4096, 4096, 132, (64, 128), "cooperative"),
+    (1, 4096, 4096, 132, (64, 64), "cooperative"),      # 64 tiles of 64 x 64, 64 k steps: no split
+    (1, 4096, 8192, 132, (64, 128), "cooperative"),     # 128 k steps: M <= 64, split-K
+    (512, 1024, 1024, 132, (64, 64), "cooperative"),    # 128 tiles of 64 x 64: one wave
+    (512, 2048, 1024, 132, (64, 128), "cooperative"),   # 256: two waves; few 128 x 128 tiles, split-K
     (64, 57344, 8192, 132, (64, 128), "cooperative"),
-    (65, 4096, 4096, 132, (64, 128), "cooperative"),   # 16 wide tiles, 32 narrow: both < 1 wave, narrow fuller
+    (65, 4096, 4096, 132, (64, 64), "cooperative"),    # 128 tiles of 64 x 64 in one wave, 64 k steps
+    (65, 4096, 8192, 132, (64, 128), "cooperative"),   # 16 wide tiles, 32 narrow: both < 1 wave, narrow fuller
     (128, 28672, 4096, 132, (128, 256), "cooperative"),   # 112 / 132 vs 224 / 264: equal, the default
     (512, 4096, 4096, 132, (128, 128), "pingpong"),    # 64 vs 128 of 132: more than half the SMs
     (512, 6144, 4096, 132, (128, 256), "cooperative"),    # 96 / 132 vs 192 / 264: equal
@@ -66,7 +73,8 @@ def _shape(m, n, kk):
     (512, 8192, 8192, 132, (128, 256), "cooperative"),    # 128 / 132 vs 256 / 264
     (4096, 4096, 4096, 132, (128, 256), "cooperative"),
     (8192, 8192, 8192, 132, (128, 256), "cooperative"),
-    (300, 520, 40, 132, (64, 128), "cooperative"),     # 3 x 3 vs 3 x 5 tiles: 15 of 132, split-K
+    (300, 520, 40, 132, (64, 64), "cooperative"),      # 45 tiles of 64 x 64, one k step
+    (300, 520, 8200, 132, (64, 128), "cooperative"),   # 129 k steps: 3 x 3 vs 3 x 5 tiles, 15 of 132, split-K
     (16, 1024, 4096, 4, (64, 128), "cooperative"),
     (1000, 1024, 4096, 4, (128, 256), "cooperative"),     # 32 / 32 vs 64 / 64
     (8192, 28672, 4096, 132, (128, 256), "cooperative"),  # 55 waves of wide tiles, 109 of narrow: 1% less
@@ -91,8 +99,9 @@ def _padded(m, n, kk, pad):
     (2289, 4200, 3920, 0, "cluster"),       # contiguous, rows of 7840 / 8400 bytes; 3 waves either way
     (2304, 4224, 3968, 0, "pingpong"),      # the same shape with aligned rows: the wave rule's choice
     (777, 9000, 3000, 0, "default"),        # 7 rows of tiles: pairs take 3 waves, single CTAs 2
-    (258, 1320, 2152, 0, "split"),          # 18 tiles: fewer than half the SMs
-    (40, 4200, 3920, 0, "small"),           # M <= 64 first
+    (258, 1320, 2152, 0, "short"),          # 105 tiles of 64 x 64, 34 k steps: no split
+    (258, 1320, 8200, 0, "split"),          # 129 k steps; 18 tiles: fewer than half the SMs
+    (40, 4200, 8200, 0, "small"),           # M <= 64 first
 ])
 def test_rows_off_a_64_byte_boundary_run_in_clusters_along_m(k, m, n, kk, pad, schedule):
     """TMA loads rows that start off a 64-byte boundary slower; clusters of 2 CTAs along M halve
@@ -102,6 +111,7 @@ def test_rows_off_a_64_byte_boundary_run_in_clusters_along_m(k, m, n, kk, pad, s
             "default": chosen == k.primary.schedule,
             "pingpong": chosen.mode == "pingpong",
             "split": chosen.split_k > 1 and chosen.tile == (64, 128, 64),
+            "short": chosen.split_k == 1 and chosen.tile == (64, 64, 64),
             "small": chosen.tile == (64, 128, 64)}[schedule], chosen.short()
 
 
@@ -135,13 +145,13 @@ def test_a_variant_that_does_not_build_is_dropped_with_a_warning(monkeypatch):
     monkeypatch.setattr(wsched.kernel, "build_kernel", failing)
     with pytest.warns(UserWarning, match=r"the 64x128x64 .* kernel for M <= 64 .* did not build and is not used "
                                          r"\(RuntimeError: ptxas: 8 bytes spill stores\)"):
-        chosen = k.choose(_shape(1, 4096, 4096), 132)
+        chosen = k.choose(_shape(1, 4096, 8192), 132)
     # the few-tiles rule runs the same schedule: dropped with it, so the default serves the call
     assert chosen is k.primary
-    assert k.choose(_shape(1, 4096, 4096), 132) is chosen and list(k.dropped) == [0, 3]
+    assert k.choose(_shape(1, 4096, 8192), 132) is chosen and list(k.dropped) == [1, 4]
     # a thread that passed the check before the variant was dropped gets its error, not a new build
     with pytest.raises(RuntimeError, match="ptxas: 8 bytes spill stores"):
-        k._variant_kernel(0)
+        k._variant_kernel(1)
     assert len(attempts) == 1
 
 

@@ -188,14 +188,30 @@ def test_split_k(fusion, M, N, K):
 
 @pytest.mark.parametrize("fusion", [matmul, gated], ids=lambda f: f.name)
 def test_the_default_switches_to_split_k_where_tiles_are_few(fusion):
-    """ws.compile(fusion) picks a narrower split-K kernel per call where the default's output tiles
-    cannot fill the SMs (M = 1: 64x128, M = 128 at N = 4096: 128x128) and the default where they
-    can (M = 4096)."""
+    """ws.compile(fusion) picks a narrower kernel per call where the default's output tiles cannot
+    fill the SMs: 64x64 tiles unsplit where they fit in one wave and K is at most 64 k steps (M = 1
+    and 128 at N = K = 4096), 64x128 split-K at a longer K (8192), and the default where the tiles
+    fill the SMs (M = 4096)."""
     k = compiled(fusion)
-    for M, split in ((1, True), (128, True), (4096, False)):
-        inputs = inputs_for(fusion, M, 4096, 4096, device="cuda")
-        assert (k.kernel_for(*inputs).schedule.split_k > 1) == split, M
-        run_and_check(k, fusion, M, 4096, 4096, seed=M)
+    for M, K, tile, split in ((1, 8192, (64, 128, 64), True), (128, 8192, (64, 128, 64), True),
+                              (1, 4096, (64, 64, 64), False), (128, 4096, (64, 64, 64), False),
+                              (4096, 4096, (128, 256, 64), False)):
+        inputs = inputs_for(fusion, M, 4096, K, device="cuda")
+        chosen = k.kernel_for(*inputs).schedule
+        assert (chosen.tile, chosen.split_k > 1) == (tile, split), (M, K)
+        run_and_check(k, fusion, M, 4096, K, seed=M + K)
+
+
+@pytest.mark.parametrize("fusion, M, N, K", [(matmul, 1, 912, 1120), (matmul, 37, 280, 792), (matmul, 258, 1320, 2152),
+                                         (gated, 23, 440, 1344), (matmul, 100, 4000, 4096), (gated, 5, 136, 40)])
+def test_short_calls_run_unsplit_64x64_tiles(fusion, M, N, K):
+    """Calls whose 64x64 tiles fit in one wave and whose K is at most 64 k steps: the 64x64
+    kernel, no split, at sizes no tile divides (rows off a 64-byte boundary too: N 912, K 1120),
+    outputs poisoned first."""
+    k = compiled(fusion)
+    chosen = k.kernel_for(*inputs_for(fusion, M, N, K, device="cuda")).schedule
+    assert (chosen.tile, chosen.split_k) == ((64, 64, 64), 1), chosen.short()
+    run_and_check(k, fusion, M, N, K, seed=M * N + K)
 
 
 def test_split_k_is_deterministic_and_its_tickets_reset():

@@ -29,6 +29,17 @@ PINGPONG_STAGES = 5
 # H100 (Llama-3 nk rows at M 1, 16, 64): geomean over cuBLAS 1.177 with four, 1.192 with eight,
 # the weight read at M = 1 of 70B gate_up 91% -> 94% of a plain read (docs/benchmarks.md).
 SMALL_M_STAGES = 8
+# A call whose 64 x 64 tiles fit in one wave and whose K is at most SMALL_TILE_MAX_K_STEPS k steps
+# of 64 runs 64 x 64 tiles on one consumer warpgroup, unsplit, SMALL_TILE_STAGES deep (16 KB a
+# stage): more CTAs than 64 x 128 tiles give, each streaming its whole k range, and no split-K
+# partials, tickets and sums, which cost such short calls more than they save. Measured on an
+# H100 (cold L2, cuBLAS in the same run, 2026-11-25; 72 kn calls M 1-512 x N 512-4096 x K 1024-8192
+# and 8 nk LLM rows, against the 64 x 128 split-K or ping-pong kernel the rules picked before):
+# every call of one wave and at most 64 k steps gained (1.02-1.58x; K 1024 1.19-1.58x, to
+# 0.96-1.03 of cuBLAS), beyond 64 k steps M <= 16 lost up to 0.87x (M1 N512 K8192: the split
+# weight read wins) and one M 203 row 0.84x; beyond one wave (256 tiles and up) 0.55-0.96x.
+SMALL_TILE_STAGES = 12
+SMALL_TILE_MAX_K_STEPS = 64
 
 
 class MatmulWorkload(Workload):
@@ -58,6 +69,10 @@ class MatmulWorkload(Workload):
         """The default's tile (128x256) is right when its tiles fill the SMs; where they do not,
         a call switches (docs/architecture.md, the matmul schedule space):
 
+        - 64x64 tiles fit in one wave (at most num_sms of them) and K is at most
+          SMALL_TILE_MAX_K_STEPS k steps: 64x64 tiles on one consumer warpgroup, no split-K
+          (short calls: the split's partials and sums cost more than they save), ahead of the
+          rules below.
         - M <= 64: 64x128 tiles (one consumer warpgroup: a 128-row tile would be at least half
           empty rows) with split-K; the host splits K when the tiles fill at most half the SMs.
         - rows of an input off a 64-byte boundary (`dispatch.ROW_ALIGN` below
@@ -86,6 +101,11 @@ class MatmulWorkload(Workload):
         better = lambda v, tile: saves_waves(v["M"], v["N"], v["num_sms"], tile, schedule.tile)  # noqa: E731
         split = " (split-K: the host splits when the tiles fill at most half the SMs)"
         for fields, stages, applies, rule in (
+                (dict(tile=(64, 64, 64), consumer_warpgroups=1), SMALL_TILE_STAGES,
+                 lambda v, tile: (output_tiles(v["M"], v["N"], tile) <= v["num_sms"]
+                                  and -(-v["K"] // tile[2]) <= SMALL_TILE_MAX_K_STEPS),
+                 f"64x64 tiles fit in one wave and K is at most {SMALL_TILE_MAX_K_STEPS} k steps: 64x64 tiles, "
+                 "no split"),
                 (dict(tile=(64, 128, 64), consumer_warpgroups=1, split_k=MAX_SPLIT_K), SMALL_M_STAGES,
                  lambda v, tile: v["M"] <= 64, "M <= 64" + split),
                 (dict(tile=schedule.tile, cluster=(2, 1, 1)), None,
