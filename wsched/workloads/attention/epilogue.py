@@ -48,6 +48,9 @@ def _tail(a, d: int, o: str, l: str, m: str, corr: str, o_t: str, rows: ir.Expr,
     coords = tuple(V(f"b{i}") for i in range(a.kernel_batch)) + (row0, C(0))
     lse_coords = coords
     if a.varlen is not None:   # packed rows [NQ, heads x D]: the sequence's rows, none past its end
+        # its limit replaces the caller's: packed sequences do not split (partition refuses
+        # split_kv with ws.varlen), so no rows are dealt there
+        assert limit is None, "a dealt-rows limit on packed sequences"
         row0 = ir.add("q_start", row0)
         coords, lse_coords, limit = (row0, ir.mul("head", d)), (row0, V("head")), V("q_end")
     if a.rows_may_see_nothing:   # a row with no visible key has l = 0: store O = 0
