@@ -24,10 +24,12 @@ def k():
 
 def test_default_matmul_has_narrow_split_k_variants(k):
     assert isinstance(k, ShapeDispatchKernel)
-    short, small, clustered, pingpong, narrow = k.variants
+    short, small, mid, mid_clustered, clustered, pingpong, narrow = k.variants
     assert short.schedule == ws.schedule_for(matmul, tile=(64, 64, 64), consumer_warpgroups=1, stages=12)
     assert small.schedule == ws.schedule_for(matmul, tile=(64, 128, 64), consumer_warpgroups=1, split_k=MAX_SPLIT_K,
                                              stages=8)     # the weights streamed with more bytes in flight
+    assert mid.schedule == ws.schedule_for(matmul, tile=(128, 192, 64))
+    assert mid_clustered.schedule == ws.schedule_for(matmul, tile=(128, 192, 64), cluster=(2, 1, 1))
     assert clustered.schedule == ws.schedule_for(matmul, cluster=(2, 1, 1))
     assert pingpong.schedule == ws.schedule_for(matmul, tile=(128, 128, 64), mode="pingpong", stages=5)
     assert narrow.schedule == small.schedule    # few 128x128 tiles: the M <= 64 variant's kernel
@@ -36,6 +38,11 @@ def test_default_matmul_has_narrow_split_k_variants(k):
         f"  {short.schedule.short()} when 64x64 tiles fit in one wave and K is at most 64 k steps: 64x64 tiles, no "
         "split\n"
         f"  {small.schedule.short()} when M <= 64 (split-K: the host splits when the tiles fill at most half the SMs)\n"
+        f"  {mid.schedule.short()} when 128x192 tiles take 10% less wave work than 128x256 ones and no more than "
+        "128x128 ones\n"
+        f"  {mid_clustered.schedule.short()} when 128x192 tiles take 10% less wave work than 128x256 ones and no more "
+        "than 128x128 ones, rows of an input off a 64-byte boundary and pairs along M that take no more waves: "
+        "128x192 in clusters of 2 along M\n"
         f"  {clustered.schedule.short()} when rows of an input off a 64-byte boundary, tiles that fill at least half "
         "the SMs and pairs along M that take no more waves: clusters of 2 along M (B multicast)\n"
         f"  {pingpong.schedule.short()} when 128x128 tiles take 10% less wave work than 128x256 ones and fill more "
@@ -68,8 +75,8 @@ def _shape(m, n, kk):
     (65, 4096, 8192, 132, (64, 128), "cooperative"),   # 16 wide tiles, 32 narrow: both < 1 wave, narrow fuller
     (128, 28672, 4096, 132, (128, 256), "cooperative"),   # 112 / 132 vs 224 / 264: equal, the default
     (512, 4096, 4096, 132, (128, 128), "pingpong"),    # 64 vs 128 of 132: more than half the SMs
-    (512, 6144, 4096, 132, (128, 256), "cooperative"),    # 96 / 132 vs 192 / 264: equal
-    (512, 10240, 8192, 132, (128, 128), "pingpong"),   # 160 / 264 vs 320 / 396
+    (512, 6144, 4096, 132, (128, 192), "cooperative"),    # 96 / 132 vs 128 / 132 (192 / 264 of 128 x 128)
+    (512, 10240, 8192, 132, (128, 192), "cooperative"),   # 160 / 264 vs 216 / 264 vs 320 / 396: 0.75 each
     (512, 8192, 8192, 132, (128, 256), "cooperative"),    # 128 / 132 vs 256 / 264
     (4096, 4096, 4096, 132, (128, 256), "cooperative"),
     (8192, 8192, 8192, 132, (128, 256), "cooperative"),
@@ -79,6 +86,10 @@ def _shape(m, n, kk):
     (1000, 1024, 4096, 4, (128, 256), "cooperative"),     # 32 / 32 vs 64 / 64
     (8192, 28672, 4096, 132, (128, 256), "cooperative"),  # 55 waves of wide tiles, 109 of narrow: 1% less
     (2048, 57344, 8192, 132, (128, 256), "cooperative"),  # 28 waves vs 55: 2% less
+    (2304, 2048, 4096, 132, (128, 192), "cooperative"),   # 144 tiles: 2 waves; 198 of 128 x 192: 2 waves
+    (1500, 4224, 4096, 132, (128, 192), "cooperative"),   # 204 tiles: 2 waves; 264: 2 waves; 396: 3 waves
+    (1500, 1024, 4096, 132, (128, 128), "pingpong"),      # 96 tiles of 128 x 128 in one wave: less than 72 wider
+    (2304, 3072, 4096, 132, (128, 256), "cooperative"),   # 216 tiles: 2 waves; 288: 3 waves of 128 x 192
 ])
 def test_the_rule(k, m, n, kk, sms, tile, mode):
     chosen = k.choose(_shape(m, n, kk), sms)
@@ -96,8 +107,9 @@ def _padded(m, n, kk, pad):
     (4096, 4096, 4096, 8, "cluster"),       # rows 16 bytes off a 64-byte boundary, 4 waves either way
     (4096, 4096, 4096, 16, "cluster"),      # 32 bytes off
     (4096, 4096, 4096, 32, "default"),      # 64-byte aligned rows: the default
-    (2289, 4200, 3920, 0, "cluster"),       # contiguous, rows of 7840 / 8400 bytes; 3 waves either way
-    (2304, 4224, 3968, 0, "pingpong"),      # the same shape with aligned rows: the wave rule's choice
+    (2289, 4200, 3920, 0, "mid_cluster"),   # contiguous, rows of 7840 / 8400 bytes; 306 tiles, 396 of 128 x 192
+    (2304, 4224, 3968, 0, "mid"),           # the same shape with aligned rows: 128 x 192 unclustered
+    (4774, 2040, 3920, 0, "cluster"),       # 304 tiles and 418 of 128 x 192: 3 and 4 waves
     (777, 9000, 3000, 0, "default"),        # 7 rows of tiles: pairs take 3 waves, single CTAs 2
     (258, 1320, 2152, 0, "short"),          # 105 tiles of 64 x 64, 34 k steps: no split
     (258, 1320, 8200, 0, "split"),          # 129 k steps; 18 tiles: fewer than half the SMs
@@ -108,6 +120,8 @@ def test_rows_off_a_64_byte_boundary_run_in_clusters_along_m(k, m, n, kk, pad, s
     each CTA's B loads (H100: 4096^3 with rows 16 bytes off, 0.59 -> 0.98 of cuBLAS)."""
     chosen = k.choose(_padded(m, n, kk, pad), 132).schedule
     assert {"cluster": chosen.cluster == (2, 1, 1) and chosen.tile == (128, 256, 64),
+            "mid_cluster": chosen.cluster == (2, 1, 1) and chosen.tile == (128, 192, 64),
+            "mid": chosen.cluster == (1, 1, 1) and chosen.tile == (128, 192, 64),
             "default": chosen == k.primary.schedule,
             "pingpong": chosen.mode == "pingpong",
             "split": chosen.split_k > 1 and chosen.tile == (64, 128, 64),
@@ -148,7 +162,7 @@ def test_a_variant_that_does_not_build_is_dropped_with_a_warning(monkeypatch):
         chosen = k.choose(_shape(1, 4096, 8192), 132)
     # the few-tiles rule runs the same schedule: dropped with it, so the default serves the call
     assert chosen is k.primary
-    assert k.choose(_shape(1, 4096, 8192), 132) is chosen and list(k.dropped) == [1, 4]
+    assert k.choose(_shape(1, 4096, 8192), 132) is chosen and list(k.dropped) == [1, 6]
     # a thread that passed the check before the variant was dropped gets its error, not a new build
     with pytest.raises(RuntimeError, match="ptxas: 8 bytes spill stores"):
         k._variant_kernel(1)

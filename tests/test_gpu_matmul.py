@@ -214,6 +214,19 @@ def test_short_calls_run_unsplit_64x64_tiles(fusion, M, N, K):
     run_and_check(k, fusion, M, N, K, seed=M * N + K)
 
 
+@pytest.mark.parametrize("fusion, M, N, K, cluster", [(matmul, 2304, 2048, 4096, 1), (gated, 2304, 2048, 1024, 1),
+                                                   (matmul, 1500, 4224, 520, 2), (gated, 2290, 4216, 1064, 2)])
+def test_calls_whose_waves_128x192_tiles_shorten_run_them(fusion, M, N, K, cluster):
+    """Where 128x192 tiles take 10% less wave work than 128x256 ones and no more than 128x128 ones
+    (2304 x 2048: 144 tiles of 128x256 take two waves, 198 of 128x192 two shorter ones): 128x192 tiles, in
+    clusters of 2 along M where rows are off a 64-byte boundary (K 520, 1064; N 4216), at sizes no
+    tile divides, a gated epilogue too, outputs poisoned first."""
+    k = compiled(fusion)
+    chosen = k.kernel_for(*inputs_for(fusion, M, N, K, device="cuda")).schedule
+    assert (chosen.tile, chosen.cluster[0]) == ((128, 192, 64), cluster), chosen.short()
+    run_and_check(k, fusion, M, N, K, seed=M + N + K)
+
+
 def test_split_k_is_deterministic_and_its_tickets_reset():
     """The same inputs three times: the same bits (the partials are summed in split order
     whichever CTA arrives last), and the tickets are back at 0 after each call (else the second

@@ -18,7 +18,7 @@ from wsched.workloads.base import Workload
 
 from . import epilogue, loops, partition, pingpong, schedule
 
-from .schedule import MAX_SPLIT_K, MatmulSchedule, cluster_waves_no_more, output_tiles, saves_waves
+from .schedule import MAX_SPLIT_K, MatmulSchedule, cluster_waves_no_more, output_tiles, saves_waves, wave_work
 
 # Ping-pong's variant keeps five stages of its 128 x 128 tiles (32 KB each) where they fit beside
 # the staged outputs. Against four, one interleaved H100 run at square shapes was mixed (-5% to +7%,
@@ -40,6 +40,16 @@ SMALL_M_STAGES = 8
 # weight read wins) and one M 203 row 0.84x; beyond one wave (256 tiles and up) 0.55-0.96x.
 SMALL_TILE_STAGES = 12
 SMALL_TILE_MAX_K_STEPS = 64
+# Between the default's 128x256 tiles and 128x128 ones: 128 x 192. Where its waves take at least 10%
+# less wave work than 128x256 ones (`saves_waves`) and no more than 128x128 ones, a call runs it
+# (in clusters of 2 along M where an input's rows are off a 64-byte boundary; plain 128x192 tiles
+# ran such rows at 0.5-0.8 of cuBLAS). Measured on an H100 (cold L2, cuBLAS in the same run,
+# 2026-11-25; 85 calls M 1500-4864 x N 1024-4224 x K 4096, both layouts, rows aligned and 16 bytes
+# off): the 41 calls the rule takes ran at 0.68-1.08 of cuBLAS against 0.57-0.97 on the kernel the
+# rules below picked (ping-pong 128x128 or 128x256, in clusters where rows are off), 0.99-1.22x;
+# where 128x192 tiles save no wave work they ran at 0.85-0.95x the default (M 4096 N 4096 K 4096),
+# and where 128x128 tiles do less (M 1500 N 1024) ping-pong stays (0.81 of cuBLAS against 0.64).
+MID_TILE = (128, 192, 64)
 
 
 class MatmulWorkload(Workload):
@@ -75,6 +85,9 @@ class MatmulWorkload(Workload):
           rules below.
         - M <= 64: 64x128 tiles (one consumer warpgroup: a 128-row tile would be at least half
           empty rows) with split-K; the host splits K when the tiles fill at most half the SMs.
+        - 128x192 tiles take at least 10% less wave work than the default's (`saves_waves`)
+          and no more than 128x128 ones: 128x192 tiles (`MID_TILE`), in clusters of 2 along M
+          where an input's rows are off a 64-byte boundary (and pairs take no more waves).
         - rows of an input off a 64-byte boundary (`dispatch.ROW_ALIGN` below
           target.TMA_FAST_ROW_ALIGNMENT: TMA loads such rows slower), where the default's tiles
           fill at least half the SMs and pairs of them along M take no more waves: the default's
@@ -99,6 +112,12 @@ class MatmulWorkload(Workload):
             return ()
         found = []
         better = lambda v, tile: saves_waves(v["M"], v["N"], v["num_sms"], tile, schedule.tile)  # noqa: E731
+
+        def mid(v, tile):   # 128x192 saves 10% of the default's wave work and does no more than 128x128
+            return better(v, tile) and (wave_work(v["M"], v["N"], v["num_sms"], tile)
+                                        <= wave_work(v["M"], v["N"], v["num_sms"], (128, 128, 64)))
+        off = lambda v: v[ROW_ALIGN] < TMA_FAST_ROW_ALIGNMENT  # noqa: E731
+        mid_rule = "128x192 tiles take 10% less wave work than 128x256 ones and no more than 128x128 ones"
         split = " (split-K: the host splits when the tiles fill at most half the SMs)"
         for fields, stages, applies, rule in (
                 (dict(tile=(64, 64, 64), consumer_warpgroups=1), SMALL_TILE_STAGES,
@@ -108,8 +127,14 @@ class MatmulWorkload(Workload):
                  "no split"),
                 (dict(tile=(64, 128, 64), consumer_warpgroups=1, split_k=MAX_SPLIT_K), SMALL_M_STAGES,
                  lambda v, tile: v["M"] <= 64, "M <= 64" + split),
+                (dict(tile=MID_TILE), None, lambda v, tile: not off(v) and mid(v, tile), mid_rule),
+                (dict(tile=MID_TILE, cluster=(2, 1, 1)), None,
+                 lambda v, tile: off(v) and mid(v, tile) and cluster_waves_no_more(v["M"], v["N"], v["num_sms"],
+                                                                                    tile, 2),
+                 f"{mid_rule}, rows of an input off a {TMA_FAST_ROW_ALIGNMENT}-byte boundary and pairs along M "
+                 "that take no more waves: 128x192 in clusters of 2 along M"),
                 (dict(tile=schedule.tile, cluster=(2, 1, 1)), None,
-                 lambda v, tile: (v[ROW_ALIGN] < TMA_FAST_ROW_ALIGNMENT
+                 lambda v, tile: (off(v)
                                   and 2 * output_tiles(v["M"], v["N"], tile) >= v["num_sms"]
                                   and cluster_waves_no_more(v["M"], v["N"], v["num_sms"], tile, 2)),
                  f"rows of an input off a {TMA_FAST_ROW_ALIGNMENT}-byte boundary, tiles that fill at least half "
