@@ -24,8 +24,10 @@ def k():
 
 def test_default_matmul_has_narrow_split_k_variants(k):
     assert isinstance(k, ShapeDispatchKernel)
-    short, small, mid, mid_clustered, clustered, pingpong, narrow = k.variants
+    short, short_split, small, mid, mid_clustered, clustered, pingpong, narrow = k.variants
     assert short.schedule == ws.schedule_for(matmul, tile=(64, 64, 64), consumer_warpgroups=1, stages=12)
+    assert short_split.schedule == ws.schedule_for(matmul, tile=(64, 64, 64), consumer_warpgroups=1,
+                                                   split_k=MAX_SPLIT_K, stages=12)
     assert small.schedule == ws.schedule_for(matmul, tile=(64, 128, 64), consumer_warpgroups=1, split_k=MAX_SPLIT_K,
                                              stages=8)     # the weights streamed with more bytes in flight
     assert mid.schedule == ws.schedule_for(matmul, tile=(128, 192, 64))
@@ -37,6 +39,8 @@ def test_default_matmul_has_narrow_split_k_variants(k):
         "matmul: 128x256x64 stages=4 consumers=2 regs=24/240 epilogue=tma_store (default)\n"
         f"  {short.schedule.short()} when 64x64 tiles fit in one wave and K is at most 64 k steps: 64x64 tiles, no "
         "split\n"
+        f"  {short_split.schedule.short()} when 64x64 tiles fill at most 25% of the SMs (split-K: the host splits "
+        "when the tiles fill at most half the SMs)\n"
         f"  {small.schedule.short()} when M <= 64 (split-K: the host splits when the tiles fill at most half the SMs)\n"
         f"  {mid.schedule.short()} when 128x192 tiles take 10% less wave work than 128x256 ones and no more than "
         "128x128 ones\n"
@@ -71,6 +75,9 @@ def _shape(m, n, kk):
     (512, 1024, 1024, 132, (64, 64), "cooperative"),    # 128 tiles of 64 x 64: one wave
     (512, 2048, 1024, 132, (64, 128), "cooperative"),   # 256: two waves; few 128 x 128 tiles, split-K
     (64, 57344, 8192, 132, (64, 128), "cooperative"),
+    (16, 1024, 8192, 132, (64, 64), "cooperative"),     # 16 tiles of 64 x 64, 128 k steps: 64x64 split-K
+    (203, 512, 11416, 132, (64, 64), "cooperative"),    # 32 tiles: at most a quarter of 132
+    (93, 1216, 11416, 132, (64, 128), "cooperative"),   # 38 tiles: more than a quarter; 64x128 split-K
     (65, 4096, 4096, 132, (64, 64), "cooperative"),    # 128 tiles of 64 x 64 in one wave, 64 k steps
     (65, 4096, 8192, 132, (64, 128), "cooperative"),   # 16 wide tiles, 32 narrow: both < 1 wave, narrow fuller
     (128, 28672, 4096, 132, (128, 256), "cooperative"),   # 112 / 132 vs 224 / 264: equal, the default
@@ -162,10 +169,10 @@ def test_a_variant_that_does_not_build_is_dropped_with_a_warning(monkeypatch):
         chosen = k.choose(_shape(1, 4096, 8192), 132)
     # the few-tiles rule runs the same schedule: dropped with it, so the default serves the call
     assert chosen is k.primary
-    assert k.choose(_shape(1, 4096, 8192), 132) is chosen and list(k.dropped) == [1, 6]
+    assert k.choose(_shape(1, 4096, 8192), 132) is chosen and list(k.dropped) == [2, 7]
     # a thread that passed the check before the variant was dropped gets its error, not a new build
     with pytest.raises(RuntimeError, match="ptxas: 8 bytes spill stores"):
-        k._variant_kernel(1)
+        k._variant_kernel(2)
     assert len(attempts) == 1
 
 

@@ -214,6 +214,18 @@ def test_short_calls_run_unsplit_64x64_tiles(fusion, M, N, K):
     run_and_check(k, fusion, M, N, K, seed=M * N + K)
 
 
+@pytest.mark.parametrize("fusion, M, N, K", [(matmul, 1, 1000, 9000), (gated, 37, 600, 7000), (matmul, 203, 500, 11416),
+                                         (gated, 16, 1016, 8200)])
+def test_few_tiles_of_long_k_run_split_64x64_tiles(fusion, M, N, K):
+    """K beyond 64 k steps and 64x64 tiles that fill at most a quarter of the SMs: 64x64 tiles
+    with split-K, at sizes no tile divides (K no multiple of 64; rows off a 64-byte boundary), a
+    gated epilogue too, outputs poisoned first."""
+    k = compiled(fusion)
+    chosen = k.kernel_for(*inputs_for(fusion, M, N, K, device="cuda")).schedule
+    assert (chosen.tile, chosen.split_k > 1) == ((64, 64, 64), True), chosen.short()
+    run_and_check(k, fusion, M, N, K, seed=M + N + K)
+
+
 @pytest.mark.parametrize("fusion, M, N, K, cluster", [(matmul, 2304, 2048, 4096, 1), (gated, 2304, 2048, 1024, 1),
                                                    (matmul, 1500, 4224, 520, 2), (gated, 2290, 4216, 1064, 2)])
 def test_calls_whose_waves_128x192_tiles_shorten_run_them(fusion, M, N, K, cluster):

@@ -40,6 +40,13 @@ SMALL_M_STAGES = 8
 # weight read wins) and one M 203 row 0.84x; beyond one wave (256 tiles and up) 0.55-0.96x.
 SMALL_TILE_STAGES = 12
 SMALL_TILE_MAX_K_STEPS = 64
+# Longer K on few tiles: where the 64 x 64 tiles fill at most SMALL_TILE_SPLIT_MAX_FILL of the SMs,
+# 64x64 tiles with split-K (the host splits K; the same 12 stages). Against the 64x128 split-K
+# kernel the M <= 64 and few-tiles rules ran (H100, cold L2, cuBLAS in the same run, 2026-11-25; 55
+# calls M 1-512 x N 512-2048 x K 6144-14336 with at most 132 64x64 tiles, both layouts): the 34 calls
+# of at most 33 tiles gained 1.03-1.44x (0.55-0.92 -> 0.69-0.97 of cuBLAS); at 38-44 tiles it
+# was mixed (0.97-1.18x) and from 55 on it mostly lost (0.68-1.06x), so the rule stops at a quarter.
+SMALL_TILE_SPLIT_MAX_FILL = 0.25
 # Between the default's 128x256 tiles and 128x128 ones: 128 x 192. Where its waves take at least 10%
 # less wave work than 128x256 ones (`saves_waves`) and no more than 128x128 ones, a call runs it
 # (in clusters of 2 along M where an input's rows are off a 64-byte boundary; plain 128x192 tiles
@@ -83,6 +90,8 @@ class MatmulWorkload(Workload):
           SMALL_TILE_MAX_K_STEPS k steps: 64x64 tiles on one consumer warpgroup, no split-K
           (short calls: the split's partials and sums cost more than they save), ahead of the
           rules below.
+        - else (K beyond those k steps), where the 64x64 tiles fill at most a quarter of the SMs
+          (SMALL_TILE_SPLIT_MAX_FILL): 64x64 tiles with split-K.
         - M <= 64: 64x128 tiles (one consumer warpgroup: a 128-row tile would be at least half
           empty rows) with split-K; the host splits K when the tiles fill at most half the SMs.
         - 128x192 tiles take at least 10% less wave work than the default's (`saves_waves`)
@@ -125,6 +134,9 @@ class MatmulWorkload(Workload):
                                   and -(-v["K"] // tile[2]) <= SMALL_TILE_MAX_K_STEPS),
                  f"64x64 tiles fit in one wave and K is at most {SMALL_TILE_MAX_K_STEPS} k steps: 64x64 tiles, "
                  "no split"),
+                (dict(tile=(64, 64, 64), consumer_warpgroups=1, split_k=MAX_SPLIT_K), SMALL_TILE_STAGES,
+                 lambda v, tile: output_tiles(v["M"], v["N"], tile) <= SMALL_TILE_SPLIT_MAX_FILL * v["num_sms"],
+                 f"64x64 tiles fill at most {SMALL_TILE_SPLIT_MAX_FILL:.0%} of the SMs" + split),
                 (dict(tile=(64, 128, 64), consumer_warpgroups=1, split_k=MAX_SPLIT_K), SMALL_M_STAGES,
                  lambda v, tile: v["M"] <= 64, "M <= 64" + split),
                 (dict(tile=MID_TILE), None, lambda v, tile: not off(v) and mid(v, tile), mid_rule),
