@@ -24,7 +24,7 @@ def k():
 
 def test_default_matmul_has_narrow_split_k_variants(k):
     assert isinstance(k, ShapeDispatchKernel)
-    short, short_split, small, mid, mid_clustered, clustered, pingpong, narrow = k.variants
+    short, short_split, small, mid, mid_clustered, narrow_clustered, clustered, pingpong, narrow = k.variants
     assert short.schedule == ws.schedule_for(matmul, tile=(64, 64, 64), consumer_warpgroups=1, stages=12)
     assert short_split.schedule == ws.schedule_for(matmul, tile=(64, 64, 64), consumer_warpgroups=1,
                                                    split_k=MAX_SPLIT_K, stages=12)
@@ -32,6 +32,7 @@ def test_default_matmul_has_narrow_split_k_variants(k):
                                              stages=8)     # the weights streamed with more bytes in flight
     assert mid.schedule == ws.schedule_for(matmul, tile=(128, 192, 64))
     assert mid_clustered.schedule == ws.schedule_for(matmul, tile=(128, 192, 64), cluster=(2, 1, 1))
+    assert narrow_clustered.schedule == ws.schedule_for(matmul, tile=(128, 128, 64), cluster=(2, 1, 1))
     assert clustered.schedule == ws.schedule_for(matmul, cluster=(2, 1, 1))
     assert pingpong.schedule == ws.schedule_for(matmul, tile=(128, 128, 64), mode="pingpong", stages=5)
     assert narrow.schedule == small.schedule    # few 128x128 tiles: the M <= 64 variant's kernel
@@ -47,6 +48,9 @@ def test_default_matmul_has_narrow_split_k_variants(k):
         f"  {mid_clustered.schedule.short()} when 128x192 tiles take 10% less wave work than 128x256 ones and no more "
         "than 128x128 ones, rows of an input off a 64-byte boundary and pairs along M that take no more waves: "
         "128x192 in clusters of 2 along M\n"
+        f"  {narrow_clustered.schedule.short()} when rows of an input off a 64-byte boundary, 128x256 tiles that "
+        "fill at least half the SMs, 128x128 ones that take 10% less wave work in at most two waves and pairs along "
+        "M that take no more waves: 128x128 in clusters of 2 along M\n"
         f"  {clustered.schedule.short()} when rows of an input off a 64-byte boundary, tiles that fill at least half "
         "the SMs and pairs along M that take no more waves: clusters of 2 along M (B multicast)\n"
         f"  {pingpong.schedule.short()} when 128x128 tiles take 10% less wave work than 128x256 ones and fill more "
@@ -117,6 +121,9 @@ def _padded(m, n, kk, pad):
     (2289, 4200, 3920, 0, "mid_cluster"),   # contiguous, rows of 7840 / 8400 bytes; 306 tiles, 396 of 128 x 192
     (2304, 4224, 3968, 0, "mid"),           # the same shape with aligned rows: 128 x 192 unclustered
     (4774, 2040, 3920, 0, "cluster"),       # 304 tiles and 418 of 128 x 192: 3 and 4 waves
+    (4774, 384, 1160, 0, "narrow_cluster"),  # 76 tiles of 128 x 256 (a wave of 32768) vs 114 of 128 x 128 (16384)
+    (2466, 3688, 6248, 0, "cluster"),       # 128 x 128 saves wave work, but in 5 waves: the 128 x 256 clusters
+    (1500, 1000, 1160, 0, "pingpong"),      # 48 tiles of 128 x 256 fill less than half the SMs: ping-pong stays
     (777, 9000, 3000, 0, "default"),        # 7 rows of tiles: pairs take 3 waves, single CTAs 2
     (258, 1320, 2152, 0, "short"),          # 105 tiles of 64 x 64, 34 k steps: no split
     (258, 1320, 8200, 0, "split"),          # 129 k steps; 18 tiles: fewer than half the SMs
@@ -129,6 +136,7 @@ def test_rows_off_a_64_byte_boundary_run_in_clusters_along_m(k, m, n, kk, pad, s
     assert {"cluster": chosen.cluster == (2, 1, 1) and chosen.tile == (128, 256, 64),
             "mid_cluster": chosen.cluster == (2, 1, 1) and chosen.tile == (128, 192, 64),
             "mid": chosen.cluster == (1, 1, 1) and chosen.tile == (128, 192, 64),
+            "narrow_cluster": chosen.cluster == (2, 1, 1) and chosen.tile == (128, 128, 64) and chosen.mode != "pingpong",
             "default": chosen == k.primary.schedule,
             "pingpong": chosen.mode == "pingpong",
             "split": chosen.split_k > 1 and chosen.tile == (64, 128, 64),
@@ -169,7 +177,7 @@ def test_a_variant_that_does_not_build_is_dropped_with_a_warning(monkeypatch):
         chosen = k.choose(_shape(1, 4096, 8192), 132)
     # the few-tiles rule runs the same schedule: dropped with it, so the default serves the call
     assert chosen is k.primary
-    assert k.choose(_shape(1, 4096, 8192), 132) is chosen and list(k.dropped) == [2, 7]
+    assert k.choose(_shape(1, 4096, 8192), 132) is chosen and list(k.dropped) == [2, 8]
     # a thread that passed the check before the variant was dropped gets its error, not a new build
     with pytest.raises(RuntimeError, match="ptxas: 8 bytes spill stores"):
         k._variant_kernel(2)

@@ -239,6 +239,17 @@ def test_calls_whose_waves_128x192_tiles_shorten_run_them(fusion, M, N, K, clust
     run_and_check(k, fusion, M, N, K, seed=M + N + K)
 
 
+@pytest.mark.parametrize("fusion, M, N, K", [(matmul, 4774, 384, 1160), (gated, 4346, 336, 1712)])
+def test_tall_narrow_outputs_of_rows_off_64_bytes_run_128x128_clusters(fusion, M, N, K):
+    """Rows off a 64-byte boundary where 128x128 tiles take less wave work in at most two waves
+    (4774 x 384: 76 tiles of 128x256 hold 512 columns for 384): cooperative 128x128 tiles in
+    clusters of 2 along M, at sizes no tile divides, a gated epilogue too, outputs poisoned first."""
+    k = compiled(fusion)
+    chosen = k.kernel_for(*inputs_for(fusion, M, N, K, device="cuda")).schedule
+    assert (chosen.tile, chosen.cluster, chosen.mode) == ((128, 128, 64), (2, 1, 1), "cooperative"), chosen.short()
+    run_and_check(k, fusion, M, N, K, seed=M + N + K)
+
+
 def test_split_k_is_deterministic_and_its_tickets_reset():
     """The same inputs three times: the same bits (the partials are summed in split order
     whichever CTA arrives last), and the tickets are back at 0 after each call (else the second

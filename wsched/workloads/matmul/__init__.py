@@ -57,6 +57,13 @@ SMALL_TILE_SPLIT_MAX_FILL = 0.25
 # where 128x192 tiles save no wave work they ran at 0.85-0.95x the default (M 4096 N 4096 K 4096),
 # and where 128x128 tiles do less (M 1500 N 1024) ping-pong stays (0.81 of cuBLAS against 0.64).
 MID_TILE = (128, 192, 64)
+# Where an input's rows are off a 64-byte boundary and the default's tiles fill half the SMs (the
+# clustered 128x256 rule below), but 128x128 tiles take 10% less wave work in at most two waves:
+# cooperative 128x128 tiles in clusters of 2 along M. H100, cold L2, cuBLAS in the same run
+# (2026-11-25): tall narrow outputs (M 4774 x N 264 / 384 x K 1160 / 3920, both layouts) 0.60-0.75
+# -> 0.78-0.85 of cuBLAS, 1.13-1.30x over 128x256 in clusters; at four and more waves of 128x128
+# tiles (M 2466-5925, N 2240-4184) it lost 0.83-0.96x, and in place of ping-pong (the rule's
+# first, wider form) it was mixed (0.91-1.12x over 17 calls), hence the bounds.
 
 
 class MatmulWorkload(Workload):
@@ -97,6 +104,10 @@ class MatmulWorkload(Workload):
         - 128x192 tiles take at least 10% less wave work than the default's (`saves_waves`)
           and no more than 128x128 ones: 128x192 tiles (`MID_TILE`), in clusters of 2 along M
           where an input's rows are off a 64-byte boundary (and pairs take no more waves).
+        - an input's rows off a 64-byte boundary and the default's tiles fill at least half the
+          SMs (the clustered rule below), but 128x128 tiles take at least 10% less wave work in
+          at most two waves (and pairs along M take no more waves): cooperative 128x128 tiles
+          in clusters of 2 along M.
         - rows of an input off a 64-byte boundary (`dispatch.ROW_ALIGN` below
           target.TMA_FAST_ROW_ALIGNMENT: TMA loads such rows slower), where the default's tiles
           fill at least half the SMs and pairs of them along M take no more waves: the default's
@@ -145,6 +156,14 @@ class MatmulWorkload(Workload):
                                                                                     tile, 2),
                  f"{mid_rule}, rows of an input off a {TMA_FAST_ROW_ALIGNMENT}-byte boundary and pairs along M "
                  "that take no more waves: 128x192 in clusters of 2 along M"),
+                (dict(tile=(128, 128, 64), cluster=(2, 1, 1)), None,
+                 lambda v, tile: (off(v) and better(v, tile)
+                                  and 2 * output_tiles(v["M"], v["N"], schedule.tile) >= v["num_sms"]
+                                  and output_tiles(v["M"], v["N"], tile) <= 2 * v["num_sms"]
+                                  and cluster_waves_no_more(v["M"], v["N"], v["num_sms"], tile, 2)),
+                 f"rows of an input off a {TMA_FAST_ROW_ALIGNMENT}-byte boundary, 128x256 tiles that fill at least "
+                 "half the SMs, 128x128 ones that take 10% less wave work in at most two waves and pairs along M that "
+                 "take no more waves: 128x128 in clusters of 2 along M"),
                 (dict(tile=schedule.tile, cluster=(2, 1, 1)), None,
                  lambda v, tile: (off(v)
                                   and 2 * output_tiles(v["M"], v["N"], tile) >= v["num_sms"]
