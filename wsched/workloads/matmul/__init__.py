@@ -51,12 +51,15 @@ SMALL_TILE_SPLIT_MAX_FILL = 0.25
 # less wave work than 128x256 ones (`saves_waves`) and no more than 128x128 ones, a call runs it
 # (in clusters of 2 along M where an input's rows are off a 64-byte boundary; plain 128x192 tiles
 # ran such rows at 0.5-0.8 of cuBLAS). Measured on an H100 (cold L2, cuBLAS in the same run,
-# 2026-11-25; 85 calls M 1500-4864 x N 1024-4224 x K 4096, both layouts, rows aligned and 16 bytes
-# off): the 41 calls the rule takes ran at 0.68-1.08 of cuBLAS against 0.57-0.97 on the kernel the
+# 2026-11-25; 69 calls: M 1500-4864 x N 1024-4224 x K 4096, both layouts, rows aligned and 16 bytes
+# off, and five more): the 41 calls the rule takes ran at 0.68-1.08 of cuBLAS against 0.57-0.97 on the kernel the
 # rules below picked (ping-pong 128x128 or 128x256, in clusters where rows are off), 0.99-1.22x;
 # where 128x192 tiles save no wave work they ran at 0.85-0.95x the default (M 4096 N 4096 K 4096),
 # and where 128x128 tiles do less (M 1500 N 1024) ping-pong stays (0.81 of cuBLAS against 0.64).
 MID_TILE = (128, 192, 64)
+# The narrow tile the wave rules weigh against the default's 128x256 (ping-pong, or cooperative in
+# clusters where rows are off a 64-byte boundary; see the comment below).
+NARROW_TILE = (128, 128, 64)
 # Where an input's rows are off a 64-byte boundary and the default's tiles fill half the SMs (the
 # clustered 128x256 rule below), but 128x128 tiles take 10% less wave work in at most two waves:
 # cooperative 128x128 tiles in clusters of 2 along M. H100, cold L2, cuBLAS in the same run
@@ -64,6 +67,7 @@ MID_TILE = (128, 192, 64)
 # -> 0.78-0.85 of cuBLAS, 1.13-1.30x over 128x256 in clusters; at four and more waves of 128x128
 # tiles (M 2466-5925, N 2240-4184) it lost 0.83-0.96x, and in place of ping-pong (the rule's
 # first, wider form) it was mixed (0.91-1.12x over 17 calls), hence the bounds.
+NARROW_CLUSTER_MAX_WAVES = 2
 
 
 class MatmulWorkload(Workload):
@@ -97,7 +101,7 @@ class MatmulWorkload(Workload):
           SMALL_TILE_MAX_K_STEPS k steps: 64x64 tiles on one consumer warpgroup, no split-K
           (short calls: the split's partials and sums cost more than they save), ahead of the
           rules below.
-        - else (K beyond those k steps), where the 64x64 tiles fill at most a quarter of the SMs
+        - K beyond those k steps and 64x64 tiles that fill at most a quarter of the SMs
           (SMALL_TILE_SPLIT_MAX_FILL): 64x64 tiles with split-K.
         - M <= 64: 64x128 tiles (one consumer warpgroup: a 128-row tile would be at least half
           empty rows) with split-K; the host splits K when the tiles fill at most half the SMs.
@@ -105,9 +109,9 @@ class MatmulWorkload(Workload):
           and no more than 128x128 ones: 128x192 tiles (`MID_TILE`), in clusters of 2 along M
           where an input's rows are off a 64-byte boundary (and pairs take no more waves).
         - an input's rows off a 64-byte boundary and the default's tiles fill at least half the
-          SMs (the clustered rule below), but 128x128 tiles take at least 10% less wave work in
-          at most two waves (and pairs along M take no more waves): cooperative 128x128 tiles
-          in clusters of 2 along M.
+          SMs (the clustered rule below), but 128x128 tiles (NARROW_TILE) take at least 10% less
+          wave work in at most NARROW_CLUSTER_MAX_WAVES waves (and pairs along M take no more
+          waves): cooperative 128x128 tiles in clusters of 2 along M.
         - rows of an input off a 64-byte boundary (`dispatch.ROW_ALIGN` below
           target.TMA_FAST_ROW_ALIGNMENT: TMA loads such rows slower), where the default's tiles
           fill at least half the SMs and pairs of them along M take no more waves: the default's
@@ -135,7 +139,7 @@ class MatmulWorkload(Workload):
 
         def mid(v, tile):   # 128x192 saves 10% of the default's wave work and does no more than 128x128
             return better(v, tile) and (wave_work(v["M"], v["N"], v["num_sms"], tile)
-                                        <= wave_work(v["M"], v["N"], v["num_sms"], (128, 128, 64)))
+                                        <= wave_work(v["M"], v["N"], v["num_sms"], NARROW_TILE))
         off = lambda v: v[ROW_ALIGN] < TMA_FAST_ROW_ALIGNMENT  # noqa: E731
         mid_rule = "128x192 tiles take 10% less wave work than 128x256 ones and no more than 128x128 ones"
         split = " (split-K: the host splits when the tiles fill at most half the SMs)"
@@ -146,8 +150,10 @@ class MatmulWorkload(Workload):
                  f"64x64 tiles fit in one wave and K is at most {SMALL_TILE_MAX_K_STEPS} k steps: 64x64 tiles, "
                  "no split"),
                 (dict(tile=(64, 64, 64), consumer_warpgroups=1, split_k=MAX_SPLIT_K), SMALL_TILE_STAGES,
-                 lambda v, tile: output_tiles(v["M"], v["N"], tile) <= SMALL_TILE_SPLIT_MAX_FILL * v["num_sms"],
-                 f"64x64 tiles fill at most {SMALL_TILE_SPLIT_MAX_FILL:.0%} of the SMs" + split),
+                 lambda v, tile: (-(-v["K"] // tile[2]) > SMALL_TILE_MAX_K_STEPS
+                                  and output_tiles(v["M"], v["N"], tile) <= SMALL_TILE_SPLIT_MAX_FILL * v["num_sms"]),
+                 f"K is more than {SMALL_TILE_MAX_K_STEPS} k steps and 64x64 tiles fill at most "
+                 f"{SMALL_TILE_SPLIT_MAX_FILL:.0%} of the SMs" + split),
                 (dict(tile=(64, 128, 64), consumer_warpgroups=1, split_k=MAX_SPLIT_K), SMALL_M_STAGES,
                  lambda v, tile: v["M"] <= 64, "M <= 64" + split),
                 (dict(tile=MID_TILE), None, lambda v, tile: not off(v) and mid(v, tile), mid_rule),
@@ -156,10 +162,10 @@ class MatmulWorkload(Workload):
                                                                                     tile, 2),
                  f"{mid_rule}, rows of an input off a {TMA_FAST_ROW_ALIGNMENT}-byte boundary and pairs along M "
                  "that take no more waves: 128x192 in clusters of 2 along M"),
-                (dict(tile=(128, 128, 64), cluster=(2, 1, 1)), None,
+                (dict(tile=NARROW_TILE, cluster=(2, 1, 1)), None,
                  lambda v, tile: (off(v) and better(v, tile)
                                   and 2 * output_tiles(v["M"], v["N"], schedule.tile) >= v["num_sms"]
-                                  and output_tiles(v["M"], v["N"], tile) <= 2 * v["num_sms"]
+                                  and output_tiles(v["M"], v["N"], tile) <= NARROW_CLUSTER_MAX_WAVES * v["num_sms"]
                                   and cluster_waves_no_more(v["M"], v["N"], v["num_sms"], tile, 2)),
                  f"rows of an input off a {TMA_FAST_ROW_ALIGNMENT}-byte boundary, 128x256 tiles that fill at least "
                  "half the SMs, 128x128 ones that take 10% less wave work in at most two waves and pairs along M that "
@@ -170,12 +176,12 @@ class MatmulWorkload(Workload):
                                   and cluster_waves_no_more(v["M"], v["N"], v["num_sms"], tile, 2)),
                  f"rows of an input off a {TMA_FAST_ROW_ALIGNMENT}-byte boundary, tiles that fill at least half "
                  "the SMs and pairs along M that take no more waves: clusters of 2 along M (B multicast)"),
-                (dict(tile=(128, 128, 64), mode="pingpong"), PINGPONG_STAGES,
+                (dict(tile=NARROW_TILE, mode="pingpong"), PINGPONG_STAGES,
                  lambda v, tile: better(v, tile) and 2 * output_tiles(v["M"], v["N"], tile) > v["num_sms"],
                  "128x128 tiles take 10% less wave work than 128x256 ones and fill more than half the SMs: "
                  "ping-pong"),
                 (dict(tile=(64, 128, 64), consumer_warpgroups=1, split_k=MAX_SPLIT_K), SMALL_M_STAGES,
-                 lambda v, tile: better(v, (128, 128, 64)),
+                 lambda v, tile: better(v, NARROW_TILE),
                  "128x128 tiles take 10% less wave work than 128x256 ones" + split)):
             try:
                 variant = self.default_schedule(fusion, **fields)
