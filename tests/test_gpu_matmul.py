@@ -202,51 +202,36 @@ def test_the_default_switches_to_split_k_where_tiles_are_few(fusion):
         run_and_check(k, fusion, M, 4096, K, seed=M + K)
 
 
-@pytest.mark.parametrize("fusion, M, N, K", [(matmul, 1, 912, 1120), (matmul, 37, 280, 792), (matmul, 258, 1320, 2152),
-                                         (gated, 23, 440, 1344), (matmul, 100, 4000, 4096), (gated, 5, 136, 40)])
-def test_short_calls_run_unsplit_64x64_tiles(fusion, M, N, K):
-    """Calls whose 64x64 tiles fit in one wave and whose K is at most 64 k steps: the 64x64
-    kernel, no split, at sizes no tile divides (rows off a 64-byte boundary too: N 912, K 1120),
-    outputs poisoned first."""
+# (fusion, M, N, K, expected (tile, split, cluster along M)): a call of each per-call rule at
+# sizes no tile divides (rows off a 64-byte boundary too), a gated epilogue among them
+SHORT, SHORT_SPLIT = ((64, 64, 64), False, 1), ((64, 64, 64), True, 1)
+MID, MID_CLUSTERED = ((128, 192, 64), False, 1), ((128, 192, 64), False, 2)
+NARROW_CLUSTERED = ((128, 128, 64), False, 2)
+PER_CALL = [
+    # 64x64 tiles fit in one wave and K is at most 64 k steps: unsplit (N 912, K 1120: rows off)
+    (matmul, 1, 912, 1120, SHORT), (matmul, 37, 280, 792, SHORT), (matmul, 258, 1320, 2152, SHORT),
+    (gated, 23, 440, 1344, SHORT), (matmul, 100, 4000, 4096, SHORT), (gated, 5, 136, 40, SHORT),
+    # K beyond 64 k steps, 64x64 tiles in at most a quarter of the SMs: split-K (K no multiple of 64)
+    (matmul, 1, 1000, 9000, SHORT_SPLIT), (gated, 37, 600, 7000, SHORT_SPLIT), (matmul, 203, 500, 11416, SHORT_SPLIT),
+    (gated, 16, 1016, 8200, SHORT_SPLIT),
+    # 128x192 tiles shorten the waves (2304 x 2048: 144 tiles of 128x256 take two waves, 198 of
+    # 128x192 two shorter ones); in clusters where rows are off (K 520, 1064; N 4216)
+    (matmul, 2304, 2048, 4096, MID), (gated, 2304, 2048, 1024, MID), (matmul, 1500, 4224, 520, MID_CLUSTERED),
+    (gated, 2290, 4216, 1064, MID_CLUSTERED),
+    # tall narrow outputs of rows off (4774 x 384: 76 tiles of 128x256 hold 512 columns for 384):
+    # cooperative 128x128 tiles in clusters
+    (matmul, 4774, 384, 1160, NARROW_CLUSTERED), (gated, 4346, 336, 1712, NARROW_CLUSTERED),
+]
+
+
+@pytest.mark.parametrize("fusion, M, N, K, expected", PER_CALL)
+def test_each_per_call_rule_runs_its_kernel_correctly(fusion, M, N, K, expected):
+    """ws.compile(fusion) picks the rule's kernel for the call (tile, split-K or not, cluster
+    along M, cooperative) and its result matches torch, outputs poisoned first."""
     k = compiled(fusion)
     chosen = k.kernel_for(*inputs_for(fusion, M, N, K, device="cuda")).schedule
-    assert (chosen.tile, chosen.split_k) == ((64, 64, 64), 1), chosen.short()
-    run_and_check(k, fusion, M, N, K, seed=M * N + K)
-
-
-@pytest.mark.parametrize("fusion, M, N, K", [(matmul, 1, 1000, 9000), (gated, 37, 600, 7000), (matmul, 203, 500, 11416),
-                                         (gated, 16, 1016, 8200)])
-def test_few_tiles_of_long_k_run_split_64x64_tiles(fusion, M, N, K):
-    """K beyond 64 k steps and 64x64 tiles that fill at most a quarter of the SMs: 64x64 tiles
-    with split-K, at sizes no tile divides (K no multiple of 64; rows off a 64-byte boundary), a
-    gated epilogue too, outputs poisoned first."""
-    k = compiled(fusion)
-    chosen = k.kernel_for(*inputs_for(fusion, M, N, K, device="cuda")).schedule
-    assert (chosen.tile, chosen.split_k > 1) == ((64, 64, 64), True), chosen.short()
-    run_and_check(k, fusion, M, N, K, seed=M + N + K)
-
-
-@pytest.mark.parametrize("fusion, M, N, K, cluster", [(matmul, 2304, 2048, 4096, 1), (gated, 2304, 2048, 1024, 1),
-                                                   (matmul, 1500, 4224, 520, 2), (gated, 2290, 4216, 1064, 2)])
-def test_calls_whose_waves_128x192_tiles_shorten_run_them(fusion, M, N, K, cluster):
-    """Where 128x192 tiles take 10% less wave work than 128x256 ones and no more than 128x128 ones
-    (2304 x 2048: 144 tiles of 128x256 take two waves, 198 of 128x192 two shorter ones): 128x192 tiles, in
-    clusters of 2 along M where rows are off a 64-byte boundary (K 520, 1064; N 4216), at sizes no
-    tile divides, a gated epilogue too, outputs poisoned first."""
-    k = compiled(fusion)
-    chosen = k.kernel_for(*inputs_for(fusion, M, N, K, device="cuda")).schedule
-    assert (chosen.tile, chosen.cluster[0]) == ((128, 192, 64), cluster), chosen.short()
-    run_and_check(k, fusion, M, N, K, seed=M + N + K)
-
-
-@pytest.mark.parametrize("fusion, M, N, K", [(matmul, 4774, 384, 1160), (gated, 4346, 336, 1712)])
-def test_tall_narrow_outputs_of_rows_off_64_bytes_run_128x128_clusters(fusion, M, N, K):
-    """Rows off a 64-byte boundary where 128x128 tiles take less wave work in at most two waves
-    (4774 x 384: 76 tiles of 128x256 hold 512 columns for 384): cooperative 128x128 tiles in
-    clusters of 2 along M, at sizes no tile divides, a gated epilogue too, outputs poisoned first."""
-    k = compiled(fusion)
-    chosen = k.kernel_for(*inputs_for(fusion, M, N, K, device="cuda")).schedule
-    assert (chosen.tile, chosen.cluster, chosen.mode) == ((128, 128, 64), (2, 1, 1), "cooperative"), chosen.short()
+    assert ((chosen.tile, chosen.split_k > 1, chosen.cluster[0]), chosen.mode) == (expected, "cooperative"), \
+        chosen.short()
     run_and_check(k, fusion, M, N, K, seed=M + N + K)
 
 

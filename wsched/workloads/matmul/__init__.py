@@ -141,16 +141,18 @@ class MatmulWorkload(Workload):
             return better(v, tile) and (wave_work(v["M"], v["N"], v["num_sms"], tile)
                                         <= wave_work(v["M"], v["N"], v["num_sms"], NARROW_TILE))
         off = lambda v: v[ROW_ALIGN] < TMA_FAST_ROW_ALIGNMENT  # noqa: E731
+        k_steps = lambda v, tile: -(-v["K"] // tile[2])  # noqa: E731
+        fills_half = lambda v: 2 * output_tiles(v["M"], v["N"], schedule.tile) >= v["num_sms"]  # noqa: E731
         mid_rule = "128x192 tiles take 10% less wave work than 128x256 ones and no more than 128x128 ones"
         split = " (split-K: the host splits when the tiles fill at most half the SMs)"
         for fields, stages, applies, rule in (
                 (dict(tile=(64, 64, 64), consumer_warpgroups=1), SMALL_TILE_STAGES,
                  lambda v, tile: (output_tiles(v["M"], v["N"], tile) <= v["num_sms"]
-                                  and -(-v["K"] // tile[2]) <= SMALL_TILE_MAX_K_STEPS),
+                                  and k_steps(v, tile) <= SMALL_TILE_MAX_K_STEPS),
                  f"64x64 tiles fit in one wave and K is at most {SMALL_TILE_MAX_K_STEPS} k steps: 64x64 tiles, "
                  "no split"),
                 (dict(tile=(64, 64, 64), consumer_warpgroups=1, split_k=MAX_SPLIT_K), SMALL_TILE_STAGES,
-                 lambda v, tile: (-(-v["K"] // tile[2]) > SMALL_TILE_MAX_K_STEPS
+                 lambda v, tile: (k_steps(v, tile) > SMALL_TILE_MAX_K_STEPS
                                   and output_tiles(v["M"], v["N"], tile) <= SMALL_TILE_SPLIT_MAX_FILL * v["num_sms"]),
                  f"K is more than {SMALL_TILE_MAX_K_STEPS} k steps and 64x64 tiles fill at most "
                  f"{SMALL_TILE_SPLIT_MAX_FILL:.0%} of the SMs" + split),
@@ -163,16 +165,14 @@ class MatmulWorkload(Workload):
                  f"{mid_rule}, rows of an input off a {TMA_FAST_ROW_ALIGNMENT}-byte boundary and pairs along M "
                  "that take no more waves: 128x192 in clusters of 2 along M"),
                 (dict(tile=NARROW_TILE, cluster=(2, 1, 1)), None,
-                 lambda v, tile: (off(v) and better(v, tile)
-                                  and 2 * output_tiles(v["M"], v["N"], schedule.tile) >= v["num_sms"]
+                 lambda v, tile: (off(v) and better(v, tile) and fills_half(v)
                                   and output_tiles(v["M"], v["N"], tile) <= NARROW_CLUSTER_MAX_WAVES * v["num_sms"]
                                   and cluster_waves_no_more(v["M"], v["N"], v["num_sms"], tile, 2)),
                  f"rows of an input off a {TMA_FAST_ROW_ALIGNMENT}-byte boundary, 128x256 tiles that fill at least "
                  "half the SMs, 128x128 ones that take 10% less wave work in at most two waves and pairs along M that "
                  "take no more waves: 128x128 in clusters of 2 along M"),
                 (dict(tile=schedule.tile, cluster=(2, 1, 1)), None,
-                 lambda v, tile: (off(v)
-                                  and 2 * output_tiles(v["M"], v["N"], tile) >= v["num_sms"]
+                 lambda v, tile: (off(v) and fills_half(v)
                                   and cluster_waves_no_more(v["M"], v["N"], v["num_sms"], tile, 2)),
                  f"rows of an input off a {TMA_FAST_ROW_ALIGNMENT}-byte boundary, tiles that fill at least half "
                  "the SMs and pairs along M that take no more waves: clusters of 2 along M (B multicast)"),
