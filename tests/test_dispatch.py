@@ -24,12 +24,13 @@ def k():
 
 def test_default_matmul_has_narrow_split_k_variants(k):
     assert isinstance(k, ShapeDispatchKernel)
-    short, short_split, small, mid, mid_clustered, narrow_clustered, clustered, pingpong, narrow = k.variants
+    short, short_split, small, stream, mid, mid_clustered, narrow_clustered, clustered, pingpong, narrow = k.variants
     assert short.schedule == ws.schedule_for(matmul, tile=(64, 64, 64), consumer_warpgroups=1, stages=12)
     assert short_split.schedule == ws.schedule_for(matmul, tile=(64, 64, 64), consumer_warpgroups=1,
                                                    split_k=MAX_SPLIT_K, stages=12)
     assert small.schedule == ws.schedule_for(matmul, tile=(64, 128, 64), consumer_warpgroups=1, split_k=MAX_SPLIT_K,
                                              stages=8)     # the weights streamed with more bytes in flight
+    assert stream.schedule == ws.schedule_for(matmul, stream_k=True)
     assert mid.schedule == ws.schedule_for(matmul, tile=(128, 192, 64))
     assert mid_clustered.schedule == ws.schedule_for(matmul, tile=(128, 192, 64), cluster=(2, 1, 1))
     assert narrow_clustered.schedule == ws.schedule_for(matmul, tile=(128, 128, 64), cluster=(2, 1, 1))
@@ -43,6 +44,8 @@ def test_default_matmul_has_narrow_split_k_variants(k):
         f"  {short_split.schedule.short()} when K is more than 64 k steps and 64x64 tiles fill at most 25% of the "
         "SMs (split-K: the host splits when the tiles fill at most half the SMs)\n"
         f"  {small.schedule.short()} when M <= 64 (split-K: the host splits when the tiles fill at most half the SMs)\n"
+        f"  {stream.schedule.short()} when rows on a 64-byte boundary, 128x256 tiles that take more than one wave and "
+        "at most 1.2, and K of at least 128 k steps: stream-K\n"
         f"  {mid.schedule.short()} when 128x192 tiles take 10% less wave work than 128x256 ones and no more than "
         "128x128 ones\n"
         f"  {mid_clustered.schedule.short()} when 128x192 tiles take 10% less wave work than 128x256 ones and no more "
@@ -106,6 +109,24 @@ def test_the_rule(k, m, n, kk, sms, tile, mode):
     chosen = k.choose(_shape(m, n, kk), sms)
     assert (chosen.schedule.tile[:2], chosen.schedule.mode) == (tile, mode)
     assert (chosen is k.primary) == (tile == (128, 256))
+
+
+@pytest.mark.parametrize("m, n, kk, sms, stream", [
+    (2304, 2048, 8192, 132, True),      # 144 tiles: 1.09 waves, 128 k steps
+    (2432, 1792, 10240, 132, True),     # 133 tiles
+    (2688, 1792, 9216, 132, True),      # 154 tiles: 1.17 waves
+    (2304, 2048, 8128, 132, False),     # 127 k steps: 128x192 tiles
+    (1280, 4096, 12288, 132, False),    # 160 tiles: 1.21 waves
+    (4224, 1024, 10240, 132, False),    # 132 tiles: one wave, the default
+    (2048, 2048, 12288, 132, False),    # 128 tiles: less than a wave, the default
+    (300, 768, 8192, 8, True),          # 9 tiles on 8 SMs: 1.125 waves
+    (300, 768, 8192, 4, False),         # on 4 SMs: 2.25 waves
+])
+def test_stream_k_takes_a_little_more_than_one_wave_of_long_k(k, m, n, kk, sms, stream):
+    chosen = k.choose(_shape(m, n, kk), sms).schedule
+    assert chosen.stream_k is stream
+    if stream:
+        assert chosen.tile == (128, 256, 64)
 
 
 def _padded(m, n, kk, pad):

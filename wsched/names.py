@@ -26,6 +26,8 @@ EPILOGUE_SLICE = "j"
 SPLITS = "splits"
 PARTIALS = "partials"
 TICKETS = "tickets"
+UNIT_STEPS = "unit_steps"     # stream-K: the k steps of one CTA's range
+TILE_SPLITS = "tile_splits"   # stream-K: how many CTAs' ranges one tile's k steps lie in
 TICKET_SLOT = "ticket_slot"
 
 # Attention's split-KV keeps each split's partial O, row max and row sum per tile (and takes the
@@ -89,4 +91,6 @@ LOWERING_NAMES = frozenset({
     # matmul: epilogue slices and split-K
     EPILOGUE_SLICE, SPLITS, PARTIALS, TICKETS, TICKET_SLOT, ACC + "_" + EPILOGUE_SLICE, "num_units", "split", "out_tile", "k_begin",
     "k_end", "k_count", "ticket", "last_split", "src_split", "part_t", "slice_t",
+    # matmul: stream-K
+    UNIT_STEPS, TILE_SPLITS, "sk_begin", "sk_end", "sk_last", "tile_k0", "first_cta",
 })

@@ -68,6 +68,18 @@ NARROW_TILE = (128, 128, 64)
 # tiles (M 2466-5925, N 2240-4184) it lost 0.83-0.96x, and in place of ping-pong (the rule's
 # first, wider form) it was mixed (0.91-1.12x over 17 calls), hence the bounds.
 NARROW_CLUSTER_MAX_WAVES = 2
+# Stream-K (`stream_k=True`): where the default's 128x256 tiles take a little more than one wave
+# (at most STREAM_K_MAX_WAVES of them) the plain kernel's second wave runs nearly empty and
+# 128x192 tiles take two waves of three-quarter tiles; spreading all tiles' k steps evenly over
+# the SMs costs each CTA a partial's store, a ticket and (the last of a tile) a sum, which long K
+# pays for: at least STREAM_K_MIN_K_STEPS k steps. Measured on an H100 (cold L2, cuBLAS in the same
+# run, 2026-11-25; rows on a 64-byte boundary, both layouts), against the 128x192 kernel the rules
+# picked before: 133-154 tiles at K 12288 1.08-1.20x (0.71-0.85 -> 0.88-0.94 of cuBLAS), K 16384
+# 1.19x, K 8192 1.09x; at K 6144 0.998-1.09x and at K <= 4096 it lost (0.5-0.97x: the fix-up
+# costs ~15 us); 160 tiles (1.21 waves) 0.93-1.02x; two waves 0.73-0.97x. Rows off a 64-byte
+# boundary keep their clusters (stream-K 0.58-0.67 of cuBLAS there).
+STREAM_K_MAX_WAVES = 1.2
+STREAM_K_MIN_K_STEPS = 128
 
 
 class MatmulWorkload(Workload):
@@ -105,6 +117,9 @@ class MatmulWorkload(Workload):
           (SMALL_TILE_SPLIT_MAX_FILL): 64x64 tiles with split-K.
         - M <= 64: 64x128 tiles (one consumer warpgroup: a 128-row tile would be at least half
           empty rows) with split-K; the host splits K when the tiles fill at most half the SMs.
+        - rows of both inputs on a 64-byte boundary, 128x256 tiles that take more than one wave
+          but at most STREAM_K_MAX_WAVES, and K of at least STREAM_K_MIN_K_STEPS k steps: the
+          default's tile with stream-K (every CTA the same share of all tiles' k steps).
         - 128x192 tiles take at least 10% less wave work than the default's (`saves_waves`)
           and no more than 128x128 ones: 128x192 tiles (`MID_TILE`), in clusters of 2 along M
           where an input's rows are off a 64-byte boundary (and pairs take no more waves).
@@ -131,7 +146,7 @@ class MatmulWorkload(Workload):
         split-K or another tile asked for)."""
         from wsched.dispatch import ROW_ALIGN, Variant
 
-        if (schedule.tile != (128, 256, 64) or schedule.split_k != 1 or schedule.cluster != (1, 1, 1)
+        if (schedule.tile != (128, 256, 64) or schedule.split_k != 1 or schedule.stream_k or schedule.cluster != (1, 1, 1)
                 or _batched(fusion)):
             return ()
         found = []
@@ -158,6 +173,12 @@ class MatmulWorkload(Workload):
                  f"{SMALL_TILE_SPLIT_MAX_FILL:.0%} of the SMs" + split),
                 (dict(tile=(64, 128, 64), consumer_warpgroups=1, split_k=MAX_SPLIT_K), SMALL_M_STAGES,
                  lambda v, tile: v["M"] <= 64, "M <= 64" + split),
+                (dict(tile=schedule.tile, stream_k=True), None,
+                 lambda v, tile: (not off(v) and k_steps(v, tile) >= STREAM_K_MIN_K_STEPS
+                                  and v["num_sms"] < output_tiles(v["M"], v["N"], tile)
+                                  <= STREAM_K_MAX_WAVES * v["num_sms"]),
+                 f"rows on a {TMA_FAST_ROW_ALIGNMENT}-byte boundary, 128x256 tiles that take more than one wave and "
+                 f"at most {STREAM_K_MAX_WAVES:g}, and K of at least {STREAM_K_MIN_K_STEPS} k steps: stream-K"),
                 (dict(tile=MID_TILE), None, lambda v, tile: not off(v) and mid(v, tile), mid_rule),
                 (dict(tile=MID_TILE, cluster=(2, 1, 1)), None,
                  lambda v, tile: off(v) and mid(v, tile) and cluster_waves_no_more(v["M"], v["N"], v["num_sms"],

@@ -75,7 +75,7 @@ from dataclasses import replace
 from wsched.lowering import ir
 from wsched.lowering.context import LoweringContext
 from wsched.lowering.rewrite import map_loop, map_role
-from wsched.names import (ACC, CONSUMER, EPILOGUE_SLICE, PARTIALS, SPLITS, TICKET_SLOT, TILE_VAR,
+from wsched.names import (ACC, CONSUMER, EPILOGUE_SLICE, PARTIALS, SPLITS, TICKET_SLOT, TILE_SPLITS, TILE_VAR,
                           WARPGROUP_BARRIER)
 from wsched.partition import param_name
 from wsched.target import DTYPE_BYTES, SWIZZLE_ROW_BYTES, UNARY_OPS, WARPGROUP_THREADS, WGMMA_M
@@ -118,7 +118,8 @@ def epilogue(kernel: ir.Kernel, ctx: LoweringContext) -> ir.Kernel:
 
     row0 = row_of(0)
     col0 = ir.add("n0", ir.mul(j, width)) if slices > 1 else V("n0")
-    split = s.split_k > 1
+    split = s.splits_k
+    splits = V(TILE_SPLITS if s.stream_k else SPLITS)   # how many units this tile's k steps are split into
     mm = part.payload
     at = tuple(V(f"b{i}") for i in range(mm.batch))     # an output's batch coordinates
 
@@ -187,8 +188,11 @@ def epilogue(kernel: ir.Kernel, ctx: LoweringContext) -> ir.Kernel:
         if not split:
             slice_body = copy(h) + fused(SLICE, h)
         else:       # the epilogue in both branches: joined before it, ptxas spilled (split-K: one block)
-            summed = _sum_of_partials(row0, col0, rows, width, decls)
-            slice_body = (ir.If(ir.BinOp(">", V(SPLITS), C(1)), summed + fused(SLICE), copy(h) + fused(SLICE)),)
+            own = None
+            if s.stream_k:    # this unit's slice: acc's columns, or acc itself where it is one slice
+                own = copy(h)[:-1] + ((ACC_SLICE if slices > 1 else accumulator(h)),)
+            summed = _sum_of_partials(row0, col0, rows, width, decls, splits, own)
+            slice_body = (ir.If(ir.BinOp(">", splits, C(1)), summed + fused(SLICE), copy(h) + fused(SLICE)),)
         if staged and paired:   # the slot's store two slices ago has read it; this one's store at once
             slice_body = ((ir.ElectOne((ir.TmaWait(slots - 1, True),)), sync) + slice_body
                           + (ir.FenceProxyAsync(), sync, ir.ElectOne(slice_stores(h) + (ir.TmaCommit(),))))
@@ -211,7 +215,7 @@ def epilogue(kernel: ir.Kernel, ctx: LoweringContext) -> ir.Kernel:
     smem = kernel.smem + tuple(extra_smem)
     if split:
         body = [ir.Let("last_split", C(1), mutable=True),
-                ir.If(ir.BinOp(">", V(SPLITS), C(1)), _ticket(s, row0, sync, width, slices)),
+                ir.If(ir.BinOp(">", splits, C(1)), _ticket(s, row0, sync, width, slices, splits)),
                 ir.If(V("last_split"), tuple(body))]
         smem += (ir.SmemDecl(TICKET_SLOT, "i32", (s.consumer_warpgroups, 1), 0),)
 
@@ -295,26 +299,30 @@ def _store_partial(row0, width: int, slices: int) -> ir.Stmt:
     ))
 
 
-def _ticket(s, row0: ir.Expr, sync: ir.Stmt, width: int, slices: int) -> tuple[ir.Stmt, ...]:
+def _ticket(s, row0: ir.Expr, sync: ir.Stmt, width: int, slices: int, splits: ir.Var) -> tuple[ir.Stmt, ...]:
     """Store this unit's partial and take the ticket of its (tile, warpgroup): `last_split`
     becomes 1 for the unit that arrives last."""
     nwg = s.consumer_warpgroups
     slot = ir.SmemRef(TICKET_SLOT, (V("wg"),))
     counter = ir.add(ir.mul("out_tile", nwg), "wg") if nwg > 1 else V("out_tile")
-    last = ir.sub(SPLITS, 1)
+    last = ir.sub(splits, 1)
     return (_store_partial(row0, width, slices),) + take_ticket(slot, counter, last, sync)
 
 
-def _sum_of_partials(row0, col0, rows: int, width: int, decls: dict) -> tuple[ir.Stmt, ...]:
+def _sum_of_partials(row0, col0, rows: int, width: int, decls: dict, splits: ir.Var,
+                     own: "tuple | None" = None) -> tuple[ir.Stmt, ...]:
     """For the last unit of a split tile: slice_t = 0 + partial 0 + partial 1 + ..., in split
-    order (the same bits whichever unit runs it)."""
+    order (the same bits whichever unit runs it). With `own` (stream-K: the statements that view
+    this unit's accumulator slice, then the slice's name), this unit's own partial is added from
+    its registers rather than read back (it is what it stored, bit for bit)."""
     decls.setdefault("part_t", ir.RegDecl("part_t", "f32", (rows, width)))
+    load = (ir.TileLoadGlobal("part_t", PARTIALS, (V("src_split"), row0, col0)),
+            ir.TileBinary("add", SLICE, SLICE, "part_t"))
+    step = load if own is None else (
+        ir.If(ir.eq("src_split", "split"), own[:-1] + (ir.TileBinary("add", SLICE, SLICE, own[-1]),), load),)
     return (
         ir.TileFill(SLICE, ir.FloatConst(0.0)),
-        ir.For("src_split", C(0), V(SPLITS), C(1), "serial", (
-            ir.TileLoadGlobal("part_t", PARTIALS, (V("src_split"), row0, col0)),
-            ir.TileBinary("add", SLICE, SLICE, "part_t"),
-        )),
+        ir.For("src_split", C(0), splits, C(1), "serial", step),
     )
 
 

@@ -40,7 +40,7 @@ from dataclasses import replace
 
 from wsched.lowering import ir
 from wsched.lowering.context import LoweringContext
-from wsched.names import ACC, CONSUMER, K_VAR, PARTIALS, PRODUCER, SPLITS, TICKETS, TILE_VAR
+from wsched.names import ACC, CONSUMER, K_VAR, PARTIALS, PRODUCER, SPLITS, TICKETS, TILE_SPLITS, TILE_VAR, UNIT_STEPS
 from wsched.partition import param_name
 from wsched.target import WGMMA_M
 from wsched.workloads.batch import batch_index_lets
@@ -66,8 +66,10 @@ def build_loops(kernel: None, ctx: LoweringContext) -> ir.Kernel:
 
     params: list[ir.Param] = [ir.ScalarParam(f"batch{i}", "i32") for i in range(mm.batch)]
     params += [ir.ScalarParam("M", "i32"), ir.ScalarParam("N", "i32"), ir.ScalarParam("K", "i32")]
-    split = s.split_k > 1
-    if split:
+    split = s.splits_k
+    if s.stream_k:
+        params += stream_k_params(s)
+    elif split:
         params.append(ir.HostParam(SPLITS, "i32", split_count(s)))
     a_lead, b_lead = batch_shape(mm.a_batch), batch_shape(mm.b_batch)
     params.append(ir.TensorMapParam(a_load.tensor, a_load.dtype, a_lead + (V("M"), V("K")),
@@ -104,7 +106,7 @@ def build_loops(kernel: None, ctx: LoweringContext) -> ir.Kernel:
         *cluster_lets(s),
         *tiles,
         ir.Let("k_tiles", ir.ceil_div("K", bk)),
-    ) + ((ir.Let("num_units", ir.mul("num_tiles", SPLITS)),) if split else ())
+    ) + (stream_k_lets() if s.stream_k else (ir.Let("num_units", ir.mul("num_tiles", SPLITS)),) if split else ())
     full0 = ir.BarRef(ch.full, C(0))
     k0 = ir.mul(ir.add("k_begin", K_VAR) if split else V(K_VAR), bk)
     a_at, b_at = batch_coords(mm.a_batch), batch_coords(mm.b_batch)
@@ -135,6 +137,8 @@ def build_loops(kernel: None, ctx: LoweringContext) -> ir.Kernel:
         units = ir.mul(units, batch_count(mm.batch))
     if s.cluster_size > 1:   # whole clusters of CTAs, each taking whole clusters of tiles
         grid = ir.mul(ir.emin(ir.div("num_sms", s.cluster_size), units), s.cluster_size)
+    elif s.stream_k:         # every CTA a full range of unit_steps k steps but perhaps the last
+        grid = ir.ceil_div(ir.mul(units, ir.ceil_div("K", bk)), UNIT_STEPS)
     else:
         grid = ir.emin("num_sms", ir.mul(units, SPLITS) if split else units)
     return ir.Kernel(ctx.name, tuple(params), grid, (s.cluster_size, 1, 1), (a_buf, b_buf), barriers,
@@ -243,6 +247,17 @@ def split_count(s) -> ir.Expr:
     return ir.emin(ir.emin(s.split_k, longest), ir.emax(1, ir.div("num_sms", tiles)))
 
 
+def stream_k_params(s) -> list[ir.Param]:
+    """Stream-K's host params: `unit_steps`, the k steps of one CTA's range (all tiles' k steps
+    spread over the SMs), and `splits`, the most CTAs one tile's k steps can lie in (the
+    partials' first dim): a range of at least unit_steps steps, so ceil(k_tiles / unit_steps) + 1."""
+    bm, bn, bk = s.tile
+    k_tiles = ir.ceil_div("K", bk)
+    work = ir.mul(ir.mul(ir.ceil_div("M", bm), ir.ceil_div("N", bn)), k_tiles)
+    return [ir.HostParam(UNIT_STEPS, "i32", ir.ceil_div(work, "num_sms")),
+            ir.HostParam(SPLITS, "i32", ir.add(ir.ceil_div(k_tiles, UNIT_STEPS), 1))]
+
+
 def k_loop(body: tuple[ir.Stmt, ...], split: bool = False) -> ir.For:
     """The k loop: over all k steps, or (split-K) over this unit's k_count steps from k_begin."""
     return ir.For(K_VAR, C(0), V("k_count" if split else "k_tiles"), C(1), "serial", body)
@@ -252,6 +267,8 @@ def tile_loop(ctx: LoweringContext, body: tuple[ir.Stmt, ...]) -> ir.For:
     """The persistent tile loop both roles run, with the same tile -> (m0, n0) raster. With
     split-K it walks (output tile, split) units, the splits of one tile next to each other; a
     split takes the k steps [split * k_tiles / splits, (split + 1) * k_tiles / splits)."""
+    if ctx.schedule.stream_k:
+        return stream_k_loop(ctx, body)
     if ctx.schedule.split_k == 1:
         nb = ctx.partition.payload.batch
         lets = raster_lets(ctx, V(TILE_VAR)) if not nb else batch_lets(nb) + raster_lets(ctx, V("batch_tile"))
@@ -269,6 +286,37 @@ def tile_loop(ctx: LoweringContext, body: tuple[ir.Stmt, ...]) -> ir.For:
     )
     return ir.For(TILE_VAR, V("cta_id"), V("num_units"), V("num_ctas"), "persistent",
                   unit + raster_lets(ctx, V("out_tile")) + k_range + body)
+
+
+def stream_k_loop(ctx: LoweringContext, body: tuple[ir.Stmt, ...]) -> ir.For:
+    """Stream-K's tile loop: this CTA's k steps are [sk_begin, sk_end) of all tiles' k steps in a
+    row, so it walks the tiles they touch, the last first: its range begins inside one tile and
+    ends inside another, and taking the later tile's first k steps first keeps every CTA near the
+    same k step at the same time (CTAs on tiles that share an operand row or column read it
+    together, once from memory, as in the plain kernel). In each tile: the k steps of its range
+    (k_begin, k_count), which of the tile's CTAs it is (`split`, counted from the tile's first)
+    and how many CTAs the tile's k steps lie in (`tile_splits`)."""
+    unit = (
+        ir.Let("out_tile", ir.sub("sk_last", TILE_VAR)),
+        ir.Let("tile_k0", ir.mul("out_tile", "k_tiles")),
+        ir.Let("k_begin", ir.sub(ir.emax("sk_begin", "tile_k0"), "tile_k0")),
+        ir.Let("k_end", ir.sub(ir.emin("sk_end", ir.add("tile_k0", "k_tiles")), "tile_k0")),
+        ir.Let("k_count", ir.sub("k_end", "k_begin")),
+        ir.Let("first_cta", ir.div("tile_k0", UNIT_STEPS)),
+        ir.Let("split", ir.sub("cta_id", "first_cta")),
+        ir.Let(TILE_SPLITS, ir.add(ir.sub(ir.div(ir.sub(ir.add("tile_k0", "k_tiles"), 1), UNIT_STEPS),
+                                          "first_cta"), 1)),
+    )
+    return ir.For(TILE_VAR, C(0), ir.add(ir.sub("sk_last", ir.div("sk_begin", "k_tiles")), 1), C(1), "persistent",
+                  unit + raster_lets(ctx, V("out_tile")) + body)
+
+
+def stream_k_lets() -> tuple[ir.Stmt, ...]:
+    """This CTA's range of all tiles' k steps in a row, [sk_begin, sk_end), and the last tile it
+    touches."""
+    return (ir.Let("sk_begin", ir.mul("cta_id", UNIT_STEPS)),
+            ir.Let("sk_end", ir.emin(ir.add("sk_begin", UNIT_STEPS), ir.mul("num_tiles", "k_tiles"))),
+            ir.Let("sk_last", ir.div(ir.sub("sk_end", 1), "k_tiles")))
 
 
 def batch_lets(nb: int) -> tuple[ir.Stmt, ...]:

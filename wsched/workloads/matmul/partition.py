@@ -84,6 +84,9 @@ def partition_matmul(workload, fusion, schedule: Schedule) -> Partition:
         raise ScheduleError(f"{mm.id} = matmul{tuple(mm.inputs)} at {mm.source} is batched (shape "
                             f"{list(mm.shape)}): split-K (split_k={schedule.split_k}) takes 2-D matmuls only; "
                             f"use split_k=1 (the batch dims already multiply the tiles)")
+    if nb and schedule.stream_k is True:
+        raise ScheduleError(f"{mm.id} = matmul{tuple(mm.inputs)} at {mm.source} is batched (shape "
+                            f"{list(mm.shape)}): stream-K takes 2-D matmuls only; use stream_k=False")
     a_load, a_dims, a_batch = _operand(fusion, mm.inputs[0], "a", schedule, nb)
     b_load, b_dims, b_batch = _operand(fusion, mm.inputs[1], "b", schedule, nb)
     dims = {f"batch{i}": (a_dims[2][i] if a_batch[i] == BATCH_INDEX or b_batch[i] is None else b_dims[2][i])

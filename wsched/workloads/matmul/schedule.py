@@ -58,11 +58,19 @@ class MatmulSchedule(Schedule):
     enough work units for the SMs, never a second wave, and no split of fewer than
     `split_min_steps` k steps, MIN_K_STEPS_PER_SPLIT by default), each unit stores its fp32
     partial to a workspace, and the last of a tile's units to take its ticket sums the partials in split order and runs the epilogue
-    (docs/architecture.md, "Split-K")."""
+    (docs/architecture.md, "Split-K").
+
+    `stream_k=True` splits the call's k steps, not its tiles, evenly over the CTAs: all output
+    tiles' k steps in one row (tile by tile), CTA c taking the `unit_steps = ceil(tiles x k_tiles /
+    num_sms)` steps from c x unit_steps. A tile whose k steps lie in more than one CTA's range is
+    finished as a split-K tile is: each CTA stores its fp32 partial and takes the tile's ticket, and
+    the last to arrive sums the partials in CTA order and runs the epilogue. No wave of tiles is
+    left part empty (docs/architecture.md, "Stream-K")."""
 
     workload = "matmul"
     split_k: int = 1
     split_min_steps: int = MIN_K_STEPS_PER_SPLIT
+    stream_k: bool = False
     # A warpgroup owns 64 or 128 rows: one or two m64 wgmmas per k step, each into an accumulator
     # of its own (ping-pong's 128 x 128 tiles, cooperative 256 x 128).
     consumer_rows = (WGMMA_M, 2 * WGMMA_M)
@@ -98,11 +106,17 @@ class MatmulSchedule(Schedule):
         smem slot each consumer warpgroup reads its ticket from (one aligned buffer)."""
         staging = (self.consumer_warpgroups * self.staging_slots * WGMMA_M * self.epilogue_width * self.output_bytes
                    if self.epilogue == "tma_store" else 0)
-        return staging + (SMEM_ALIGN if is_int(self.split_k) and self.split_k > 1 else 0)
+        return staging + (SMEM_ALIGN if self.splits_k else 0)
+
+    @property
+    def splits_k(self) -> bool:
+        """Whether a tile's k steps may be split across CTAs (split-K or stream-K)."""
+        return (is_int(self.split_k) and self.split_k > 1) or self.stream_k is True
 
     def short(self) -> str:
         return (super().short() + (" pingpong" if self.mode == "pingpong" else "")
                 + (f" split_k={self.split_k}" if self.split_k != 1 else "")
+                + (" stream_k" if self.stream_k is True else "")
                 + (f" split_min_steps={self.split_min_steps}"
                    if self.split_min_steps != MIN_K_STEPS_PER_SPLIT else "")
                 + (f" cluster={'x'.join(map(str, self.cluster))}"
@@ -118,6 +132,19 @@ class MatmulSchedule(Schedule):
         if not is_int(self.split_min_steps) or self.split_min_steps < 1:
             p.append(f"split_min_steps={self.split_min_steps!r} must be an int >= 1 (the fewest k steps a split-K "
                      f"unit takes; default {MIN_K_STEPS_PER_SPLIT})")
+        if not isinstance(self.stream_k, bool):
+            p.append(f"stream_k={self.stream_k!r} must be True or False (True: the call's k steps split "
+                     f"evenly over the CTAs)")
+        elif self.stream_k:
+            if is_int(self.split_k) and self.split_k != 1:
+                p.append(f"stream_k=True with split_k={self.split_k}: stream-K chooses its own splits; "
+                         f"use split_k=1")
+            if self.mode == "pingpong":
+                p.append("stream_k=True with mode 'pingpong': a split tile's ticket is per tile, not per "
+                         "warpgroup's tile; use mode 'cooperative'")
+            if self.mma_row_blocks > 1:
+                p.append(f"stream_k=True with {self.rows_per_consumer} rows per consumer warpgroup: stream-K "
+                         f"takes 64 rows per warpgroup (BM = 64 x consumer_warpgroups)")
         if self.mode == "pingpong" and self.consumer_warpgroups != 2:
             p.append(f"mode 'pingpong' alternates two consumer warpgroups on tiles of their own: it needs "
                      f"consumer_warpgroups=2 (not {self.consumer_warpgroups})")
@@ -166,6 +193,9 @@ class MatmulSchedule(Schedule):
         if is_int(self.split_k) and self.split_k != 1:
             p.append(f"cluster {self.cluster} with split_k={self.split_k}: a cluster's CTAs walk whole tiles "
                      f"together; use split_k=1 or cluster (1, 1, 1)")
+        if self.stream_k is True:
+            p.append(f"cluster {self.cluster} with stream_k=True: a cluster's CTAs walk whole tiles together; "
+                     f"use stream_k=False or cluster (1, 1, 1)")
         if cn > 1 and (self.bm % cn or self.bm // cn > WGMMA_M or (self.bm // cn) % PAGE_ROWS_ALIGN):
             p.append(f"cluster {self.cluster} with BM={self.bm}: each CTA loads {self.bm}/{cn} rows of the shared "
                      f"A tile, which must be whole {PAGE_ROWS_ALIGN}-row swizzle atoms within one block of {WGMMA_M} "
