@@ -251,6 +251,36 @@ def test_split_k_is_deterministic_and_its_tickets_reset():
 
 
 
+@pytest.mark.parametrize("fusion, M, N, K", [
+    (matmul, 2304, 2048, 8192),          # 144 tiles on the SMs: the rule's call, tiles in two CTAs' ranges
+    (gated, 2688, 1792, 9216),           # 154 tiles, a gated epilogue on the sums
+    (matmul, 300, 520, 8200),            # 9 tiles of 129 k steps over the SMs: each tile in ~15 ranges
+    (scaled_silu_f32, 1000, 1000, 5000),  # f32 output, ragged in every dim
+    (linear_relu_residual, 33, 4096, 4096),
+])
+def test_stream_k(fusion, M, N, K):
+    run_and_check(compiled(fusion, stream_k=True), fusion, M, N, K, seed=M + K)
+
+
+@pytest.mark.parametrize("fusion, M, N, K", [(matmul, 2304, 2048, 8192), (gated, 2432, 1792, 10240)])
+def test_the_default_takes_stream_k_for_a_little_more_than_one_wave_of_long_k(fusion, M, N, K):
+    k = compiled(fusion)
+    assert k.kernel_for(*inputs_for(fusion, M, N, K, device="cuda")).schedule.stream_k
+    run_and_check(k, fusion, M, N, K, seed=M + N + K)
+
+
+def test_stream_k_is_deterministic_and_its_tickets_reset():
+    k = compiled(matmul, stream_k=True)
+    a, b = inputs_for(matmul, 700, 1000, 6000, device="cuda", seed=12)
+    outs = [k(a, b).clone() for _ in range(3)]
+    k.synchronize()
+    assert all(torch.equal(outs[0], o) for o in outs[1:])
+    assert all(int(t.count_nonzero()) == 0 for (name, _), held in k._workspaces.items() if name == "tickets"
+               for t in held)
+    ref = matmul.reference(a.cpu(), b.cpu()).float().cuda()
+    assert float((outs[0].float() - ref).norm() / ref.norm()) < 1e-2
+
+
 # --- batched matmul (tests/test_batched_matmul.py has the simulator's checks) ----------------------
 
 def _check_batched(fusion, sizes, seed):
