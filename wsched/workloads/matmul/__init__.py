@@ -76,8 +76,9 @@ NARROW_CLUSTER_MAX_WAVES = 2
 # run, 2026-11-25; rows on a 64-byte boundary, both layouts), against the 128x192 kernel the rules
 # picked before: 133-154 tiles at K 12288 1.08-1.20x (0.71-0.85 -> 0.88-0.94 of cuBLAS), K 16384
 # 1.19x, K 8192 1.09x; at K 6144 0.998-1.09x and at K <= 4096 it lost (0.5-0.97x: the fix-up
-# costs ~15 us); 160 tiles (1.21 waves) 0.93-1.02x; two waves 0.73-0.97x. Rows off a 64-byte
-# boundary keep their clusters (stream-K 0.58-0.67 of cuBLAS there).
+# costs ~6 us a shared tile); 160 tiles (1.21 waves) 0.93-1.02x; two waves 0.73-0.97x. Rows off a
+# 64-byte boundary keep their clusters (stream-K 0.58-0.67 of cuBLAS there). Held out: 12 calls of
+# 133-156 tiles, K 8192-14336, 1.01-1.29x; 13 more at K 6144-7936 0.98-1.13x (hence 128 k steps).
 STREAM_K_MAX_WAVES = 1.2
 STREAM_K_MIN_K_STEPS = 128
 
