@@ -169,6 +169,7 @@ CORNERS = {
     "matmul_bn64_bf16_and_f32_staged": (bf16_and_f32_outputs, dict(tile=(128, 64, 64))),
     "matmul_split_k_bf16_and_f32_staged": (bf16_and_f32_outputs, dict(split_k=16)),
     "matmul_split_k_one_consumer_residual": (linear_relu_residual, dict(consumer_warpgroups=1, split_k=16)),
+    "matmul_stream_k_bf16_and_f32_staged": (bf16_and_f32_outputs, dict(stream_k=True)),
     "attention_d128_bn192_pingpong": (ATTENTION_FUSIONS[128], dict(tile=(128, 192, 128), stages=2, mode="pingpong")),
     "attention_d256_one_consumer_bn128": (ATTENTION_FUSIONS[256], dict(tile=(64, 128, 256), consumer_warpgroups=1,
                                                                         mma_inflight=0)),

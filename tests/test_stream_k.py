@@ -183,3 +183,13 @@ def test_the_kernel_text_round_trips(sk):
 def test_stream_k_kernels_build_for_sm90a_without_spills(fusion, overrides):
     k = ws.compile(fusion, stream_k=True, **overrides)
     assert k.build.resources[k.kernel.name].spill_stores == 0
+
+
+def test_the_search_space_holds_stream_k_for_2d_matmuls_only():
+    from test_batched_matmul import bmm
+    from wsched.workloads.matmul import MATMUL
+
+    space = [s for s in MATMUL.schedule_space(mlp) if s.stream_k]
+    assert [s.tile for s in space] == [(128, 256, 64), (128, 192, 64), (128, 128, 64)]
+    assert ws.schedule_for(matmul, stream_k=True) in list(MATMUL.schedule_space(matmul))
+    assert not any(s.stream_k for s in MATMUL.schedule_space(bmm))

@@ -302,11 +302,12 @@ def schedule_space(output_bytes: int = 2, operand_bytes: int = 2,
     warpgroups) or 64 (1), BN 64..256, both epilogues, either raster, and split-K off or up to
     MAX_SPLIT_K (the host picks the split per call); ping-pong 128 x 128, 64 x 256 and 128 x 64
     and cooperative 256 x 128, unsplit; clusters of two CTAs (`MatmulSchedule.cluster`) at 128 x 256 and
-    128 x 128. With 2 consumers and no split every stage
+    128 x 128; stream-K at 128 x 256, 128 x 192 and 128 x 128. With 2 consumers and no split every stage
     count that fits, with and without a wgmma group in flight; the other families with the
     default's stages (as many as fit, at most 4) and a group in flight, which keeps the space a
     search times small. (`MatmulSchedule` also takes other register budgets, raster
-    groups and split bounds.) A batched matmul passes `split_ks=(1,)`: split-K is 2-D only."""
+    groups and split bounds.) A batched matmul passes `split_ks=(1,)`: split-K and stream-K are
+    2-D only."""
     for consumers in (2, 1):
         for split_k in split_ks:
             for bn in TILE_N:
@@ -339,6 +340,15 @@ def schedule_space(output_bytes: int = 2, operand_bytes: int = 2,
         for bn in (256, 128):
             try:
                 yield default_schedule(tile=(2 * WGMMA_M, bn, SWIZZLE_ROW_BYTES // operand_bytes), cluster=cluster,
+                                       output_bytes=output_bytes, operand_bytes=operand_bytes)
+            except ScheduleError:
+                continue
+    # Stream-K (2-D only, as split-K): 128 x 256, 128 x 192 and 128 x 128 tiles, the default's
+    # stages, TMA-store epilogue, row raster.
+    if len(split_ks) > 1:
+        for bn in (256, 192, 128):
+            try:
+                yield default_schedule(tile=(2 * WGMMA_M, bn, SWIZZLE_ROW_BYTES // operand_bytes), stream_k=True,
                                        output_bytes=output_bytes, operand_bytes=operand_bytes)
             except ScheduleError:
                 continue
