@@ -235,12 +235,16 @@ def test_each_per_call_rule_runs_its_kernel_correctly(fusion, M, N, K, expected)
     run_and_check(k, fusion, M, N, K, seed=M + N + K)
 
 
-def test_split_k_is_deterministic_and_its_tickets_reset():
+@pytest.mark.parametrize("overrides, M, N, K, seed", [(dict(split_k=16), 40, 4096, 8192, 11),
+                                                     (dict(stream_k=True), 700, 1000, 6000, 12)],
+                         ids=["split_k", "stream_k"])
+def test_split_work_is_deterministic_and_its_tickets_reset(overrides, M, N, K, seed):
     """The same inputs three times: the same bits (the partials are summed in split order
     whichever CTA arrives last), and the tickets are back at 0 after each call (else the second
-    call's last CTA would be another one, or none)."""
-    k = compiled(matmul, split_k=16)
-    a, b = inputs_for(matmul, 40, 4096, 8192, device="cuda", seed=11)
+    call's last CTA would be another one, or none). Split-K, and stream-K's tiles split between
+    CTAs' ranges."""
+    k = compiled(matmul, **overrides)
+    a, b = inputs_for(matmul, M, N, K, device="cuda", seed=seed)
     outs = [k(a, b).clone() for _ in range(3)]
     k.synchronize()
     assert all(torch.equal(outs[0], o) for o in outs[1:])
@@ -248,7 +252,6 @@ def test_split_k_is_deterministic_and_its_tickets_reset():
                for t in held)
     ref = matmul.reference(a.cpu(), b.cpu()).float().cuda()
     assert float((outs[0].float() - ref).norm() / ref.norm()) < 1e-2
-
 
 
 @pytest.mark.parametrize("fusion, M, N, K", [
@@ -267,18 +270,6 @@ def test_the_default_takes_stream_k_for_a_little_more_than_one_wave_of_long_k(fu
     k = compiled(fusion)
     assert k.kernel_for(*inputs_for(fusion, M, N, K, device="cuda")).schedule.stream_k
     run_and_check(k, fusion, M, N, K, seed=M + N + K)
-
-
-def test_stream_k_is_deterministic_and_its_tickets_reset():
-    k = compiled(matmul, stream_k=True)
-    a, b = inputs_for(matmul, 700, 1000, 6000, device="cuda", seed=12)
-    outs = [k(a, b).clone() for _ in range(3)]
-    k.synchronize()
-    assert all(torch.equal(outs[0], o) for o in outs[1:])
-    assert all(int(t.count_nonzero()) == 0 for (name, _), held in k._workspaces.items() if name == "tickets"
-               for t in held)
-    ref = matmul.reference(a.cpu(), b.cpu()).float().cuda()
-    assert float((outs[0].float() - ref).norm() / ref.norm()) < 1e-2
 
 
 # --- batched matmul (tests/test_batched_matmul.py has the simulator's checks) ----------------------
