@@ -45,7 +45,7 @@ def test_default_matmul_has_narrow_split_k_variants(k):
         "SMs (split-K: the host splits when the tiles fill at most half the SMs)\n"
         f"  {small.schedule.short()} when M <= 64 (split-K: the host splits when the tiles fill at most half the SMs)\n"
         f"  {stream.schedule.short()} when rows on a 64-byte boundary, 128x256 tiles that take more than one wave and "
-        "at most 1.2, and K of at least 128 k steps: stream-K\n"
+        "at most 1.15, and K of at least 64 k steps: stream-K\n"
         f"  {mid.schedule.short()} when 128x192 tiles take 10% less wave work than 128x256 ones and no more than "
         "128x128 ones\n"
         f"  {mid_clustered.schedule.short()} when 128x192 tiles take 10% less wave work than 128x256 ones and no more "
@@ -100,7 +100,8 @@ def _shape(m, n, kk):
     (1000, 1024, 4096, 4, (128, 256), "cooperative"),     # 32 / 32 vs 64 / 64
     (8192, 28672, 4096, 132, (128, 256), "cooperative"),  # 55 waves of wide tiles, 109 of narrow: 1% less
     (2048, 57344, 8192, 132, (128, 256), "cooperative"),  # 28 waves vs 55: 2% less
-    (2304, 2048, 4096, 132, (128, 192), "cooperative"),   # 144 tiles: 2 waves; 198 of 128 x 192: 2 waves
+    (2304, 2048, 2048, 132, (128, 192), "cooperative"),   # 144 tiles: 2 waves; 198 of 128 x 192: 2 waves
+    # (from K 4096, 64 k steps, such a call runs stream-K: test_stream_k_takes_...)
     (1500, 4224, 4096, 132, (128, 192), "cooperative"),   # 204 tiles: 2 waves; 264: 2 waves; 396: 3 waves
     (1500, 1024, 4096, 132, (128, 128), "pingpong"),      # 96 tiles of 128 x 128 in a wave: less work than 72 of 192
     (2304, 3072, 4096, 132, (128, 256), "cooperative"),   # 216 tiles: 2 waves; 288: 3 waves of 128 x 192
@@ -112,15 +113,15 @@ def test_the_rule(k, m, n, kk, sms, tile, mode):
 
 
 @pytest.mark.parametrize("m, n, kk, sms, stream", [
-    (2304, 2048, 8192, 132, True),      # 144 tiles: 1.09 waves, 128 k steps
+    (2304, 2048, 4096, 132, True),      # 144 tiles: 1.09 waves, 64 k steps
     (2432, 1792, 10240, 132, True),     # 133 tiles
-    (2688, 1792, 9216, 132, True),      # 154 tiles: 1.17 waves
-    (2304, 2048, 8128, 132, False),     # 127 k steps: 128x192 tiles
-    (1280, 4096, 12288, 132, False),    # 160 tiles: 1.21 waves
+    (3077, 1536, 4096, 132, True),      # 150 tiles: 1.14 waves
+    (2304, 2048, 4032, 132, False),     # 63 k steps: 128x192 tiles
+    (1152, 4352, 4096, 132, False),     # 153 tiles: 1.16 waves
     (4224, 1024, 10240, 132, False),    # 132 tiles: one wave, the default
     (2048, 2048, 12288, 132, False),    # 128 tiles: less than a wave, the default
-    (300, 768, 8192, 8, True),          # 9 tiles on 8 SMs: 1.125 waves
-    (300, 768, 8192, 4, False),         # on 4 SMs: 2.25 waves
+    (300, 768, 4096, 8, True),          # 9 tiles on 8 SMs: 1.125 waves
+    (300, 768, 4096, 4, False),         # on 4 SMs: 2.25 waves
 ])
 def test_stream_k_takes_a_little_more_than_one_wave_of_long_k(k, m, n, kk, sms, stream):
     chosen = k.choose(_shape(m, n, kk), sms).schedule

@@ -216,7 +216,7 @@ PER_CALL = [
     (gated, 16, 1016, 8200, SHORT_SPLIT),
     # 128x192 tiles shorten the waves (2304 x 2048: 144 tiles of 128x256 take two waves, 198 of
     # 128x192 two shorter ones); in clusters where rows are off (K 520, 1064; N 4216)
-    (matmul, 2304, 2048, 4096, MID), (gated, 2304, 2048, 1024, MID), (matmul, 1500, 4224, 520, MID_CLUSTERED),
+    (matmul, 2304, 2048, 2048, MID), (gated, 2304, 2048, 1024, MID), (matmul, 1500, 4224, 520, MID_CLUSTERED),
     (gated, 2290, 4216, 1064, MID_CLUSTERED),
     # tall narrow outputs of rows off (4774 x 384: 76 tiles of 128x256 hold 512 columns for 384):
     # cooperative 128x128 tiles in clusters
@@ -265,7 +265,8 @@ def test_stream_k(fusion, M, N, K):
     run_and_check(compiled(fusion, stream_k=True), fusion, M, N, K, seed=M + K)
 
 
-@pytest.mark.parametrize("fusion, M, N, K", [(matmul, 2304, 2048, 8192), (gated, 2432, 1792, 10240)])
+@pytest.mark.parametrize("fusion, M, N, K", [(matmul, 2304, 2048, 4096), (gated, 2432, 1792, 10240),
+                                             (linear_relu_residual, 3077, 1536, 4096)])
 def test_the_default_takes_stream_k_for_a_little_more_than_one_wave_of_long_k(fusion, M, N, K):
     k = compiled(fusion)
     assert k.kernel_for(*inputs_for(fusion, M, N, K, device="cuda")).schedule.stream_k

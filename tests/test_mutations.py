@@ -130,9 +130,11 @@ FAMILIES = [
     Family("matmul_split_k.ir", matmul, (("split_k", 4),), golden="matmul_split_k.ir",
            shapes=((100, 264, 1024), (300, 520, 320)), num_sms=4),
     # Stream-K on 4 SMs: 3 tiles of 16 k steps in ranges of 12 (tiles in 2 CTAs' ranges, a CTA
-    # walking 2 tiles last first); one tile of 10 k steps in ranges of 3 (4 CTAs at once)
+    # walking 2 tiles last first); one tile of 10 k steps in ranges of 3 (4 CTAs at once, the
+    # tail's 1 step first: it hands its partial over); one of 12 in 4 equal ranges (the tail
+    # sometimes second on the hand-over, so that it sums)
     Family("matmul_stream_k.ir", matmul, (("stream_k", True),), golden="matmul_stream_k.ir",
-           shapes=((300, 264, 1024), (100, 200, 640)), num_sms=4),
+           shapes=((300, 264, 1024), (100, 200, 640), (128, 256, 768)), num_sms=4),
     # Ping-pong, 128 x 128 tiles of two row blocks a warpgroup: on 2 SMs 9 tiles (5 and 4 a CTA:
     # the last token taken back by each warpgroup in turn) of 10 k steps over 4 stages, and one
     # tile (warpgroup 1 idle)

@@ -138,12 +138,36 @@ RACE = r"tile\.load of partials reads elements another warpgroup stored with no 
        r"and this load"
 
 
-@pytest.mark.parametrize("which", [0, 1], ids=["release", "acquire"])
-def test_a_missing_gpu_fence_is_a_race(sk, which):
+# the fences in the IR's order: the tail's first ticket (acquire only: it stored nothing), its
+# hand-over (release, acquire), the others' first ticket (release only) and hand-over (release,
+# acquire); ONE_TILE's tail arrives first and hands over, 130 x 520's tails arrive last
+@pytest.mark.parametrize("which, shape", [(0, {}), (1, ONE_TILE), (2, ONE_TILE), (3, {}), (4, ONE_TILE), (5, ONE_TILE)],
+                         ids=["tail-acquire", "tail-hand-over-release", "tail-hand-over-acquire", "others-release",
+                              "others-hand-over-release", "others-hand-over-acquire"])
+def test_a_missing_gpu_fence_is_a_race(sk, which, shape):
+    """One tile of 10 k steps on 3 CTAs: the tail (2 steps) arrives first and hands its partial
+    over; 130 x 520 on 5 CTAs: the tails arrive last."""
     lines = sk.ir.split("\n")
     hits = [i for i, line in enumerate(lines) if line.strip() == "fence.acq_rel.gpu"]
+    assert len(hits) == 6
     with pytest.raises(RaceError, match=RACE):
-        _mutant_run("\n".join(lines[:hits[which]] + lines[hits[which] + 1:]))
+        _mutant_run("\n".join(lines[:hits[which]] + lines[hits[which] + 1:]), **shape)
+
+
+def test_the_tail_that_arrives_early_must_store_its_partial(sk):
+    """Without the tail's store before its hand-over, the CTA that sums reads a partial no one
+    wrote: the result is wrong (one tile on 3 CTAs, the tail first)."""
+    lines = sk.ir.split("\n")
+    i = next(i for i, line in enumerate(lines) if line.strip() == "if last_split == 0 {")
+    assert lines[i + 1].strip().startswith("for j in unroll(0, 4, 1)") and "tile.store partials" in lines[i + 3]
+    text = "\n".join(lines[:i + 1] + lines[i + 5:])
+    a, b = inputs_for(matmul, 128, 256, 640, seed=1)
+    out = torch.full((128, 256), float("nan"), dtype=torch.bfloat16)
+    try:
+        simulate(parse_kernel(text), {"M": 128, "N": 256, "K": 640, "a": a, "b": b, "out": out}, num_sms=3)
+    except (ProtocolError, RaceError):
+        return
+    assert torch.isnan(out.float()).any() or rel_error(out, matmul.reference(a, b)) > 0.1
 
 
 def test_partials_read_without_the_ticket_are_a_race(sk):

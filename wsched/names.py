@@ -92,5 +92,5 @@ LOWERING_NAMES = frozenset({
     EPILOGUE_SLICE, SPLITS, PARTIALS, TICKETS, TICKET_SLOT, ACC + "_" + EPILOGUE_SLICE, "num_units", "split", "out_tile", "k_begin",
     "k_end", "k_count", "ticket", "last_split", "src_split", "part_t", "slice_t",
     # matmul: stream-K
-    UNIT_STEPS, TILE_SPLITS, "sk_begin", "sk_end", "sk_last", "tile_k0", "first_cta",
+    UNIT_STEPS, TILE_SPLITS, "sk_begin", "sk_end", "sk_last", "tile_k0", "first_cta", "hand_over",
 })

@@ -16,13 +16,18 @@ from wsched.lowering import ir
 from wsched.names import TICKETS
 
 
-def take_ticket(slot: ir.SmemRef, counter: ir.Expr, last: ir.Expr, sync: ir.Stmt) -> tuple[ir.Stmt, ...]:
-    """The ticket of `counter` (a tile, or a tile's warpgroup) through the i32 smem `slot`:
-    `last_split` (a `var`) becomes 1 for the unit whose ticket is `last` (splits - 1)."""
+def take_ticket(slot: ir.SmemRef, counter: ir.Expr, last: ir.Expr, sync: ir.Stmt,
+                name: str = "ticket", release: bool = True, acquire: bool = True) -> tuple[ir.Stmt, ...]:
+    """The ticket of `counter` (a tile, or a tile's warpgroup) through the i32 smem `slot`, read
+    into `name`: `last_split` (a `var`) becomes 1 for the unit whose ticket is `last` (splits - 1).
+    `release=False` for a unit that stored nothing to hand over (the acquire fence alone),
+    `acquire=False` for one that reads no partial on this ticket alone (the release fence alone)."""
+    before = (ir.FenceGpu(),) if release else ()
+    after = (ir.FenceGpu(),) if acquire else ()
     return (
         sync,
-        ir.ElectOne((ir.FenceGpu(), ir.AtomicInc(slot, TICKETS, (counter,), last), ir.FenceGpu())),
+        ir.ElectOne(before + (ir.AtomicInc(slot, TICKETS, (counter,), last),) + after),
         sync,
-        ir.LoadShared("ticket", slot),
-        ir.Assign("last_split", ir.eq("ticket", last)),
+        ir.LoadShared(name, slot),
+        ir.Assign("last_split", ir.eq(name, last)),
     )

@@ -71,16 +71,17 @@ NARROW_CLUSTER_MAX_WAVES = 2
 # Stream-K (`stream_k=True`): where the default's 128x256 tiles take a little more than one wave
 # (at most STREAM_K_MAX_WAVES of them) the plain kernel's second wave runs nearly empty and
 # 128x192 tiles take two waves of three-quarter tiles; spreading all tiles' k steps evenly over
-# the SMs costs each CTA a partial's store, a ticket and (the last of a tile) a sum, which long K
-# pays for: at least STREAM_K_MIN_K_STEPS k steps. Measured on an H100 (cold L2, cuBLAS in the same
-# run, 2026-11-25; rows on a 64-byte boundary, both layouts), against the 128x192 kernel the rules
-# picked before: 133-154 tiles at K 12288 1.08-1.20x (0.71-0.85 -> 0.88-0.94 of cuBLAS), K 16384
-# 1.19x, K 8192 1.09x; at K 6144 0.998-1.09x and at K <= 4096 it lost (0.5-0.97x: the fix-up
-# costs ~6 us a shared tile); 160 tiles (1.21 waves) 0.93-1.02x; two waves 0.73-0.97x. Rows off a
-# 64-byte boundary keep their clusters (stream-K 0.58-0.67 of cuBLAS there). Held out: 12 calls of
-# 133-156 tiles, K 8192-14336, 1.01-1.29x; 13 more at K 6144-7936 0.98-1.13x (hence 128 k steps).
-STREAM_K_MAX_WAVES = 1.2
-STREAM_K_MIN_K_STEPS = 128
+# the SMs costs a CTA sharing a tile a partial's store and a ticket (~6 us on an H100) and the
+# tile's last CTA a sum, which K of at least STREAM_K_MIN_K_STEPS k steps pays for. Measured on
+# an H100 (cold L2, cuBLAS in the same run, 2026-11-25; rows on a 64-byte boundary, both layouts),
+# against the 128x192 kernel the rules picked before: 133-147 tiles at K 4096 1.07-1.18x, K 6144
+# 1.11-1.23x, K 8192-12288 1.16-1.25x; at K 2048 0.90-1.00x; 160-180 tiles (1.21-1.36 waves)
+# 0.78-0.99x; 1.5-2 waves 0.68-1.05x; below one wave 0.84-0.89x of the plain kernel. Held out,
+# after a first bound of 1.2 waves lost at 153-154 tiles (0.96x): 8 fresh calls of 135-147 tiles,
+# K 4096-16384, 0.996-1.22x. Rows off a 64-byte boundary keep their clusters (stream-K 0.58-0.67
+# of cuBLAS there, before the hand-over).
+STREAM_K_MAX_WAVES = 1.15
+STREAM_K_MIN_K_STEPS = 64
 
 
 class MatmulWorkload(Workload):

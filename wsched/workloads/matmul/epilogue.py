@@ -215,7 +215,8 @@ def epilogue(kernel: ir.Kernel, ctx: LoweringContext) -> ir.Kernel:
     smem = kernel.smem + tuple(extra_smem)
     if split:
         body = [ir.Let("last_split", C(1), mutable=True),
-                ir.If(ir.BinOp(">", splits, C(1)), _ticket(s, row0, sync, width, slices, splits)),
+                ir.If(ir.BinOp(">", splits, C(1)), (_stream_k_ticket if s.stream_k else _ticket)(
+                    s, row0, sync, width, slices, splits)),
                 ir.If(V("last_split"), tuple(body))]
         smem += (ir.SmemDecl(TICKET_SLOT, "i32", (s.consumer_warpgroups, 1), 0),)
 
@@ -307,6 +308,29 @@ def _ticket(s, row0: ir.Expr, sync: ir.Stmt, width: int, slices: int, splits: ir
     counter = ir.add(ir.mul("out_tile", nwg), "wg") if nwg > 1 else V("out_tile")
     last = ir.sub(splits, 1)
     return (_store_partial(row0, width, slices),) + take_ticket(slot, counter, last, sync)
+
+
+def _stream_k_ticket(s, row0: ir.Expr, sync: ir.Stmt, width: int, slices: int,
+                     splits: ir.Var) -> tuple[ir.Stmt, ...]:
+    """Stream-K's tickets: the tile's last CTA (`split == tile_splits - 1`, which walks the tile
+    last of all: its range's first tile) takes the ticket first and stores no partial when it
+    arrives last, as it nearly always does; the others store theirs first, as in split-K. Where
+    it arrives early, it stores its partial after all and hands the sum over through a second
+    counter of the tile (wrap 1: two takers, the tail and the CTA that arrived last on the first):
+    the second to take it sums. No CTA waits for another, and both counters end at 0. Fences: the
+    tail's first ticket only acquires (it released nothing), the others' first only releases (none
+    of them sums on it: the hand-over's fences acquire)."""
+    nwg = s.consumer_warpgroups
+    slot = ir.SmemRef(TICKET_SLOT, (V("wg"),))
+    counter = ir.add(ir.mul("out_tile", nwg), "wg") if nwg > 1 else V("out_tile")
+    second = ir.add(counter, ir.mul("num_tiles", nwg) if nwg > 1 else V("num_tiles"))
+    last = ir.sub(splits, 1)
+    store = _store_partial(row0, width, slices)
+    hand_over = take_ticket(slot, second, C(1), sync, "hand_over")
+    tail = take_ticket(slot, counter, last, sync, release=False) + (ir.If(ir.eq("last_split", 0),
+                                                                          (store,) + hand_over),)
+    others = (store,) + take_ticket(slot, counter, last, sync, acquire=False) + (ir.If(V("last_split"), hand_over),)
+    return (ir.If(ir.eq("split", last), tail, others),)
 
 
 def _sum_of_partials(row0, col0, rows: int, width: int, decls: dict, splits: ir.Var,

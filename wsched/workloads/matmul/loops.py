@@ -86,6 +86,8 @@ def build_loops(kernel: None, ctx: LoweringContext) -> ir.Kernel:
         # are known pair-aligned and issued without a branch per row
         params.append(ir.WorkspaceParam(PARTIALS, "f32", (V(SPLITS), V("M"), ir.mul(2, ir.ceil_div("N", 2)))))
         tiles = ir.mul(ir.mul(ir.ceil_div("M", bm), ir.ceil_div("N", bn)), s.consumer_warpgroups)
+        if s.stream_k:   # and a second counter each, for the hand-over (epilogue._stream_k_ticket)
+            tiles = ir.mul(tiles, 2)
         params.append(ir.WorkspaceParam(TICKETS, "i32", (tiles,), zeroed=True))
 
     nwg, blocks = s.consumer_warpgroups, s.mma_row_blocks

@@ -63,9 +63,10 @@ class MatmulSchedule(Schedule):
     `stream_k=True` splits the call's k steps, not its tiles, evenly over the CTAs: all output
     tiles' k steps in one row (tile by tile), CTA c taking the `unit_steps = ceil(tiles x k_tiles /
     num_sms)` steps from c x unit_steps. A tile whose k steps lie in more than one CTA's range is
-    finished as a split-K tile is: each CTA stores its fp32 partial and takes the tile's ticket, and
-    the last to arrive sums the partials in CTA order and runs the epilogue. No wave of tiles is
-    left part empty (docs/architecture.md, "Stream-K")."""
+    finished by the last to arrive, which sums the fp32 partials in CTA order and runs the
+    epilogue: the others store their partials and take the tile's ticket, the CTA holding the
+    tile's last k steps (which nearly always arrives last) takes it first and stores its partial
+    only when it did not. No wave of tiles is left part empty (docs/architecture.md, "Stream-K")."""
 
     workload = "matmul"
     split_k: int = 1
