@@ -20,7 +20,9 @@ them).
 
 With split-K (`split_k > 1`) each (tile, split) unit first stores its fp32 partial and takes a
 ticket; only the last unit of a tile to arrive runs the epilogue, on the sum of the partials in
-split order 0, 1, ... (the same bits whichever unit is last).
+split order 0, 1, ... (the same bits whichever unit is last). Stream-K (`stream_k=True`) counts a
+tile's CTAs in `tile_splits`, the summing CTA adds its own partial from its registers, and the
+CTA holding the tile's last k steps takes its ticket before storing (`_stream_k_ticket`).
 
     after (tma_store, BN = 256):
       for j in unroll(0, 4, 1) {

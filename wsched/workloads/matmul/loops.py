@@ -140,7 +140,7 @@ def build_loops(kernel: None, ctx: LoweringContext) -> ir.Kernel:
     if s.cluster_size > 1:   # whole clusters of CTAs, each taking whole clusters of tiles
         grid = ir.mul(ir.emin(ir.div("num_sms", s.cluster_size), units), s.cluster_size)
     elif s.stream_k:         # every CTA a full range of unit_steps k steps but perhaps the last
-        grid = ir.ceil_div(ir.mul(units, ir.ceil_div("K", bk)), UNIT_STEPS)
+        grid = ir.ceil_div(stream_k_work(s), UNIT_STEPS)
     else:
         grid = ir.emin("num_sms", ir.mul(units, SPLITS) if split else units)
     return ir.Kernel(ctx.name, tuple(params), grid, (s.cluster_size, 1, 1), (a_buf, b_buf), barriers,
@@ -253,11 +253,14 @@ def stream_k_params(s) -> list[ir.Param]:
     """Stream-K's host params: `unit_steps`, the k steps of one CTA's range (all tiles' k steps
     spread over the SMs), and `splits`, the most CTAs one tile's k steps can lie in (the
     partials' first dim): a range of at least unit_steps steps, so ceil(k_tiles / unit_steps) + 1."""
+    return [ir.HostParam(UNIT_STEPS, "i32", ir.ceil_div(stream_k_work(s), "num_sms")),
+            ir.HostParam(SPLITS, "i32", ir.add(ir.ceil_div(ir.ceil_div("K", s.bk), UNIT_STEPS), 1))]
+
+
+def stream_k_work(s) -> ir.Expr:
+    """All output tiles' k steps (a 2-D matmul: stream-K takes no batch dims)."""
     bm, bn, bk = s.tile
-    k_tiles = ir.ceil_div("K", bk)
-    work = ir.mul(ir.mul(ir.ceil_div("M", bm), ir.ceil_div("N", bn)), k_tiles)
-    return [ir.HostParam(UNIT_STEPS, "i32", ir.ceil_div(work, "num_sms")),
-            ir.HostParam(SPLITS, "i32", ir.add(ir.ceil_div(k_tiles, UNIT_STEPS), 1))]
+    return ir.mul(ir.mul(ir.ceil_div("M", bm), ir.ceil_div("N", bn)), ir.ceil_div("K", bk))
 
 
 def k_loop(body: tuple[ir.Stmt, ...], split: bool = False) -> ir.For:
