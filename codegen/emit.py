@@ -100,7 +100,7 @@ def _emit_body(em: Emitter, body: tuple[ir.Stmt, ...]) -> None:
 def _emit_let(em: Emitter, s: ir.Let) -> None:
     ctype = em.expr_type(s.value)
     value = em.expr(s.value)
-    em.scope.declare(s.name, ctype, even=not s.mutable and ctype == "int" and em.even(s.value))
+    em.scope.declare(s.name, ctype, em.divisor(s.value) if not s.mutable and ctype == "int" else 1)
     em.line(f"{'' if s.mutable else 'const '}{ctype} {em.c(s.name)} = {value};")
 
 
@@ -340,7 +340,8 @@ def _header(kernel: ir.Kernel, em: Emitter) -> list[str]:
             out.append(f"//   host      {p.name} = {_host_expr(em, p.value)} (computed per call)")
         elif isinstance(p, ir.WorkspaceParam):
             dims = ", ".join(_host_expr(em, d) for d in p.shape)
-            out.append(f"//   workspace {p.name}: {p.dtype}[{dims}]{' zeroed' if p.zeroed else ''} (kept by the host)")
+            out.append(f"//   workspace {p.name}: {p.dtype}[{dims}]{' zeroed' if p.zeroed else ''}"
+                       f"{' fragments' if p.fragments else ''} (kept by the host)")
         elif isinstance(p, ir.SpanParam):
             dims = ", ".join(_host_expr(em, d) for d in p.shape)
             out.append(f"//   spans     {p.name}: {p.dtype}[{dims}] = overlap({p.query}, {p.key}) rows({p.rows}) "

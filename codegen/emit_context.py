@@ -81,20 +81,22 @@ def paren(text: str, prec: int, need: int) -> str:
     return f"({text})" if prec < need else text
 
 
+# What Emitter.divisor says of 0 (every number divides it): a multiple of any divisor asked about.
+DIVIDES_ZERO = 1 << 30
+
+
 class _Scope:
     """Declared names and their C++ scalar type ("int" or "float"), innermost scope last, and
-    which of them are even whatever the call (a `let` of an even expression)."""
+    for the ints a number known to divide them whatever the call (a `let` of an expression
+    Emitter.divisor proves it of; 1 where nothing is known)."""
 
     def __init__(self):
         self.frames: list[dict[str, str]] = [{}]
-        self.evens: list[set[str]] = [set()]
+        self.divisors: list[dict[str, int]] = [{}]
 
-    def declare(self, name: str, ctype: str, even: bool = False) -> None:
+    def declare(self, name: str, ctype: str, divisor: int = 1) -> None:
         self.frames[-1][name] = ctype
-        if even:
-            self.evens[-1].add(name)
-        else:
-            self.evens[-1].discard(name)
+        self.divisors[-1][name] = divisor
 
     def lookup(self, name: str) -> str | None:
         for frame in reversed(self.frames):
@@ -102,21 +104,21 @@ class _Scope:
                 return frame[name]
         return None
 
-    def is_even(self, name: str) -> bool:
-        for frame, evens in zip(reversed(self.frames), reversed(self.evens)):
+    def divisor(self, name: str) -> int:
+        for frame, divisors in zip(reversed(self.frames), reversed(self.divisors)):
             if name in frame:
-                return name in evens
-        return False
+                return divisors[name]
+        return 1
 
     @contextmanager
     def nested(self) -> Iterator[None]:
         self.frames.append({})
-        self.evens.append(set())
+        self.divisors.append({})
         try:
             yield
         finally:
             self.frames.pop()
-            self.evens.pop()
+            self.divisors.pop()
 
 
 @dataclass
@@ -319,18 +321,23 @@ class Emitter:
         assert self.role is not None and name in self.role.tiles, (name, s)
         return self.role.tiles[name]
 
-    def even(self, e: ir.Expr) -> bool:
-        """Whether an integer expression is even whatever the call: an even constant, a product
-        with an even factor, a sum or difference of even terms, a `let` of one."""
+    def divisor(self, e: ir.Expr) -> int:
+        """A positive number that divides an integer expression whatever the call (1 where
+        nothing is known): a constant's own value, a product's factors' product, a sum's or
+        difference's terms' gcd, a `let` of one."""
         if isinstance(e, ir.IntConst):
-            return e.value % 2 == 0
+            return abs(e.value) or DIVIDES_ZERO
         if isinstance(e, ir.Var):
-            return self.scope.is_even(e.name)
+            return self.scope.divisor(e.name)
         if isinstance(e, ir.BinOp) and e.op == "*":
-            return self.even(e.lhs) or self.even(e.rhs)
+            return min(self.divisor(e.lhs) * self.divisor(e.rhs), DIVIDES_ZERO)
         if isinstance(e, ir.BinOp) and e.op in ("+", "-"):
-            return self.even(e.lhs) and self.even(e.rhs)
-        return False
+            return math.gcd(self.divisor(e.lhs), self.divisor(e.rhs))
+        return 1
+
+    def even(self, e: ir.Expr) -> bool:
+        """Whether an integer expression is even whatever the call (Emitter.divisor)."""
+        return self.divisor(e) % 2 == 0
 
     def global_param(self, name: str, s: ir.Stmt) -> ir.GlobalParam:
         p = self.kernel.param(name)

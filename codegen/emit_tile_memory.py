@@ -22,7 +22,7 @@ from dataclasses import dataclass, replace
 from typing import Callable
 
 from wsched.lowering import ir
-from wsched.target import DTYPE_BYTES, ELEMENT_TYPES, WARPGROUP_THREADS
+from wsched.target import DTYPE_BYTES, ELEMENT_TYPES, FRAGMENT_COLUMN_GROUP, WARPGROUP_THREADS, WGMMA_M
 
 from .emit_context import EmitError, Emitter, describe, paren
 from .emit_tiles import assignments, fragment_loop
@@ -144,8 +144,73 @@ def emit_tile_load_global(em: Emitter, s: ir.TileLoadGlobal) -> None:
             return assignments(t, [ELEMENT_TYPES[p.dtype].to_float.format(load)])[0]
         return _pair_assign(t, p, f"wsp::load_{form}(ptr + 8 * fj, {ok})")
 
+    if isinstance(p, ir.WorkspaceParam) and p.fragments:
+        _fragments_access(em, s, t, p, s.coords, store=False)
+        return
     with em.block(f"{{  // tile.load {t.name} <- {p.name}[{em.coords_text(s.coords)}], zero outside"):
         _global_loop(em, t, _global_addressing(em, s, p, t, s.coords), p, False, access)
+
+
+def _fragments_access(em: Emitter, s: ir.Stmt, t: Tile, p: ir.WorkspaceParam, coords: tuple[ir.Expr, ...],
+                      store: bool) -> None:
+    """`tile.load` / `tile.store` of a [64, N] tile in a fragments workspace (ir.WorkspaceParam):
+    per 8-column group fj, one 16-byte access of this thread's four elements there, (i, c) =
+    (0, 0), (0, 1), (1, 0), (1, 1), at 4 t of the strip; a warp's 32 accesses are 512
+    contiguous bytes. Bounds as for a row-major tensor: an access is made where its first
+    element is inside; a load zeroes its other elements that are outside (a store writes them
+    into the strip's padding, which no load returns)."""
+    what = "tile.store" if store else "tile.load"
+    if t.layout != FULL or t.dtype != p.dtype:
+        raise EmitError(f"{describe(s)}: a fragments workspace ({p.name}: {p.dtype}) is moved in whole "
+                        f"[{WGMMA_M}, N] register tiles of its own dtype; {t.name} is {t.dtype}[{t.rows}, {t.cols}]")
+    row, col = coords[-2], coords[-1]
+    off = [f"its {what_} coordinate ({em.expr(e)}) must be a multiple of {n}"
+           for what_, e, n in (("row", row, WGMMA_M), ("column", col, FRAGMENT_COLUMN_GROUP)) if em.divisor(e) % n]
+    if off:
+        raise EmitError(f"{describe(s)}: a fragments workspace is moved in whole [{WGMMA_M}, {FRAGMENT_COLUMN_GROUP}] "
+                        f"strips: {' and '.join(off)} whatever the call (a constant, a product with one, a sum "
+                        f"of such, a let of those)")
+    if getattr(s, "row_limit", None) is not None:
+        raise EmitError(f"{describe(s)}: a fragments workspace takes no row_limit (its rows are bounded by its shape)")
+    dims = [paren(text, prec, 13) for text, prec, _ in (em.expr_prec(d) for d in p.shape)]
+    lead, checks = "0", []
+    for d in range(len(p.shape) - 2):   # leading coordinates select one matrix
+        text, prec, _ = em.expr_prec(coords[d])
+        lead = f"({lead}) * {dims[d]} + {paren(text, prec, 12)}" if d else paren(text, prec, 12)
+        checks.append(f"{paren(text, prec, 10)} < {dims[d]}")
+    rows, cols = dims[-2:]
+    row_text, col_text = (paren(*em.expr_prec(c)[:2], 12) for c in (row, col))     # terms of a sum
+    row_div, col_div = (paren(*em.expr_prec(c)[:2], 13) for c in (row, col))       # dividends
+    strips = (f"(static_cast<long long>({lead}) * wsp::ceil_div({rows}, {WGMMA_M}) + {row_div} / {WGMMA_M}) * "
+              f"wsp::ceil_div({cols}, {FRAGMENT_COLUMN_GROUP}) + {col_div} / {FRAGMENT_COLUMN_GROUP}")
+    strip = WGMMA_M * FRAGMENT_COLUMN_GROUP
+    element = ELEMENT_TYPES[t.dtype].cuda
+    with em.block(f"{{  // {what} {p.name}[{em.coords_text(coords)}] {'<-' if store else '->'} {t.name}, "
+                  f"fragments: 16 bytes a thread and strip"):
+        em.line(f"const int row0 = {row_text} + wsp::frag_row();")
+        em.line(f"const int col0 = {col_text} + wsp::frag_col();")
+        em.line(f"const bool row_ok = {' && '.join(checks + [f'row0 < {rows}'])};")
+        em.line(f"{'' if store else 'const '}{element}* const ptr = {em.c(p.name)} + ({strips}) * {strip} + "
+                f"4 * (threadIdx.x % {WARPGROUP_THREADS});")
+
+        def at(i: int, c: int) -> str:
+            return re.sub(r"\bfi\b", str(i), t.index(c))
+
+        em.line("#pragma unroll")
+        with em.block(f"for (int fj = 0; fj < {t.cols // FRAGMENT_COLUMN_GROUP}; ++fj) {{"):
+            ok = f"row_ok && col0 + 8 * fj < {cols}"
+            quad = [(0, 0), (0, 1), (1, 0), (1, 1)]
+            if store:
+                bits = ", ".join(f"wsp::bit_cast<uint32_t>({at(i, c)})" for i, c in quad)
+                em.line(f"wsp::st_b128_if(ptr + {strip} * fj, make_uint4({bits}), {ok});")
+            else:   # the first element is inside where the access is made; the others are tested
+                em.line(f"const uint4 v = wsp::ld_b128_if(ptr + {strip} * fj, {ok});")
+                inside = {(0, 0): None, (0, 1): f"col0 + 8 * fj + 1 < {cols}", (1, 0): f"row0 + 8 < {rows}",
+                          (1, 1): f"row0 + 8 < {rows} && col0 + 8 * fj + 1 < {cols}"}
+                for (i, c), xyzw in zip(quad, "xyzw"):
+                    value = f"wsp::bit_cast<{element}>(v.{xyzw})"
+                    cond = inside[(i, c)]
+                    em.line(f"{at(i, c)} = {value if cond is None else f'{cond} ? {value} : {element}(0)'};")
 
 
 def _pair_assign(t: Tile, p: ir.GlobalParam, load: str) -> str:
@@ -177,6 +242,9 @@ def emit_tile_store_global(em: Emitter, s: ir.TileStoreGlobal) -> None:
              SCALAR: f"threadIdx.x % {WARPGROUP_THREADS} == 0",
              LINEAR_ROWS: f"threadIdx.x % {t.threads_per_row} == 0"}.get(t.layout)
     head = f"if ({owner}) {{" if owner else "{"
+    if isinstance(p, ir.WorkspaceParam) and p.fragments:
+        _fragments_access(em, s, t, p, s.coords, store=True)
+        return
     addressing = _global_addressing(em, s, p, t, s.coords)
     limit = ""
     if s.row_limit is not None:

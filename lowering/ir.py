@@ -37,8 +37,8 @@ from typing import Iterator, Union
 # `TileUnary` op one of UNARY_OPS or the compiler's own KERNEL_UNARY_OPS (`TILE_UNARY_OPS`).
 from wsched.target import BINARY_OPS, COMPARE_OPS, DTYPE_BYTES, REDUCE_OPS, TILE_UNARY_OPS, UNARY_OPS  # noqa: F401
 from wsched.target import DTYPE_NAMES as DTYPES  # noqa: F401
-from wsched.target import (BARRIER_BYTES, PAGE_ROWS_ALIGN, SMEM_ALIGN, SMEM_BASE_SLACK, TMA_SMEM_ALIGNMENT,
-                           WARPGROUP_THREADS)
+from wsched.target import (BARRIER_BYTES, FRAGMENT_COLUMN_GROUP, PAGE_ROWS_ALIGN, SMEM_ALIGN, SMEM_BASE_SLACK,
+                           TMA_SMEM_ALIGNMENT, WARPGROUP_THREADS, WGMMA_M)
 
 BUILTINS = ("cta_id", "num_ctas", "num_sms", "wg")
 TILE_BINARY_OPS = BINARY_OPS + COMPARE_OPS
@@ -225,9 +225,29 @@ class WorkspaceParam(GlobalParam):
     scratch tensor that belongs to no fusion input or output. The host allocates it once per
     kernel and device, large enough for the call (its shape, evaluated like the grid), and keeps
     it between calls; `zeroed` ones are zero-filled when allocated, and the kernel must leave
-    them zero again (split-K's tickets wrap back to 0)."""
+    them zero again (split-K's tickets wrap back to 0).
+
+    `fragments` (`workspace partials: f32[splits, M, N] fragments`, 4-byte elements, rank >= 2):
+    each [rows, cols] matrix is stored in strips of [WGMMA_M, FRAGMENT_COLUMN_GROUP] (rows and
+    columns padded up to whole strips), strip (r / 64, c / 8) after the strips of the rows
+    above and to the left, and inside a strip in the order of the register-tile fragment: the
+    element of thread t at fragment position (i, c) (fragment.py) at 4 t + 2 i + c. A warpgroup
+    moves a [64, N] tile there with one 16-byte access per thread and strip, each warp's 512
+    contiguous bytes (a row-major [64, N] f32 tile takes two 8-byte accesses per 16 bytes, a
+    warp's spread over 8 rows). What is read and written is the same as for the row-major
+    tensor of that shape: the layout only places it."""
 
     zeroed: bool = False
+    fragments: bool = False
+
+    def storage_dims(self, dims: list[int]) -> list[int]:
+        """The extents the host allocates for these evaluated shape `dims`: the shape, with a
+        fragments workspace's rows and columns padded up to whole strips."""
+        if not self.fragments:
+            return list(dims)
+        rows, cols = dims[-2:]
+        return list(dims[:-2]) + [-(-rows // WGMMA_M) * WGMMA_M,
+                                  -(-cols // FRAGMENT_COLUMN_GROUP) * FRAGMENT_COLUMN_GROUP]
 
 
 @dataclass(frozen=True)

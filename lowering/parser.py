@@ -327,8 +327,8 @@ class _ToIR(Transformer):
     def host_param(self, dtype, name, value):
         return ir.HostParam(str(name), str(dtype), value)
 
-    def workspace_param(self, name, dtype, shape, zeroed):
-        return ir.WorkspaceParam(str(name), str(dtype), shape, zeroed is not None)
+    def workspace_param(self, name, dtype, shape, zeroed, fragments):
+        return ir.WorkspaceParam(str(name), str(dtype), shape, zeroed is not None, fragments is not None)
 
     def tensormap_param(self, name, dtype, shape, box, swizzle):
         return ir.TensorMapParam(str(name), str(dtype), shape, box, swizzle)

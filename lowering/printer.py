@@ -109,7 +109,8 @@ def _param(p: ir.Param) -> str:
             return (f"spans {p.name}: {p.dtype}[{_join(p.shape)}] = overlap({p.query}, {p.key}) "
                     f"rows({p.rows}) cols({p.cols})")
         case ir.WorkspaceParam():   # before GlobalParam, its base class
-            return f"workspace {p.name}: {p.dtype}[{_join(p.shape)}]" + (" zeroed" if p.zeroed else "")
+            return (f"workspace {p.name}: {p.dtype}[{_join(p.shape)}]" + (" zeroed" if p.zeroed else "")
+                    + (" fragments" if p.fragments else ""))
         case ir.GlobalParam():
             return f"global {p.name}: {p.dtype}[{_join(p.shape)}]"
     raise IRPrintError(f"print_kernel: {p!r} is not a kernel parameter")

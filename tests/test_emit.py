@@ -250,6 +250,47 @@ def test_warpgroup_collective_ops_are_rejected_inside_elect_one():
         emit_kernel(k)
 
 
+def fragments_kernel(row: ir.Expr, col: ir.Expr, dtype: str = "f32") -> ir.Kernel:
+    """A [64, 16] tile stored into and loaded back from a fragments workspace at (row, col)."""
+    ws_param = ir.WorkspaceParam("parts", "f32", (V("S"), V("M"), V("N")), fragments=True)
+    return tiny_kernel(
+        ir.Let("m0", ir.BinOp("*", V("M"), C(128))), ir.Let("n0", ir.BinOp("*", V("M"), C(16))),
+        ir.RegDecl("t", dtype, (64, 16)), ir.TileFill("t", ir.FloatConst(1.0)),
+        ir.TileStoreGlobal("parts", (C(1), row, col), "t"), ir.TileLoadGlobal("t", "parts", (C(1), row, col)),
+        params=(ir.ScalarParam("M", "i32"), ir.ScalarParam("N", "i32"), ir.ScalarParam("S", "i32"), ws_param))
+
+
+def test_a_fragments_workspace_moves_16_bytes_a_thread_and_strip():
+    """Row m0 + 64 (a multiple of 64: a let of a product with 128, plus 64) and column n0 + 8: one
+    16-byte access per thread and 8-column group, at the strip's offset, bounds as for rows."""
+    src = emit_kernel(fragments_kernel(ir.BinOp("+", V("m0"), C(64)), ir.BinOp("+", V("n0"), C(8)))).source
+    strips = "(static_cast<long long>(1) * wsp::ceil_div(M, 64) + (m0 + 64) / 64) * wsp::ceil_div(N, 8) + (n0 + 8) / 8"
+    assert f"float* const ptr = parts + ({strips}) * 512 + 4 * (threadIdx.x % 128);" in src
+    assert "const bool row_ok = 1 < S && row0 < M;" in src
+    assert ("wsp::st_b128_if(ptr + 512 * fj, make_uint4(wsp::bit_cast<uint32_t>(t[4 * fj + 2 * 0 + 0]), "
+            "wsp::bit_cast<uint32_t>(t[4 * fj + 2 * 0 + 1]), wsp::bit_cast<uint32_t>(t[4 * fj + 2 * 1 + 0]), "
+            "wsp::bit_cast<uint32_t>(t[4 * fj + 2 * 1 + 1])), row_ok && col0 + 8 * fj < N);") in src
+    assert "const uint4 v = wsp::ld_b128_if(ptr + 512 * fj, row_ok && col0 + 8 * fj < N);" in src
+    assert "t[4 * fj + 2 * 1 + 1] = row0 + 8 < M && col0 + 8 * fj + 1 < N ? wsp::bit_cast<float>(v.w) : float(0);" in src
+    assert_helpers_come_from_the_headers(src)
+
+
+@pytest.mark.parametrize("row, col, what", [
+    (ir.BinOp("+", V("m0"), C(32)), V("n0"), r"its row coordinate \(m0 \+ 32\) must be a multiple of 64 whatever"),
+    (V("m0"), ir.BinOp("*", V("M"), C(4)), r"its column coordinate \(M \* 4\) must be a multiple of 8 whatever the call"),
+    (V("M"), V("n0"), r"its row coordinate \(M\) must be a multiple of 64"),
+])
+def test_a_fragments_access_off_whole_strips_is_refused(row, col, what):
+    with pytest.raises(EmitError, match=r"a fragments workspace is moved in whole \[64, 8\] strips: " + what):
+        emit_kernel(fragments_kernel(row, col))
+
+
+def test_a_fragments_workspace_takes_tiles_of_its_dtype():
+    with pytest.raises(EmitError, match=r"a fragments workspace \(parts: f32\) is moved in whole \[64, N\] register "
+                                        r"tiles of its own dtype; t is bf16\[64, 16\]"):
+        emit_kernel(fragments_kernel(V("m0"), V("n0"), dtype="bf16"))
+
+
 def test_an_unknown_node_is_named():
     @dataclasses.dataclass(frozen=True)
     class Prefetch:
@@ -443,8 +484,8 @@ def test_the_split_merges_loads_are_issued_together_and_o_is_divided_by_row_reci
     for schedule, unroll in ((dict(split_k=4), "1"), (dict(tile=(64, 128, 64), consumer_warpgroups=1, split_k=4), "2")):
         split_k = emit(matmul, **schedule).source
         assert re.findall(r"#pragma unroll (\d+)\n\s+for \(int src_split", split_k) == [unroll]
-        merge = split_k[split_k.index("tile.load part_t <- partials"):]
-        assert "pairs_aligned" not in merge[:merge.index("tile.add")]
+        merge = split_k[split_k.index("tile.load partials[src_split"):]
+        assert "wsp::ld_b128_if(ptr + 512 * fj" in merge[:merge.index("tile.add")]   # fragments: 16 bytes a strip
 
 
 @ws.fusion

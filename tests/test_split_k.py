@@ -47,7 +47,7 @@ def test_split_k_final_ir_is_golden(golden):
 def test_the_split_count_is_a_host_param_and_split_1_builds_the_plain_kernel():
     plain, split = print_kernel(ws.lower(matmul)), print_kernel(ws.lower(matmul, split_k=4))
     assert "i32 splits = min(min(4, max(1, ceil_div(K, 64) / 8)), max(1, num_sms / (ceil_div(M, 128) * ceil_div(N, 256))))" in split
-    assert "workspace partials: f32[splits, M, 2 * ceil_div(N, 2)], workspace tickets: i32[ceil_div(M, 128) * ceil_div(N, 256) * 2] zeroed" in split
+    assert "workspace partials: f32[splits, M, N] fragments, workspace tickets: i32[ceil_div(M, 128) * ceil_div(N, 256) * 2] zeroed" in split
     assert "grid(min(num_sms, ceil_div(M, 128) * ceil_div(N, 256) * splits))" in split
     for word in ("splits", "partials", "tickets", "atomic.inc", "fence.acq_rel.gpu"):
         assert word not in plain
@@ -277,10 +277,10 @@ def test_a_split_k_of_the_wrong_type_is_named(value):
         MatmulSchedule(tile=(128, 256, 64), split_k=value)
 
 
-def test_an_odd_n_pads_the_partials_rows_and_drops_the_extra_column():
-    """A weight of 201 rows (nk: N odd, direct stores): the partials' rows are 202 long (even, so
-    the sum's loads are pair-aligned); the extra column is stored and summed, never written to
-    the output."""
+def test_the_partials_lie_in_whole_fragment_strips_at_odd_sizes():
+    """A weight of 201 rows (nk: N odd, direct stores) and 33 rows of x: the partials are held in
+    fragment order (`fragments`), each split's [33, 201] padded to whole [64, 8] strips, [64, 208];
+    the padding is stored and never read back into the output."""
     from fusions import linear_relu_residual
 
     k = ws.compile(linear_relu_residual, split_k=4, split_min_steps=1, epilogue="direct", build=False)
@@ -288,8 +288,8 @@ def test_an_odd_n_pads_the_partials_rows_and_drops_the_extra_column():
     _, scalars, _ = k._bind_inputs(inputs)
     params = k._host_params(scalars, 4)
     partials = next(p for p in k.kernel.params if p.name == "partials")
-    assert params["splits"] == 4
-    assert k._workspace(partials, params, "cpu").numel() == 4 * 33 * 202
+    assert partials.fragments and params["splits"] == 4
+    assert k._workspace(partials, params, "cpu").numel() == 4 * 64 * 208
     out = k.simulate(*inputs, num_sms=4)
     assert out.shape == (33, 201) and not torch.isnan(out.float()).any()
     assert rel_error(out, linear_relu_residual.reference(*inputs)) < 1e-2

@@ -342,6 +342,13 @@ STRUCTURAL = [
     pytest.param(lambda: matmul(params=matmul().params + (ir.ScalarParam("wg", "i32"),)), [
         "IR line 1 (kernel matmul > scalar wg): `wg` is a builtin name; rename the scalar param",
     ], id="param-named-like-a-builtin"),
+    pytest.param(lambda: matmul(params=matmul().params + (ir.WorkspaceParam("parts", "bf16", (V("M"), V("N")), fragments=True),
+                                                         ir.WorkspaceParam("row", "f32", (V("N"),), fragments=True))), [
+        "IR line 1 (kernel matmul > global parts): a fragments workspace holds 4-byte elements (f32, i32) in matrices "
+        "(rank >= 2); parts is bf16 of rank 2: drop `fragments` or declare it f32[..., rows, cols]",
+        "IR line 1 (kernel matmul > global row): a fragments workspace holds 4-byte elements (f32, i32) in matrices "
+        "(rank >= 2); row is f32 of rank 1: drop `fragments` or declare it f32[..., rows, cols]",
+    ], id="fragments-workspace-of-2-byte-elements-or-no-rows"),
     pytest.param(lambda: edit(matmul(), CAST, ir.Let("x", ir.Call("min", (C(1),)))), [
         f"IR line 50 ({WHERE_TILE} > let x): min() takes 2 arguments, not 1",
     ], id="call-arity"),

@@ -323,8 +323,8 @@ class CompiledKernel:
         from .lowering.evaluate import evaluate
 
         numel = 1
-        for d in p.shape:
-            numel *= max(1, evaluate(d, scalars))
+        for d in p.storage_dims([evaluate(d, scalars) for d in p.shape]):
+            numel *= max(1, d)
         held = self._workspaces.setdefault((p.name, device), [])
         if not held or held[-1].numel() < numel:
             dtype = TORCH_DTYPES[p.dtype]

@@ -37,6 +37,14 @@ WSP_DEVICE uint2 ld_b64_if(const void* p, bool ok) {
   return v;
 }
 
+// @ok ld.global.v4.b32 {v.x, v.y, v.z, v.w}, [p] (0s when !ok; p 16-byte aligned)
+WSP_DEVICE uint4 ld_b128_if(const void* p, bool ok) {
+  uint4 v = make_uint4(0, 0, 0, 0);
+  asm volatile("{\n .reg .pred q;\n setp.ne.b32 q, %5, 0;\n @q ld.global.v4.b32 {%0, %1, %2, %3}, [%4];\n}\n"
+               : "+r"(v.x), "+r"(v.y), "+r"(v.z), "+r"(v.w) : "l"(p), "r"(int(ok)));
+  return v;
+}
+
 // @ok st.global.b16 [p], v
 WSP_DEVICE void st_b16_if(void* p, uint16_t v, bool ok) {
   asm volatile("{\n .reg .pred q;\n setp.ne.b32 q, %2, 0;\n @q st.global.b16 [%0], %1;\n}\n"

@@ -19,7 +19,7 @@ import math
 from dataclasses import dataclass
 
 from wsched.target import (
-    MAX_PORTABLE_CLUSTER, MBARRIER_MAX_ARRIVALS, NAMED_BARRIERS, SETMAXNREG_MAX, SETMAXNREG_MIN, SETMAXNREG_STEP,
+    DTYPE_BYTES, MAX_PORTABLE_CLUSTER, MBARRIER_MAX_ARRIVALS, NAMED_BARRIERS, SETMAXNREG_MAX, SETMAXNREG_MIN, SETMAXNREG_STEP,
     TMA_SWIZZLES, WARP_THREADS, WARPGROUP_THREADS,
 )
 
@@ -163,6 +163,9 @@ class StructureCheck(TileChecks, GlobalSyncChecks, RoleChecks):
                 self._tensormap(p, report)
             if isinstance(p, ir.SpanParam):
                 self._spans(p, report)
+            if isinstance(p, ir.WorkspaceParam) and p.fragments and (len(p.shape) < 2 or DTYPE_BYTES.get(p.dtype) != 4):
+                report(f"a fragments workspace holds 4-byte elements (f32, i32) in matrices (rank >= 2); "
+                       f"{p.name} is {p.dtype} of rank {len(p.shape)}: drop `fragments` or declare it f32[..., rows, cols]")
         for i, b in enumerate(self.k.smem):
             report = lambda problem, i=i: self.r.smem_decl(i, problem)  # noqa: E731
             declare(b.name, "smem buffer", 2 + i, b, report)
