@@ -13,6 +13,11 @@ Families, each a draw of `--n` shapes (seeded: a run repeats its shapes):
              cuDNN and flash, the faster one counts
     decode   S = 1-4 queries against T = 200-32768 keys (ragged), B 1-128, H32 over 1, 4, 8 or 32 KV
              heads, D128; references SDPA cuDNN, flash and memory-efficient, the fastest counts
+    variants a score function or mask written in the DSL (tests/attention_fusions.make_variant:
+             causal, sliding window, softcap, ALiBi, document, document + causal, softcap + window),
+             window 48-2048 and softcap 20 or 50 drawn too, S = T from 100 to 4096, B 1-4, 8 or 16 heads,
+             MHA or GQA, head dim 64 or 128; reference FlexAttention (torch.compile, the same
+             score_mod / mask_mod, a block mask), compiled per shape (slow to start)
 
 Every call is timed cold (`decode.ColdTimer`: an L2 flush and a sleep kernel ahead of each call,
 the median of `--iters`), ours pre-bound (`k.bind`: the kernel, not the Python call). Each row
@@ -38,7 +43,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 import wsched as ws  # noqa: E402
-from attention_fusions import make_attention  # noqa: E402
+from attention_fusions import make_attention, make_variant, variant_inputs  # noqa: E402
 from decode import ColdTimer  # noqa: E402
 from matmul import linear, matmul  # noqa: E402
 from wsched.timing import rel_error  # noqa: E402
@@ -66,6 +71,39 @@ def draw_prefill(rng: random.Random) -> dict:
 def draw_decode(rng: random.Random) -> dict:
     return dict(B=rng.choice((1, 2, 4, 16, 32, 128)), H=32, HK=rng.choice((1, 4, 8, 32)),
                 T=log_uniform(rng, 200, 32768), S=rng.choice((1, 1, 2, 4)), D=128)
+
+
+SWEPT_VARIANTS = ("causal", "window", "softcap", "alibi", "document", "document_causal", "softcap_window")
+
+
+def draw_variants(rng: random.Random) -> dict:
+    H = rng.choice((8, 16))
+    return dict(variant=rng.choice(SWEPT_VARIANTS), B=rng.choice((1, 2, 4)), H=H, G=rng.choice((1, 1, 4)),
+                S=log_uniform(rng, 100, 4096), D=rng.choice((64, 128)), window=rng.choice((48, 256, 1000, 2048)),
+                softcap=rng.choice((20.0, 50.0)))
+
+
+def flex_mods(variant: str, window: int, softcap: float, extra: list) -> tuple:
+    """FlexAttention's (score_mod, mask_mod) of a make_variant fusion on the same inputs."""
+    def causal(b, h, q, kv):
+        return q >= kv
+
+    def in_window(b, h, q, kv):
+        return (q >= kv) & (q - kv < window)
+
+    def capped(score, b, h, q, kv):
+        return softcap * torch.tanh(score / softcap)
+
+    if variant == "alibi":
+        slope = extra[0].reshape(-1)
+        return (lambda score, b, h, q, kv: score + slope[h] * (kv - q)), causal
+    if variant.startswith("document"):
+        doc = extra[0].reshape(extra[0].shape[0], -1)
+        if variant == "document_causal":
+            return None, lambda b, h, q, kv: (doc[b, q] == doc[b, kv]) & (q >= kv)
+        return None, lambda b, h, q, kv: doc[b, q] == doc[b, kv]
+    return {"causal": (None, causal), "window": (None, in_window), "softcap": (capped, causal),
+            "softcap_window": (capped, in_window)}[variant]
 
 
 def fits(nbytes: int) -> bool:
@@ -173,6 +211,34 @@ class Sweep:
                                       ("efficient", SDPBackend.EFFICIENT_ATTENTION))}
         self.row("decode", f"B{B} H{H}/{HK} T{T} S{S}", bound, out, refs, None)
 
+    def variants(self, variant: str, B: int, H: int, G: int, S: int, D: int, window: int, softcap: float) -> None:
+        from torch.nn.attention.flex_attention import create_block_mask, create_mask, flex_attention
+
+        gqa = G > 1
+        window = window if "window" in variant else 100      # the draws a variant does not read: one kernel
+        softcap = softcap if "softcap" in variant else 30.0
+        k = self.kernel(("variant", variant, D, gqa, window, softcap),
+                        lambda: make_variant(D, variant, gqa=gqa, lse=False, window=window, softcap=softcap))
+        inputs = variant_inputs(k.fusion if hasattr(k, "fusion") else k.primary.fusion, B, H, S, S, D, device="cuda",
+                                seed=S, gqa_groups=G if gqa else None)
+        q, kk, v, *extra = inputs
+        bound = k.bind(*inputs)
+        out = next(iter(bound.outputs.values()))
+        qf, kf, vf = q.reshape(B, H, S, D), kk.reshape(B, H // G, S, D), v.reshape(B, H // G, S, D)
+        score_mod, mask_mod = flex_mods(variant, window, softcap, extra)
+        torch._dynamo.reset()   # a fresh compile per shape (attention_variants.py says why)
+        flex = torch.compile(flex_attention, dynamic=False)
+        block_mask = create_block_mask(mask_mod, B if variant.startswith("document") else None, None, S, S,
+                                       device="cuda")
+
+        def flex_fn():
+            return flex(qf, kf, vf, score_mod=score_mod, block_mask=block_mask, enable_gqa=gqa)
+        visible = float(create_mask(mask_mod, B if variant.startswith("document") else 1, 1, S, S, device="cuda").sum())
+        flops = 4 * D * H * visible * (1 if variant.startswith("document") else B)   # on the visible scores
+        extra_text = {"window": f" w{window}", "softcap": f" cap{softcap:g}", "softcap_window": f" cap{softcap:g} w{window}"}
+        label = f"{variant}{extra_text.get(variant, '')} B{B} H{H}{'/' + str(H // G) if gqa else ''} S{S} D{D}"
+        self.row("variants", label, bound, out, {"Flex": flex_fn}, flops)
+
     @staticmethod
     def _sdpa(backend, q, k, v, causal, gqa):
         def fn():
@@ -181,7 +247,7 @@ class Sweep:
         return fn
 
 
-DRAW = {"matmul": draw_matmul, "prefill": draw_prefill, "decode": draw_decode}
+DRAW = {"matmul": draw_matmul, "prefill": draw_prefill, "decode": draw_decode, "variants": draw_variants}
 
 
 def main(argv=None) -> int:
