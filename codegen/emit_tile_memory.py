@@ -157,8 +157,9 @@ def _fragments_access(em: Emitter, s: ir.Stmt, t: Tile, p: ir.WorkspaceParam, co
     per 8-column group fj, one 16-byte access of this thread's four elements there, (i, c) =
     (0, 0), (0, 1), (1, 0), (1, 1), at 4 t of the strip; a warp's 32 accesses are 512
     contiguous bytes. Bounds as for a row-major tensor: an access is made where its first
-    element is inside; a load zeroes its other elements that are outside (a store writes them
-    into the strip's padding, which no load returns)."""
+    element is inside; a store writes zeros for its other elements that are outside (into the
+    strip's padding), so a load of those reads 0 as the row-major tensor's would, without a
+    test of its own (tests in the sum's loop made ptxas spill a one-warpgroup 64x256 tile)."""
     what = "tile.store" if store else "tile.load"
     if t.layout != FULL or t.dtype != p.dtype:
         raise EmitError(f"{describe(s)}: a fragments workspace ({p.name}: {p.dtype}) is moved in whole "
@@ -200,17 +201,16 @@ def _fragments_access(em: Emitter, s: ir.Stmt, t: Tile, p: ir.WorkspaceParam, co
         with em.block(f"for (int fj = 0; fj < {t.cols // FRAGMENT_COLUMN_GROUP}; ++fj) {{"):
             ok = f"row_ok && col0 + 8 * fj < {cols}"
             quad = [(0, 0), (0, 1), (1, 0), (1, 1)]
-            if store:
-                bits = ", ".join(f"wsp::bit_cast<uint32_t>({at(i, c)})" for i, c in quad)
-                em.line(f"wsp::st_b128_if(ptr + {strip} * fj, make_uint4({bits}), {ok});")
-            else:   # the first element is inside where the access is made; the others are tested
-                em.line(f"const uint4 v = wsp::ld_b128_if(ptr + {strip} * fj, {ok});")
+            if store:   # the first element is inside where the access is made; the others are tested
                 inside = {(0, 0): None, (0, 1): f"col0 + 8 * fj + 1 < {cols}", (1, 0): f"row0 + 8 < {rows}",
                           (1, 1): f"row0 + 8 < {rows} && col0 + 8 * fj + 1 < {cols}"}
+                bits = ", ".join(f"wsp::bit_cast<uint32_t>({at(i, c)})" if inside[i, c] is None else
+                                 f"{inside[i, c]} ? wsp::bit_cast<uint32_t>({at(i, c)}) : 0u" for i, c in quad)
+                em.line(f"wsp::st_b128_if(ptr + {strip} * fj, make_uint4({bits}), {ok});")
+            else:
+                em.line(f"const uint4 v = wsp::ld_b128_if(ptr + {strip} * fj, {ok});")
                 for (i, c), xyzw in zip(quad, "xyzw"):
-                    value = f"wsp::bit_cast<{element}>(v.{xyzw})"
-                    cond = inside[(i, c)]
-                    em.line(f"{at(i, c)} = {value if cond is None else f'{cond} ? {value} : {element}(0)'};")
+                    em.line(f"{at(i, c)} = wsp::bit_cast<{element}>(v.{xyzw});")
 
 
 def _pair_assign(t: Tile, p: ir.GlobalParam, load: str) -> str:
