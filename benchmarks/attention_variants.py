@@ -22,6 +22,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 import wsched as ws  # noqa: E402
+from attention_fusions import flex_mods as variant_flex_mods  # noqa: E402
 from attention_fusions import make_attention, make_variant, union_mask, variant_inputs  # noqa: E402
 from wsched.timing import median_ms, rel_error  # noqa: E402
 
@@ -40,35 +41,13 @@ CASES = [("causal", "causal", 4, 16, 4096, 128), ("window", "window", 4, 16, 409
 
 
 def flex_mods(variant, extra):
-    """(score_mod, mask_mod) of FlexAttention for one of our variants, on the same inputs."""
-    def causal(b, h, q, kv):
-        return q >= kv
-
-    def window(b, h, q, kv):
-        return (q >= kv) & (q - kv < WINDOW)
-
-    def softcap(score, b, h, q, kv):
-        return SOFTCAP * torch.tanh(score / SOFTCAP)
-
-    if variant == "alibi":
-        slope = extra[0].reshape(-1)
-
-        def alibi(score, b, h, q, kv):
-            return score + slope[h] * (kv - q)
-        return alibi, causal
-    if variant == "document":
-        doc = extra[0].reshape(extra[0].shape[0], -1)
-
-        def document(b, h, q, kv):
-            return doc[b, q] == doc[b, kv]
-        return None, document
-    def prefix_lm(b, h, q, kv):
-        return (q >= kv) | (kv < PREFIX)
-
-    def streaming(b, h, q, kv):
-        return ((q >= kv) & (q - kv < WINDOW)) | (kv < SINK_TOKENS)
-    return {"causal": (None, causal), "window": (None, window), "softcap": (softcap, causal),
-            "prefix_lm": (None, prefix_lm), "streaming": (None, streaming)}[variant]
+    """(score_mod, mask_mod) of FlexAttention for one of our variants, on the same inputs: the
+    make_variant ones from attention_fusions.flex_mods, the union masks here."""
+    if variant == "prefix_lm":
+        return None, lambda b, h, q, kv: (q >= kv) | (kv < PREFIX)
+    if variant == "streaming":
+        return None, lambda b, h, q, kv: ((q >= kv) & (q - kv < WINDOW)) | (kv < SINK_TOKENS)
+    return variant_flex_mods(variant, extra, window=WINDOW, softcap=SOFTCAP)
 
 
 def visible_pairs(variant, extra, B, S) -> float:

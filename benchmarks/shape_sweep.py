@@ -43,7 +43,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 import wsched as ws  # noqa: E402
-from attention_fusions import make_attention, make_variant, variant_inputs  # noqa: E402
+from attention_fusions import flex_mods, make_attention, make_variant, variant_inputs  # noqa: E402
 from decode import ColdTimer  # noqa: E402
 from matmul import linear, matmul  # noqa: E402
 from wsched.timing import rel_error  # noqa: E402
@@ -81,29 +81,6 @@ def draw_variants(rng: random.Random) -> dict:
     return dict(variant=rng.choice(SWEPT_VARIANTS), B=rng.choice((1, 2, 4)), H=H, G=rng.choice((1, 1, 4)),
                 S=log_uniform(rng, 100, 4096), D=rng.choice((64, 128)), window=rng.choice((48, 256, 1000, 2048)),
                 softcap=rng.choice((20.0, 50.0)))
-
-
-def flex_mods(variant: str, window: int, softcap: float, extra: list) -> tuple:
-    """FlexAttention's (score_mod, mask_mod) of a make_variant fusion on the same inputs."""
-    def causal(b, h, q, kv):
-        return q >= kv
-
-    def in_window(b, h, q, kv):
-        return (q >= kv) & (q - kv < window)
-
-    def capped(score, b, h, q, kv):
-        return softcap * torch.tanh(score / softcap)
-
-    if variant == "alibi":
-        slope = extra[0].reshape(-1)
-        return (lambda score, b, h, q, kv: score + slope[h] * (kv - q)), causal
-    if variant.startswith("document"):
-        doc = extra[0].reshape(extra[0].shape[0], -1)
-        if variant == "document_causal":
-            return None, lambda b, h, q, kv: (doc[b, q] == doc[b, kv]) & (q >= kv)
-        return None, lambda b, h, q, kv: doc[b, q] == doc[b, kv]
-    return {"causal": (None, causal), "window": (None, in_window), "softcap": (capped, causal),
-            "softcap_window": (capped, in_window)}[variant]
 
 
 def fits(nbytes: int) -> bool:
@@ -225,7 +202,7 @@ class Sweep:
         bound = k.bind(*inputs)
         out = next(iter(bound.outputs.values()))
         qf, kf, vf = q.reshape(B, H, S, D), kk.reshape(B, H // G, S, D), v.reshape(B, H // G, S, D)
-        score_mod, mask_mod = flex_mods(variant, window, softcap, extra)
+        score_mod, mask_mod = flex_mods(variant, extra, window, softcap)
         torch._dynamo.reset()   # a fresh compile per shape (attention_variants.py says why)
         flex = torch.compile(flex_attention, dynamic=False)
         block_mask = create_block_mask(mask_mod, B if variant.startswith("document") else None, None, S, S,

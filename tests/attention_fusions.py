@@ -182,6 +182,31 @@ def make_variant(head_dim: int, variant: str, gqa: bool = False, lse: bool = Tru
     return ws.fusion(attention)
 
 
+def flex_mods(variant: str, extra: list, window: int = 100, softcap: float = 30.0) -> tuple:
+    """FlexAttention's (score_mod, mask_mod) of a `make_variant` fusion (not sinks: Flex has no sink
+    logit), on the same inputs (`extra`: the fusion's inputs after Q, K, V, as `variant_inputs`
+    makes them) and the same window and cap."""
+    def causal(b, h, q, kv):
+        return q >= kv
+
+    def in_window(b, h, q, kv):
+        return (q >= kv) & (q - kv < window)
+
+    def capped(score, b, h, q, kv):
+        return softcap * torch.tanh(score / softcap)
+
+    if variant == "alibi":
+        slope = extra[0].reshape(-1)
+        return (lambda score, b, h, q, kv: score + slope[h] * (kv - q)), causal
+    if variant.startswith("document"):
+        doc = extra[0].reshape(extra[0].shape[0], -1)
+        if variant == "document_causal":
+            return None, lambda b, h, q, kv: (doc[b, q] == doc[b, kv]) & (q >= kv)
+        return None, lambda b, h, q, kv: doc[b, q] == doc[b, kv]
+    return {"causal": (None, causal), "window": (None, in_window), "softcap": (capped, causal),
+            "softcap_window": (capped, in_window)}[variant]
+
+
 def variant_inputs(fusion, B, H, S, T, D, device="cpu", seed=0, gqa_groups=None, dtype=torch.bfloat16,
                    documents=4):
     """Q, K, V and the extra inputs of a `make_variant` fusion: ALiBi slopes 2^(-8 h / H), document
