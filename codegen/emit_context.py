@@ -81,14 +81,10 @@ def paren(text: str, prec: int, need: int) -> str:
     return f"({text})" if prec < need else text
 
 
-# What Emitter.divisor says of 0 (every number divides it): a multiple of any divisor asked about.
-DIVIDES_ZERO = 1 << 30
-
-
 class _Scope:
     """Declared names and their C++ scalar type ("int" or "float"), innermost scope last, and
-    for the ints a number known to divide them whatever the call (a `let` of an expression
-    Emitter.divisor proves it of; 1 where nothing is known)."""
+    for the ints a number known to divide them whatever the call (Emitter.divisor of a `let`'s
+    value; 1 where nothing is known)."""
 
     def __init__(self):
         self.frames: list[dict[str, str]] = [{}]
@@ -322,15 +318,15 @@ class Emitter:
         return self.role.tiles[name]
 
     def divisor(self, e: ir.Expr) -> int:
-        """A positive number that divides an integer expression whatever the call (1 where
-        nothing is known): a constant's own value, a product's factors' product, a sum's or
-        difference's terms' gcd, a `let` of one."""
+        """A number that divides an integer expression whatever the call (1 where nothing is
+        known; 0 where the expression is 0, which every number divides): a constant's own
+        value, a product's factors' product, a sum's or difference's terms' gcd, a `let` of one."""
         if isinstance(e, ir.IntConst):
-            return abs(e.value) or DIVIDES_ZERO
+            return abs(e.value)
         if isinstance(e, ir.Var):
             return self.scope.divisor(e.name)
         if isinstance(e, ir.BinOp) and e.op == "*":
-            return min(self.divisor(e.lhs) * self.divisor(e.rhs), DIVIDES_ZERO)
+            return self.divisor(e.lhs) * self.divisor(e.rhs)
         if isinstance(e, ir.BinOp) and e.op in ("+", "-"):
             return math.gcd(self.divisor(e.lhs), self.divisor(e.rhs))
         return 1

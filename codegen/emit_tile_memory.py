@@ -135,6 +135,9 @@ def emit_tile_load_global(em: Emitter, s: ir.TileLoadGlobal) -> None:
     em.require_warpgroup(s)
     t = em.tile(s.dst, s)
     p = em.global_param(s.tensor, s)
+    if isinstance(p, ir.WorkspaceParam) and p.fragments:
+        _fragments_access(em, s, t, p, s.coords, store=False)
+        return
 
     def access(form: str, ok: str) -> str:
         if form in ("one", "linear"):
@@ -144,9 +147,6 @@ def emit_tile_load_global(em: Emitter, s: ir.TileLoadGlobal) -> None:
             return assignments(t, [ELEMENT_TYPES[p.dtype].to_float.format(load)])[0]
         return _pair_assign(t, p, f"wsp::load_{form}(ptr + 8 * fj, {ok})")
 
-    if isinstance(p, ir.WorkspaceParam) and p.fragments:
-        _fragments_access(em, s, t, p, s.coords, store=False)
-        return
     with em.block(f"{{  // tile.load {t.name} <- {p.name}[{em.coords_text(s.coords)}], zero outside"):
         _global_loop(em, t, _global_addressing(em, s, p, t, s.coords), p, False, access)
 
@@ -228,6 +228,9 @@ def emit_tile_store_global(em: Emitter, s: ir.TileStoreGlobal) -> None:
     em.require_warpgroup(s)
     t = em.tile(s.src, s)
     p = em.global_param(s.tensor, s)
+    if isinstance(p, ir.WorkspaceParam) and p.fragments:
+        _fragments_access(em, s, t, p, s.coords, store=True)
+        return
     element = ELEMENT_TYPES[p.dtype]
     value = t.index() if t.packed and t.dtype == p.dtype else element.pack.format(t.read(0), t.read(1))
 
@@ -242,9 +245,6 @@ def emit_tile_store_global(em: Emitter, s: ir.TileStoreGlobal) -> None:
              SCALAR: f"threadIdx.x % {WARPGROUP_THREADS} == 0",
              LINEAR_ROWS: f"threadIdx.x % {t.threads_per_row} == 0"}.get(t.layout)
     head = f"if ({owner}) {{" if owner else "{"
-    if isinstance(p, ir.WorkspaceParam) and p.fragments:
-        _fragments_access(em, s, t, p, s.coords, store=True)
-        return
     addressing = _global_addressing(em, s, p, t, s.coords)
     limit = ""
     if s.row_limit is not None:

@@ -50,3 +50,19 @@ def inputs_for(fusion, M, N, K, device="cpu", dtype=None, seed=0):
             t = t / K ** 0.5
         out.append(t.to(node.dtype.torch_dtype).to(device))
     return out
+
+
+def simulated_under_interleavings(kernel, M, N, K, num_sms, seeds=range(4), input_seed=5):
+    """The simulator's `out` of a 2-D matmul kernel (`kernel.kernel`) on one set of inputs under
+    the interleavings `seeds`, NaN-poisoned first, with each run's report: a split tile's sum must
+    come out the same bits whichever unit arrives last."""
+    import torch
+    from wsched.lowering.simulate import simulate
+
+    a, b = inputs_for(matmul, M, N, K, seed=input_seed)
+    runs = []
+    for seed in seeds:
+        out = torch.full((M, N), float("nan"), dtype=torch.bfloat16)
+        report = simulate(kernel.kernel, {"M": M, "N": N, "K": K, "a": a, "b": b, "out": out}, num_sms=num_sms, seed=seed)
+        runs.append((out, report))
+    return runs
