@@ -279,3 +279,16 @@ def test_the_cluster_variant_for_unaligned_rows_matches_torch(k):
     assert not torch.isnan(out.float()).any()
     ref = matmul.reference(a, b).float()
     assert ((out.float() - ref).norm() / ref.norm()).item() < 1e-2
+
+
+def test_a_gpu_of_one_sm_runs_no_cluster():
+    """A cluster of 2 CTAs needs 2 SMs at once: on one SM (the simulator's num_sms=1) the rules
+    for rows off a 64-byte boundary choose no clustered kernel, and the result matches torch (the
+    cluster rules once divided by num_sms // 2 = 0 there)."""
+    k = ws.compile(matmul, build=False)
+    a_full, b_full = inputs_for(matmul, 300, 528, 208, seed=7)
+    a, b = a_full[:, :200], b_full[:200, :520]
+    assert k.choose((a, b), 1).schedule.cluster == (1, 1, 1)
+    out = k.simulate(a, b, num_sms=1)
+    ref = matmul.reference(a, b).float()
+    assert ((out.float() - ref).norm() / ref.norm()).item() < 1e-2

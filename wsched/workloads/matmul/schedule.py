@@ -231,7 +231,9 @@ def saves_waves(m: int, n: int, num_sms: int, tile, than) -> bool:
 def cluster_waves_no_more(m: int, n: int, num_sms: int, tile, cluster_m: int) -> bool:
     """Whether clusters of `cluster_m` CTAs on tiles along M (num_sms / cluster_m of them at a
     time) take no more waves than single CTAs on the same tiles: the pairs' last row of tiles may
-    be half empty."""
+    be half empty; never where fewer SMs than a cluster's CTAs run at once."""
+    if num_sms < cluster_m:
+        return False
     tiles_m, tiles_n = -(-m // tile[0]), -(-n // tile[1])
     clusters = -(-tiles_m // cluster_m) * tiles_n
     return -(-clusters // (num_sms // cluster_m)) <= -(-output_tiles(m, n, tile) // num_sms)
