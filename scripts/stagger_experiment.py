@@ -16,6 +16,7 @@ mainloop, where that one then has the tensor cores alone. The edits:
 
     python scripts/stagger_experiment.py --simulate   # CPU: every edit, simulator vs reference
     python scripts/stagger_experiment.py              # GPU: same-run timings against the base
+    python scripts/stagger_experiment.py --trace DIR  # GPU: timelines of the window kernel, base and edits
 
 The GPU mode times each edited kernel next to the unedited one in rounds (median of --iters, best
 of three rounds) and checks that its output is bit-identical to the base's (the edits move no
@@ -165,13 +166,38 @@ def time_all(iters: int) -> None:
             for name, t in times.items()), flush=True)
 
 
+def trace_window(directory: str, ctas: int = 4) -> None:
+    """GPU timelines (wsched.timeline, docs/timeline.md) of the window 1024 d128 case: the base
+    kernel, the stagger of 1 and two Q stages with it, so the pictures show whether the two
+    warpgroups stay out of step from tile to tile. JSON and PNG of the first `ctas` CTAs each."""
+    from wsched import timeline
+
+    label, make, B, H, S, D = CASES[1]
+    fusion = make()
+    inputs = variant_inputs(fusion, B, H, S, S, D, device="cuda", seed=1)
+    base = ws.compile(fusion).kernel_for(*inputs)
+    kernels = [("base", base)] + [(name, kernel.with_ir(edit(kernel.ir), build=False))
+                                  for name, kernel, edit in variants(base, ds=(1,))
+                                  if name in ("stagger1", "two_q_stagger1")]
+    for name, kernel in kernels:
+        traced = timeline.TracedKernel(kernel)
+        traced(*inputs, capacity=1)   # warm-up
+        _, trace = traced(*inputs, capacity=8192)
+        path = os.path.join(directory, f"window_{name}.json")
+        timeline.export(trace, path, ctas=ctas)
+        print(f"{label} {name}: {path} (truncated streams: {trace.meta['truncated_streams']})", flush=True)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--simulate", action="store_true", help="CPU: simulate every edit against the reference")
+    ap.add_argument("--trace", metavar="DIR", help="GPU: timelines of the window kernel and two edits into DIR")
     ap.add_argument("--iters", type=int, default=30)
     args = ap.parse_args(argv)
     if args.simulate:
         simulate_all()
+    elif args.trace:
+        trace_window(args.trace)
     else:
         time_all(args.iters)
 
