@@ -131,6 +131,8 @@ def matmul_fusion(dtype, b_transposed: bool, sides: list, chain: list, out_dtype
 
     def fusion(*tensors):
         return body(*tensors[:2], **dict(zip(sides, tensors[2:])))
+    # ws.fusion reads the parameters and their ws.Tensor annotations from the signature, whose
+    # list here depends on the drawn side inputs
     fusion.__name__ = "random_epilogue"
     fusion.__signature__ = inspect.Signature(
         [inspect.Parameter(name, inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=spec)
