@@ -317,7 +317,7 @@ for id, tensors, options, error, message in SIMULATE:
     case(f"simulate-{id}", lambda t=tensors, o=options: simulate_matmul(*t, **o), error, message)
 case("simulate-cluster-on-one-sm",
      lambda: ws.compile(matmul, cluster=(2, 1, 1), build=False).simulate(A, B, num_sms=1), SimulationError,
-     r"num_sms=1: matmul runs clusters of 2 CTAs, which take 2 SMs at once; simulate with num_sms >= 2")
+     r"num_sms = 1 is less than the cluster cluster\(2, 1, 1\): a cluster's 2 CTAs are resident at once, one per SM")
 q, k, v = attention_inputs(1, 1, 64, 64, 64)
 case("simulate-attention-head-dim", lambda: ws.compile(ATTENTION, build=False).simulate(q, k[..., :32], v),
      FusionError, r"k is declared bf16\[B, H, T, 64\] but dim 3 has size 32|k dim 3 has size 32")

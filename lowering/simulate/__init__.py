@@ -103,8 +103,6 @@ stamps them.
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from .. import ir
@@ -141,10 +139,6 @@ def simulate(kernel: ir.Kernel, args: dict[str, "torch.Tensor | int | float"], *
     """
     if num_sms < 1:
         raise SimulationError(f"num_sms must be >= 1, got {num_sms}")
-    cluster_size = math.prod(kernel.cluster)
-    if num_sms < cluster_size:
-        raise SimulationError(f"num_sms={num_sms}: {kernel.name} runs clusters of {cluster_size} CTAs, which take "
-                              f"{cluster_size} SMs at once; simulate with num_sms >= {cluster_size}")
     verify(kernel, contract=False)
     machine = (TracingMachine if trace else Machine)(kernel, args, num_sms, seed, max_steps)
     # One matmul per wgmma is tiny ([64, K] @ [K, N]): intra-op threads only add contention

@@ -49,6 +49,12 @@ class Machine(KernelPreparation, BarrierHandlers, AsyncHandlers, TileHandlers, G
         self.global_writes: dict = {}     # tensor -> (writer record per element, records): global_sync
         self.atomic_know: dict = {}       # (tensor, coords) -> clocks released there by atomics
         self._bind_args(args)
+        # The verifier keeps a cluster along x (cluster[1:] == (1, 1)) and at most the portable size.
+        n = self.cluster_size = kernel.cluster[0]
+        check_verified(tuple(kernel.cluster[1:]) == (1, 1) and n >= 1, "a cluster is n consecutive CTAs along x")
+        if num_sms < n:   # before the grid, which a cluster kernel sizes by num_sms / n
+            raise SimulationError(f"num_sms = {num_sms} is less than the cluster cluster({n}, 1, 1): a cluster's "
+                                  f"{n} CTAs are resident at once, one per SM")
         genv = dict(self.scalars, num_sms=num_sms)
         try:
             grid = compile_expr(kernel.grid)(genv)
@@ -62,18 +68,12 @@ class Machine(KernelPreparation, BarrierHandlers, AsyncHandlers, TileHandlers, G
             raise SimulationError(f"grid {expr_text(kernel.grid)} = {grid!r}: need a positive integer")
         self.grid = grid
         self.report.num_ctas = grid
-        # The verifier keeps a cluster along x (cluster[1:] == (1, 1)) and at most the portable size.
-        n = self.cluster_size = kernel.cluster[0]
-        check_verified(tuple(kernel.cluster[1:]) == (1, 1) and n >= 1, "a cluster is n consecutive CTAs along x")
         if grid % n:
             shown = expr_text(kernel.grid)
             shown = shown if shown == str(grid) else f"{shown} = {grid}"
             raise SimulationError(f"grid {shown} is not a multiple of the cluster "
                                   f"cluster({n}, 1, 1): a cluster is {n} consecutive CTAs, so the grid must be "
                                   f"a whole number of clusters")
-        if num_sms < n:
-            raise SimulationError(f"num_sms = {num_sms} is less than the cluster cluster({n}, 1, 1): a cluster's "
-                                  f"{n} CTAs are resident at once, one per SM")
         self.warpgroups = kernel.threads // WARPGROUP_THREADS
         self.role_start: dict[int, int] = {}
         start = 0
