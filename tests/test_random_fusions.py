@@ -1,9 +1,11 @@
 """Fusions a user might write, drawn at random (hypothesis), through what `ws.compile` picks for the
 call in the simulator, against the reference in fp32: attention score functions and masks in any
 spelling (`j <= i + c`, `~(j > i)`, `2 * j <= i`, `i + j < c`, query-only conditions, joined by
-`&` / `|`), and matmul epilogues at shapes no tile divides on 1 to 16 SMs (where the per-call
-rules pick split-K, stream-K, narrow or clustered kernels). Outputs are NaN-poisoned by the
-simulator first; rows that see no key must give O = 0 and LSE = -inf."""
+`&` / `|`); attention calls at decode and prefill shapes with GQA, head dims 64-256, f16, a
+score function's side input, sinks and key lengths (where the per-call rules pick split-KV, packed
+GQA or 64-row tiles); and matmul epilogues at shapes no tile divides on 1 to 16 SMs (where they
+pick split-K, stream-K, narrow or clustered kernels). Outputs are NaN-poisoned by the simulator
+first; rows that see no key must give O = 0 and LSE = -inf."""
 
 import inspect
 import operator
@@ -14,6 +16,7 @@ from hypothesis import strategies as st
 
 import wsched as ws
 from attention_fusions import attention_inputs
+from wsched.workloads.attention.schedule import HEAD_DIMS, VALUE_DIMS
 
 SETTINGS = settings(max_examples=100, deadline=None, derandomize=True,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
@@ -96,6 +99,87 @@ def test_any_score_function_and_mask_matches_the_reference(score, masks, causal,
     assert bool((o.float()[~seen] == 0).all()), "a row that sees no key must store O = 0"
     if seen.any():
         assert rel(o.float()[seen], ref_o.float()[seen]) < 2e-2
+        assert float((lse[seen] - ref_lse[seen]).abs().max()) < 5e-2
+
+
+SIDE_SCORE_INPUTS = {   # a small input of the score function: its spec and how it enters
+    "slope per head": lambda heads, ones: (ws.Tensor[(ws.f32, *heads, 1, 1)], lambda s, x, i, j: s + x * (j - i)),
+    "bias per key": lambda heads, ones: (ws.Tensor[(ws.f32, "B", *ones, 1, "T")], lambda s, x, i, j: s + x),
+}
+
+
+def attention_call(head_dim, dtype, gqa, side, sink, lengths, masks, causal):
+    """Attention over [B, H, S, D] (GQA: [B, HK, G, S, D] against K / V [B, HK, 1, T, D]) with a
+    score function's side input, a sink logit per head and key lengths per sequence, as drawn."""
+    heads, kv_heads = (("HK", "G"), ("HK", 1)) if gqa else (("H",), ("H",))
+    ones = (1,) * len(heads)
+    specs = {"q": ws.Tensor[(dtype, "B", *heads, "S", head_dim)], "k": ws.Tensor[(dtype, "B", *kv_heads, "T", head_dim)],
+             "v": ws.Tensor[(dtype, "B", *kv_heads, "T", VALUE_DIMS.get(head_dim, head_dim))]}
+    enter = None
+    if side:
+        specs["side"], enter = SIDE_SCORE_INPUTS[side](heads, ones)
+    if sink:
+        specs["sink"] = ws.Tensor[(ws.f32, *heads, 1, 1)]
+    if lengths:
+        specs["seq_lens"] = ws.Tensor[ws.i32, "B"]
+
+    def body(q, k, v, side=None, sink=None, seq_lens=None):
+        s = ws.matmul(q, k.transpose(-1, -2)) * head_dim ** -0.5
+        i, j = ws.positions(s)
+        if enter:
+            s = enter(s, side, i, j)
+        for cond in masks:
+            s = ws.where(spell(cond, i, j), s, -ws.inf)
+        if lengths:
+            s = ws.key_lengths(s, seq_lens)
+        if causal:
+            s = ws.causal_mask(s, align=causal)
+        o = ws.matmul(ws.softmax(s, dim=-1, sink=sink), v).to(dtype)
+        return o, ws.logsumexp(s, dim=-1, sink=sink)
+
+    def attention(*tensors):
+        return body(*tensors[:3], **dict(zip(list(specs)[3:], tensors[3:])))
+    attention.__name__ = "random_attention"   # the signature: see matmul_fusion
+    attention.__signature__ = inspect.Signature(
+        [inspect.Parameter(name, inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=spec)
+         for name, spec in specs.items()])
+    return ws.fusion(attention)
+
+
+@SETTINGS
+@given(head_dim=st.sampled_from(HEAD_DIMS), f16=st.booleans(), groups=st.sampled_from([0, 1, 2, 4]),
+       side=st.sampled_from([None, *sorted(SIDE_SCORE_INPUTS)]), sink=st.booleans(), lengths=st.booleans(),
+       masks=st.lists(conditions, max_size=1), causal=st.sampled_from([None, "bottom_right"]),
+       batch=st.integers(1, 2), kv_heads=st.integers(1, 2), s=st.one_of(st.integers(1, 64), st.integers(1, 300)),
+       t=st.integers(1, 700), num_sms=st.sampled_from([1, 2, 4, 8, 16]), seed=st.integers(0, 2**16))
+def test_any_attention_call_matches_the_reference_in_the_kernel_it_picks(head_dim, f16, groups, side, sink, lengths,
+                                                                         masks, causal, batch, kv_heads, s, t,
+                                                                         num_sms, seed):
+    """Decode and prefill shapes, GQA, head dims 64-256, f16, side inputs, sinks and key lengths:
+    the per-call choice (split-KV, packed GQA, 64-row tiles) in the simulator against the reference."""
+    dtype = ws.f16 if f16 else ws.bf16
+    fusion = attention_call(head_dim, dtype, groups > 0, side, sink, lengths, masks, causal)
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = attention_inputs(batch, kv_heads * max(groups, 1), s, t, head_dim, seed=seed,
+                               gqa_groups=groups or None, dtype=dtype.torch_dtype)
+    heads = q.shape[1:-2]
+    args = [q, k, v]
+    if side == "slope per head":
+        args.append(torch.rand(*heads, 1, 1, generator=g) * 0.1)
+    elif side == "bias per key":
+        args.append(torch.randn(batch, *(1,) * len(heads), 1, t, generator=g))
+    if sink:
+        args.append(torch.randn(*heads, 1, 1, generator=g) + 1)
+    if lengths:
+        args.append(torch.randint(0, t + 1, (batch,), generator=g, dtype=torch.int32))
+    ref_o, ref_lse = fusion.reference(*args)
+    o, lse = ws.compile(fusion, build=False).simulate(*args, seed=seed, num_sms=num_sms)
+    seen = torch.isfinite(ref_lse)
+    assert torch.equal(torch.isfinite(lse), seen), "rows that see no key differ"
+    assert not torch.isnan(o).any()
+    assert bool((o.float()[~seen] == 0).all()), "a row that sees no key must store O = 0"
+    if seen.any():
+        assert rel(o.float()[seen], ref_o.float()[seen]) < 2.5e-2
         assert float((lse[seen] - ref_lse[seen]).abs().max()) < 5e-2
 
 
