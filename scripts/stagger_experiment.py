@@ -78,7 +78,8 @@ def double_q(ir: str) -> str:
               "mbarrier.wait q_full[tile_iter % 2] phase(tile_iter / 2 & 1)"),
              ("arrive_expect_tx q_full[0]", "arrive_expect_tx q_full[tile_iter % 2]"),
              ("bar(q_full[0])", "bar(q_full[tile_iter % 2])"), ("tma.load Q[0,", "tma.load Q[tile_iter % 2,"),
-             ("Q[0, wg]", "Q[tile_iter % 2, wg]"), ("mbarrier.arrive q_empty[0]", "mbarrier.arrive q_empty[tile_iter % 2]")]
+             ("Q[0, wg]", "Q[tile_iter % 2, wg]"),
+             ("mbarrier.arrive q_empty[0]", "mbarrier.arrive q_empty[tile_iter % 2]")]
     for old, new in edits:
         if old not in ir:
             raise ValueError(f"double_q: {old!r} is not in the kernel")

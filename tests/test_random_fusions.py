@@ -119,7 +119,8 @@ def attention_call(head_dim, dtype, gqa, side, sink, lengths, masks, causal):
     score function's side input, a sink logit per head and key lengths per sequence, as drawn."""
     heads, kv_heads = (("HK", "G"), ("HK", 1)) if gqa else (("H",), ("H",))
     ones = (1,) * len(heads)
-    specs = {"q": ws.Tensor[(dtype, "B", *heads, "S", head_dim)], "k": ws.Tensor[(dtype, "B", *kv_heads, "T", head_dim)],
+    specs = {"q": ws.Tensor[(dtype, "B", *heads, "S", head_dim)],
+             "k": ws.Tensor[(dtype, "B", *kv_heads, "T", head_dim)],
              "v": ws.Tensor[(dtype, "B", *kv_heads, "T", VALUE_DIMS.get(head_dim, head_dim))]}
     enter = None
     if side:
