@@ -2,9 +2,9 @@
 
 The two consumer warpgroups of a cooperative attention kernel take the halves of one 128-row tile
 in lock step, so both pay a tile's fixed cost at once: the first Q K^T and softmax with no P V
-under them, the last P V, the epilogue (measured on an H100: about 2 kv blocks' time a tile, which
-puts sliding windows and document masks at 0.75-0.8 of causal and is most of a short sequence's
-loss, docs/benchmarks.md). Staggered, one warpgroup's fixed cost would fall in the other's
+under them, the last P V, the epilogue (on an H100 1.5 to 3 kv blocks' time a tile, by a trace
+and by fits; it puts sliding windows and document masks at 0.75-0.8 of causal and is most of a
+short sequence's loss, docs/benchmarks.md). Staggered, one warpgroup's fixed cost would fall in the other's
 mainloop, where that one then has the tensor cores alone. The edits:
 
   stagger(ir, d)  the second warpgroup starts its first tile once the first has finished d kv

@@ -47,7 +47,7 @@ def test_a_stagger_longer_than_the_ring_deadlocks():
     fusion = make_attention(64, causal=True, lse=True)
     base = ws.compile(fusion).primary
     edited = base.with_ir(experiment.stagger(base.ir, base.schedule.stages + 1), build=False)
-    with pytest.raises(DeadlockError, match=r"bar\.sync 5, 256"):
+    with pytest.raises(DeadlockError, match=rf"bar\.sync {experiment.STAGGER_BARRIER}, 256"):
         edited.simulate(*variant_inputs(fusion, 1, 2, 520, 520, 64, seed=1), num_sms=3)
 
 
